@@ -1,0 +1,1 @@
+"""FP8 training: formats, recipes, FP8 linear layers, module swap, statistics."""

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Create (or reuse) the project's virtual environment in .venv and install megatron-fp8 into it.
+# Usage: bash scripts/setup_env.sh [EXTRAS]   e.g. EXTRAS="test,demo"
+# torch is pinned to 2.13.0 here: on the development/CI machines its CPU build installs from local disk,
+# while an unpinned requirement would pull a multi-GB CUDA build. The package itself only asks torch>=2.4.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+EXTRAS="${1:-test}"
+PY="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+STAMP=".venv/.installed-$(echo "$EXTRAS" | tr ',' '-')-$(sha1sum setup.py | cut -c1-12)"
+if [ ! -f "$STAMP" ]; then
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
+  .venv/bin/python -m pip install -q -e ".[${EXTRAS}]"
+  touch "$STAMP"
+fi
