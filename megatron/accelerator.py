@@ -1,0 +1,104 @@
+"""The accelerator: one place that knows whether we run on CUDA, Gaudi (HPU) or CPU.
+
+It owns device placement, the torch.distributed backend name, synchronisation, memory statistics and
+the autocast dtype. Gaudi's `habana_frameworks` is imported only when present, never required.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import resource
+from dataclasses import dataclass
+from typing import ContextManager, Optional
+
+import torch
+
+
+def _hpu_available() -> bool:
+    if importlib.util.find_spec("habana_frameworks") is None:
+        return False
+    try:
+        import habana_frameworks.torch.core  # noqa: F401  (registers the hpu device)
+        import habana_frameworks.torch.hpu as hthpu
+
+        return bool(hthpu.is_available())
+    except Exception:  # a broken install must not take the CPU path down with it
+        return False
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    """A resolved device type ("cuda", "hpu" or "cpu") and the facts that follow from it."""
+
+    device_type: str
+    local_rank: int = 0
+
+    @property
+    def device(self) -> torch.device:
+        if self.device_type == "cpu":
+            return torch.device("cpu")
+        return torch.device(self.device_type, self.local_rank)
+
+    @property
+    def distributed_backend(self) -> str:
+        return {"cuda": "nccl", "hpu": "hccl", "cpu": "gloo"}[self.device_type]
+
+    def autocast(self, bf16: bool) -> ContextManager:
+        """BF16 autocast (FP32 master weights stay untouched) or a no-op for FP32 runs."""
+        if not bf16:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device_type, dtype=torch.bfloat16)
+
+    def synchronize(self) -> None:
+        if self.device_type == "cuda":
+            torch.cuda.synchronize(self.device)
+        elif self.device_type == "hpu":
+            import habana_frameworks.torch.hpu as hthpu
+
+            hthpu.synchronize()
+
+    def set_device(self) -> None:
+        if self.device_type == "cuda":
+            torch.cuda.set_device(self.local_rank)
+        elif self.device_type == "hpu":
+            import habana_frameworks.torch.hpu as hthpu
+
+            hthpu.set_device(self.local_rank)
+
+    def memory_stats(self) -> dict:
+        """Peak memory in MiB: device memory on accelerators, process max RSS on CPU."""
+        if self.device_type == "cuda":
+            return {
+                "mem-allocated-MiB": torch.cuda.memory_allocated(self.device) / 2**20,
+                "mem-max-allocated-MiB": torch.cuda.max_memory_allocated(self.device) / 2**20,
+            }
+        if self.device_type == "hpu":
+            import habana_frameworks.torch.hpu as hthpu
+
+            stats = hthpu.memory_stats()
+            return {"mem-max-allocated-MiB": stats.get("MaxInUse", 0) / 2**20}
+        # ru_maxrss is in KiB on Linux
+        return {"mem-max-rss-MiB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def get_accelerator(requested: str = "auto", local_rank: Optional[int] = None) -> Accelerator:
+    """Resolve `--device` (auto/cuda/hpu/cpu) to an `Accelerator`, with a clear error if unavailable."""
+    if local_rank is None:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if requested == "auto":
+        if torch.cuda.is_available():
+            requested = "cuda"
+        elif _hpu_available():
+            requested = "hpu"
+        else:
+            requested = "cpu"
+    elif requested == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was requested but torch.cuda.is_available() is False; "
+                         "use --device cpu or auto")
+    elif requested == "hpu" and not _hpu_available():
+        raise ValueError("--device hpu was requested but habana_frameworks is not installed or finds "
+                         "no Gaudi device; use --device cpu or auto")
+    elif requested not in ("cuda", "hpu", "cpu"):
+        raise ValueError(f"--device must be one of auto, cuda, hpu, cpu; got {requested!r}")
+    return Accelerator(requested, local_rank)

@@ -1,0 +1,362 @@
+"""Command-line flags (Megatron-DeepSpeed names and defaults) and their resolution into a typed config.
+
+`build_parser()` groups the flags as Megatron does. `parse_config(argv)` is the only code in the
+project that reads the argparse Namespace: it validates the flags (errors name the flag and the
+fix), computes derived values once, and returns a frozen `MegatronConfig`. Flags that parse but are
+not implemented yet are rejected with a clear "not supported yet" error, never silently ignored.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Optional, Sequence
+
+from megatron.config import (
+    CheckpointConfig, DataConfig, LoggingConfig, LrDecayStyle, MegatronConfig, ModelConfig, Normalization,
+    OptimizerConfig, ParallelConfig, PositionEmbedding, RecomputeGranularity, SchedulerConfig, TrainingConfig,
+)
+from megatron.fp8.recipe import AmaxComputeAlgo, Fp8Backend, Fp8Format, Fp8Recipe, Fp8Scaling
+from megatron.parallel_state import world_size_from_env
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="Megatron-FP8 GPT pretraining", allow_abbrev=False)
+
+    g = p.add_argument_group("network size")
+    g.add_argument("--num-layers", type=int, default=None)
+    g.add_argument("--hidden-size", type=int, default=None)
+    g.add_argument("--ffn-hidden-size", type=int, default=None,
+                   help="default 4*hidden, or int(8*hidden/3 / 64)*64 with --swiglu (Megatron's rule)")
+    g.add_argument("--num-attention-heads", type=int, default=None)
+    g.add_argument("--num-key-value-heads", "--num-query-groups", dest="num_key_value_heads", type=int, default=None,
+                   help="grouped-query attention; default = --num-attention-heads (multi-head)")
+    g.add_argument("--kv-channels", type=int, default=None, help="head dim; default hidden/heads")
+    g.add_argument("--seq-length", type=int, default=None)
+    g.add_argument("--max-position-embeddings", type=int, default=None, help="default --seq-length")
+    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute")
+    g.add_argument("--use-rotary-position-embeddings", action="store_true", help="same as --position-embedding-type rope")
+    g.add_argument("--rotary-position-embeddings-theta", "--rope-theta", "--rotary-base", dest="rotary_base",
+                   type=float, default=10000.0)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
+    g.add_argument("--norm-epsilon", "--layernorm-epsilon", dest="norm_epsilon", type=float, default=1e-5)
+    g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--disable-bias-linear", action="store_true")
+
+    g = p.add_argument_group("regularization and optimizer")
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--clip-grad", type=float, default=1.0, help="0 disables clipping")
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--optimizer", choices=["adam", "fp8adam"], default="adam",
+                   help="adam = AdamW (decoupled weight decay, as Megatron); fp8adam = moments stored in FP8")
+    g.add_argument("--fp8-optimizer", action="store_true", help="same as --optimizer fp8adam")
+    g.add_argument("--fp8-optimizer-m-dtype", choices=["e4m3", "e5m2", "bf16", "fp32"], default="e4m3")
+    g.add_argument("--fp8-optimizer-v-dtype", choices=["e4m3", "e5m2", "bf16", "fp32"], default="e5m2")
+    g.add_argument("--fp8-optimizer-block-size", type=int, default=0, help="0 = one scale per tensor")
+    g.add_argument("--fp8-optimizer-stochastic-rounding", action="store_true")
+
+    g = p.add_argument_group("batch, schedule and training")
+    g.add_argument("--micro-batch-size", type=int, default=None)
+    g.add_argument("--global-batch-size", type=int, default=None, help="default micro batch x data-parallel size")
+    g.add_argument("--train-iters", type=int, default=None)
+    g.add_argument("--train-samples", type=int, default=None)
+    g.add_argument("--lr", type=float, default=None)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="linear")
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="default --train-iters")
+    g.add_argument("--lr-decay-samples", type=int, default=None)
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-samples", type=int, default=0)
+    g.add_argument("--lr-warmup-fraction", type=float, default=None)
+    g.add_argument("--exit-interval", type=int, default=None)
+    g.add_argument("--exit-duration-in-mins", type=float, default=None)
+    g.add_argument("--exit-signal-handler", action="store_true", help="on SIGTERM save a checkpoint and exit")
+    g.add_argument("--max-consecutive-nan-steps", type=int, default=10)
+    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
+    g.add_argument("--recompute-activations", action="store_true", help="same as --recompute-granularity selective")
+    g.add_argument("--recompute-method", choices=["uniform", "block"], default="uniform")
+    g.add_argument("--recompute-num-layers", type=int, default=1)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--eval-interval", type=int, default=1000)
+    g.add_argument("--eval-iters", type=int, default=100)
+    g.add_argument("--dry-run", action="store_true",
+                   help="print the resolved config, parameter count, FLOPs and memory estimate, then exit")
+
+    g = p.add_argument_group("mixed precision")
+    g.add_argument("--bf16", action="store_true", help="BF16 autocast with FP32 master weights")
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--device", choices=["auto", "cpu", "cuda", "hpu"], default="auto")
+
+    g = p.add_argument_group("fp8")
+    g.add_argument("--fp8-format", choices=["e4m3", "hybrid"], default=None, help="turns FP8 linears on")
+    g.add_argument("--fp8-hybrid", action="store_true", help="legacy alias of --fp8-format hybrid")
+    g.add_argument("--fp8-e4m3", action="store_true", help="legacy alias of --fp8-format e4m3")
+    g.add_argument("--fp8-recipe", choices=["delayed", "tensorwise"], default="delayed")
+    g.add_argument("--fp8-margin", type=int, default=0)
+    g.add_argument("--fp8-amax-history-len", type=int, default=1)
+    g.add_argument("--fp8-amax-compute-algo", choices=["max", "most_recent"], default="most_recent")
+    g.add_argument("--no-fp8-wgrad", action="store_true", help="run the weight-gradient GEMM in high precision")
+    g.add_argument("--fp8-power-of-two-scales", action="store_true")
+    g.add_argument("--fp8-backend", choices=["auto", "cuda", "hpu", "emulated"], default="auto")
+    g.add_argument("--fp8-first-last-layers-bf16", type=int, default=0, help="keep N blocks at each end in BF16")
+    g.add_argument("--fp8-mlp-fc2-bf16", action="store_true", help="keep only the fc2 GEMM in BF16 (ablation)")
+    g.add_argument("--fp8-grad-stochastic-rounding", action="store_true")
+    g.add_argument("--log-fp8-stats", action="store_true", help="per-layer FP8 amax/clipping statistics")
+    g.add_argument("--smooth-swiglu", action="store_true")
+    g.add_argument("--smooth-swiglu-granularity", choices=["channel", "token"], default="channel")
+
+    g = p.add_argument_group("checkpointing")
+    g.add_argument("--save", type=str, default=None)
+    g.add_argument("--load", type=str, default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--no-save-optim", action="store_true")
+    g.add_argument("--no-save-rng", action="store_true")
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--finetune", action="store_true", help="load weights only; reset iteration and optimizer")
+
+    g = p.add_argument_group("logging")
+    g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--tensorboard-dir", type=str, default=None)
+
+    g = p.add_argument_group("data and tokenizer")
+    g.add_argument("--data-path", nargs="*", default=None, help="PREFIX or WEIGHT1 PREFIX1 WEIGHT2 PREFIX2 ...")
+    g.add_argument("--split", type=str, default="969,30,1")
+    g.add_argument("--train-data-path", nargs="*", default=None)
+    g.add_argument("--valid-data-path", nargs="*", default=None)
+    g.add_argument("--test-data-path", nargs="*", default=None)
+    g.add_argument("--data-cache-path", type=str, default=None)
+    g.add_argument("--mock-data", action="store_true", help="synthetic learnable tokens (needs --vocab-size)")
+    g.add_argument("--tokenizer-type", type=str, default=None,
+                   choices=["SentencePieceTokenizer", "GPTSentencePieceTokenizer", "HFTokenizer",
+                            "GPT2BPETokenizer", "NullTokenizer"])
+    g.add_argument("--tokenizer-model", type=str, default=None)
+    g.add_argument("--vocab-file", type=str, default=None)
+    g.add_argument("--merge-file", type=str, default=None)
+    g.add_argument("--vocab-size", type=int, default=None)
+    g.add_argument("--eod-mask-loss", action="store_true")
+    g.add_argument("--reset-position-ids", action="store_true")
+    g.add_argument("--reset-attention-mask", action="store_true")
+    g.add_argument("--num-workers", type=int, default=0, help="DataLoader workers (Megatron's default is 2)")
+
+    g = p.add_argument_group("distributed")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--distributed-backend", choices=["nccl", "gloo", "hccl"], default=None)
+
+    g = p.add_argument_group("deepspeed")
+    g.add_argument("--deepspeed", action="store_true")
+    g.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", type=str, default=None)
+    g.add_argument("--zero-stage", type=int, default=None)
+    return p
+
+
+def _require(value, flag: str, hint: str = "") -> None:
+    if value is None:
+        raise ValueError(f"{flag} is required{': ' + hint if hint else ''}")
+
+
+def _not_supported_yet(a: argparse.Namespace) -> None:
+    unsupported = {
+        "--tensor-model-parallel-size > 1": a.tensor_model_parallel_size != 1,
+        "--pipeline-model-parallel-size > 1": a.pipeline_model_parallel_size != 1,
+        "--sequence-parallel": a.sequence_parallel,
+        "--deepspeed": a.deepspeed or a.deepspeed_config is not None,
+        "--zero-stage": a.zero_stage is not None,
+        "--smooth-swiglu": a.smooth_swiglu,
+    }
+    for flag, used in unsupported.items():
+        if used:
+            raise ValueError(f"{flag} is not supported yet in megatron-fp8; remove it from the command line")
+    if a.fp16:
+        raise ValueError("--fp16 is not supported: use --bf16 (BF16 autocast with FP32 master weights). "
+                         "On CPU, FP16 compute is also about 1000x slower than BF16.")
+
+
+def _model_config(a: argparse.Namespace, padded_vocab: int) -> ModelConfig:
+    for flag, value in (("--num-layers", a.num_layers), ("--hidden-size", a.hidden_size),
+                        ("--num-attention-heads", a.num_attention_heads), ("--seq-length", a.seq_length)):
+        _require(value, flag)
+    if a.hidden_size % a.num_attention_heads:
+        raise ValueError(f"--hidden-size {a.hidden_size} must be divisible by --num-attention-heads {a.num_attention_heads}")
+    kv_heads = a.num_key_value_heads or a.num_attention_heads
+    if a.num_attention_heads % kv_heads:
+        raise ValueError(f"--num-attention-heads {a.num_attention_heads} must be divisible by "
+                         f"--num-key-value-heads {kv_heads}")
+    ffn = a.ffn_hidden_size
+    if ffn is None:
+        ffn = int(4 * a.hidden_size * 2 / 3 / 64) * 64 if a.swiglu else 4 * a.hidden_size
+    max_pos = a.max_position_embeddings or a.seq_length
+    if a.seq_length > max_pos:
+        raise ValueError(f"--seq-length {a.seq_length} exceeds --max-position-embeddings {max_pos}")
+    granularity = a.recompute_granularity or ("selective" if a.recompute_activations else None)
+    if a.recompute_num_layers < 1:
+        raise ValueError("--recompute-num-layers must be >= 1")
+    pos = "rope" if a.use_rotary_position_embeddings else a.position_embedding_type
+    return ModelConfig(
+        num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
+        num_key_value_heads=kv_heads, ffn_hidden_size=ffn, seq_length=a.seq_length, max_position_embeddings=max_pos,
+        padded_vocab_size=padded_vocab, kv_channels=a.kv_channels or a.hidden_size // a.num_attention_heads,
+        normalization=Normalization(a.normalization), norm_epsilon=a.norm_epsilon, swiglu=a.swiglu,
+        untie_embeddings_and_output_weights=a.untie_embeddings_and_output_weights,
+        add_bias_linear=not a.disable_bias_linear, position_embedding_type=PositionEmbedding(pos),
+        rotary_base=a.rotary_base, hidden_dropout=a.hidden_dropout, attention_dropout=a.attention_dropout,
+        init_method_std=a.init_method_std,
+        recompute_granularity=RecomputeGranularity(granularity) if granularity else None,
+        recompute_method=a.recompute_method, recompute_num_layers=a.recompute_num_layers,
+    )
+
+
+def _data_config(a: argparse.Namespace) -> DataConfig:
+    has_paths = bool(a.data_path or a.train_data_path)
+    if a.mock_data and has_paths:
+        raise ValueError("--mock-data and --data-path/--train-data-path are exclusive: pick one")
+    if not a.mock_data and not has_paths:
+        raise ValueError("no data: pass --data-path PREFIX (or --train-data-path ...), or --mock-data for a synthetic run")
+    if a.mock_data:
+        _require(a.vocab_size, "--vocab-size", "--mock-data draws tokens from [0, --vocab-size)")
+    elif a.tokenizer_type is None:
+        raise ValueError("--tokenizer-type is required with --data-path (e.g. SentencePieceTokenizer, HFTokenizer)")
+    return DataConfig(
+        data_path=tuple(a.data_path or ()), split=a.split, train_data_path=tuple(a.train_data_path or ()),
+        valid_data_path=tuple(a.valid_data_path or ()), test_data_path=tuple(a.test_data_path or ()),
+        data_cache_path=a.data_cache_path, mock_data=a.mock_data, tokenizer_type=a.tokenizer_type,
+        tokenizer_model=a.tokenizer_model, vocab_file=a.vocab_file, merge_file=a.merge_file, vocab_size=a.vocab_size,
+        make_vocab_size_divisible_by=a.make_vocab_size_divisible_by, eod_mask_loss=a.eod_mask_loss,
+        reset_position_ids=a.reset_position_ids, reset_attention_mask=a.reset_attention_mask,
+        num_workers=a.num_workers,
+    )
+
+
+def _padded_vocab_size(a: argparse.Namespace, data: DataConfig) -> int:
+    if data.mock_data or data.tokenizer_type == "NullTokenizer":
+        _require(data.vocab_size, "--vocab-size")
+        vocab = data.vocab_size
+    else:
+        from megatron.tokenizer import build_tokenizer
+
+        vocab = build_tokenizer(data).vocab_size
+    multiple = a.make_vocab_size_divisible_by * a.tensor_model_parallel_size
+    return int(math.ceil(vocab / multiple) * multiple)
+
+
+def _fp8_recipe(a: argparse.Namespace) -> Optional[Fp8Recipe]:
+    aliases = [f for f, on in (("hybrid", a.fp8_hybrid), ("e4m3", a.fp8_e4m3)) if on]
+    if len(aliases) > 1 or (aliases and a.fp8_format and a.fp8_format != aliases[0]):
+        raise ValueError("conflicting FP8 formats: use one of --fp8-format, --fp8-hybrid, --fp8-e4m3")
+    fmt = a.fp8_format or (aliases[0] if aliases else None)
+    fp8_only = {"--fp8-mlp-fc2-bf16": a.fp8_mlp_fc2_bf16, "--log-fp8-stats": a.log_fp8_stats,
+                "--fp8-first-last-layers-bf16": a.fp8_first_last_layers_bf16 > 0,
+                "--no-fp8-wgrad": a.no_fp8_wgrad, "--fp8-power-of-two-scales": a.fp8_power_of_two_scales,
+                "--fp8-grad-stochastic-rounding": a.fp8_grad_stochastic_rounding}
+    if fmt is None:
+        used = [flag for flag, on in fp8_only.items() if on]
+        if used:
+            raise ValueError(f"{', '.join(used)} only apply to FP8 training: add --fp8-format hybrid (or e4m3)")
+        return None
+    if a.fp8_first_last_layers_bf16 * 2 >= (a.num_layers or 0):
+        raise ValueError(f"--fp8-first-last-layers-bf16 {a.fp8_first_last_layers_bf16} keeps every one of the "
+                         f"{a.num_layers} layers in BF16: lower it, or drop --fp8-format")
+    return Fp8Recipe(
+        format=Fp8Format(fmt), scaling=Fp8Scaling(a.fp8_recipe), amax_history_len=a.fp8_amax_history_len,
+        amax_compute_algo=AmaxComputeAlgo(a.fp8_amax_compute_algo), margin=a.fp8_margin,
+        power_of_two_scales=a.fp8_power_of_two_scales, fp8_wgrad=not a.no_fp8_wgrad,
+        backend=Fp8Backend(a.fp8_backend), first_last_layers_bf16=a.fp8_first_last_layers_bf16,
+        mlp_fc2_bf16=a.fp8_mlp_fc2_bf16, grad_stochastic_rounding=a.fp8_grad_stochastic_rounding,
+    )
+
+
+def _schedule(a: argparse.Namespace, gbs: int) -> tuple[int, SchedulerConfig]:
+    if (a.train_iters is None) == (a.train_samples is None):
+        raise ValueError("pass exactly one of --train-iters and --train-samples")
+    train_iters = a.train_iters if a.train_iters is not None else math.ceil(a.train_samples / gbs)
+    if train_iters < 1:
+        raise ValueError("--train-iters / --train-samples must give at least one iteration")
+    _require(a.lr, "--lr")
+    decay = a.lr_decay_iters
+    if a.lr_decay_samples is not None:
+        decay = math.ceil(a.lr_decay_samples / gbs)
+    decay = decay if decay is not None else train_iters
+    warmup_sources = [a.lr_warmup_iters > 0, a.lr_warmup_samples > 0, a.lr_warmup_fraction is not None]
+    if sum(warmup_sources) > 1:
+        raise ValueError("pass only one of --lr-warmup-iters, --lr-warmup-samples, --lr-warmup-fraction")
+    if a.lr_warmup_fraction is not None:
+        if not 0.0 <= a.lr_warmup_fraction <= 1.0:
+            raise ValueError(f"--lr-warmup-fraction must be in [0, 1], got {a.lr_warmup_fraction}")
+        warmup = int(a.lr_warmup_fraction * decay)
+    elif a.lr_warmup_samples > 0:
+        warmup = math.ceil(a.lr_warmup_samples / gbs)
+    else:
+        warmup = a.lr_warmup_iters
+    if a.lr_decay_style != "constant" and warmup > decay:
+        raise ValueError(f"LR warm-up ({warmup} iterations) is longer than the decay ({decay} iterations, "
+                         "--lr-decay-iters): shorten the warm-up or lengthen the decay")
+    if a.min_lr > a.lr:
+        raise ValueError(f"--min-lr {a.min_lr} is larger than --lr {a.lr}")
+    return train_iters, SchedulerConfig(lr=a.lr, min_lr=a.min_lr, decay_style=LrDecayStyle(a.lr_decay_style),
+                                        warmup_iters=warmup, decay_iters=decay)
+
+
+def parse_config(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None) -> MegatronConfig:
+    """Parse and validate flags into a `MegatronConfig`. Raises ValueError naming the flag and the fix."""
+    a = build_parser().parse_args(argv)
+    _not_supported_yet(a)
+    world = world_size if world_size is not None else world_size_from_env()
+    model_parallel = a.tensor_model_parallel_size * a.pipeline_model_parallel_size
+    if world % model_parallel:
+        raise ValueError(f"world size {world} is not divisible by tensor x pipeline parallel size {model_parallel}")
+    dp = world // model_parallel
+    _require(a.micro_batch_size, "--micro-batch-size")
+    gbs = a.global_batch_size or a.micro_batch_size * dp
+    if gbs % (a.micro_batch_size * dp):
+        raise ValueError(f"--global-batch-size {gbs} must be divisible by --micro-batch-size {a.micro_batch_size} "
+                         f"x data-parallel size {dp}")
+    train_iters, scheduler = _schedule(a, gbs)
+    for flag, value in (("--log-interval", a.log_interval), ("--eval-interval", a.eval_interval)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    if a.eval_iters < 0:
+        raise ValueError(f"--eval-iters must be >= 0, got {a.eval_iters}")
+    if a.fp8_optimizer:
+        a.optimizer = "fp8adam"
+    if a.optimizer != "fp8adam":
+        opt_defaults = (a.fp8_optimizer_m_dtype, a.fp8_optimizer_v_dtype, a.fp8_optimizer_block_size,
+                        a.fp8_optimizer_stochastic_rounding)
+        if opt_defaults != ("e4m3", "e5m2", 0, False):
+            raise ValueError("--fp8-optimizer-* flags need --optimizer fp8adam (or --fp8-optimizer)")
+    data = _data_config(a)
+    model = _model_config(a, _padded_vocab_size(a, data))
+    return MegatronConfig(
+        model=model,
+        optimizer=OptimizerConfig(
+            optimizer=a.optimizer, lr=a.lr, weight_decay=a.weight_decay, adam_beta1=a.adam_beta1,
+            adam_beta2=a.adam_beta2, adam_eps=a.adam_eps, clip_grad=a.clip_grad, fp8_m_dtype=a.fp8_optimizer_m_dtype,
+            fp8_v_dtype=a.fp8_optimizer_v_dtype, fp8_block_size=a.fp8_optimizer_block_size,
+            fp8_stochastic_rounding=a.fp8_optimizer_stochastic_rounding),
+        scheduler=scheduler,
+        training=TrainingConfig(
+            micro_batch_size=a.micro_batch_size, global_batch_size=gbs, data_parallel_size=dp, train_iters=train_iters,
+            seed=a.seed, eval_interval=a.eval_interval, eval_iters=a.eval_iters, exit_interval=a.exit_interval,
+            exit_duration_in_mins=a.exit_duration_in_mins, exit_signal_handler=a.exit_signal_handler,
+            max_consecutive_nan_steps=a.max_consecutive_nan_steps, bf16=a.bf16, dry_run=a.dry_run),
+        checkpoint=CheckpointConfig(
+            save=a.save, load=a.load, save_interval=a.save_interval, no_save_optim=a.no_save_optim,
+            no_save_rng=a.no_save_rng, no_load_optim=a.no_load_optim, no_load_rng=a.no_load_rng, finetune=a.finetune),
+        logging=LoggingConfig(log_interval=a.log_interval, tensorboard_dir=a.tensorboard_dir,
+                              log_fp8_stats=a.log_fp8_stats),
+        data=data,
+        parallel=ParallelConfig(
+            tensor_model_parallel_size=a.tensor_model_parallel_size,
+            pipeline_model_parallel_size=a.pipeline_model_parallel_size, sequence_parallel=a.sequence_parallel,
+            distributed_backend=a.distributed_backend, deepspeed=a.deepspeed, deepspeed_config=a.deepspeed_config,
+            zero_stage=a.zero_stage),
+        fp8=_fp8_recipe(a),
+        device=a.device,
+    )

@@ -1,0 +1,115 @@
+"""`GPTModel`: token embedding, N transformer layers, final norm, LM head, per-token loss.
+
+A plain single-device `nn.Module`. Parallelism (DDP, DeepSpeed, tensor parallel sharding) and FP8
+(module swap) are applied to it afterwards by functions that receive it, never built into it.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from megatron.config import ModelConfig, PositionEmbedding, RecomputeGranularity
+from megatron.model.layers import RotaryEmbedding, build_norm
+from megatron.model.transformer import TransformerLayer
+
+
+class Embedding(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(config.padded_vocab_size, config.hidden_size)
+        nn.init.normal_(self.word_embeddings.weight, mean=0.0, std=config.init_method_std)
+        self.position_embeddings = None
+        if config.position_embedding_type is PositionEmbedding.LEARNED_ABSOLUTE:
+            self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+            nn.init.normal_(self.position_embeddings.weight, mean=0.0, std=config.init_method_std)
+        self.dropout = config.hidden_dropout
+
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.word_embeddings(tokens)
+        if self.position_embeddings is not None:
+            hidden = hidden + self.position_embeddings(position_ids)
+        return F.dropout(hidden, self.dropout, self.training)
+
+
+class TransformerBlock(nn.Module):
+    """The stack of layers plus the final norm; owns full activation recompute."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.layers = nn.ModuleList(TransformerLayer(config, i + 1) for i in range(config.num_layers))
+        self.final_layernorm = build_norm(config)
+
+    def _recompute_chunks(self) -> list[tuple[int, int, bool]]:
+        """(start, end, checkpointed) spans of layers, following `--recompute-method/-num-layers`."""
+        n, k = self.config.num_layers, self.config.recompute_num_layers
+        if self.config.recompute_granularity is not RecomputeGranularity.FULL:
+            return [(0, n, False)]
+        if self.config.recompute_method == "uniform":
+            return [(i, min(i + k, n), True) for i in range(0, n, k)]
+        # "block": checkpoint each of the first k layers, run the rest normally
+        return [(i, i + 1, True) for i in range(min(k, n))] + ([(k, n, False)] if k < n else [])
+
+    def _run(self, start: int, end: int, hidden: torch.Tensor, rotary, attention_mask) -> torch.Tensor:
+        for layer in self.layers[start:end]:
+            hidden = layer(hidden, rotary, attention_mask)
+        return hidden
+
+    def forward(self, hidden: torch.Tensor, rotary, attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        recompute = self.training and torch.is_grad_enabled()
+        for start, end, ckpt in self._recompute_chunks():
+            if ckpt and recompute:
+                hidden = checkpoint(self._run, start, end, hidden, rotary, attention_mask, use_reentrant=False)
+            else:
+                hidden = self._run(start, end, hidden, rotary, attention_mask)
+        return self.final_layernorm(hidden)
+
+
+class GPTModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embedding = Embedding(config)
+        self.rotary = None
+        if config.position_embedding_type is PositionEmbedding.ROPE:
+            self.rotary = RotaryEmbedding(config.kv_channels, config.max_position_embeddings, config.rotary_base)
+        self.decoder = TransformerBlock(config)
+        self.output_layer: Optional[nn.Linear] = None
+        if config.untie_embeddings_and_output_weights:
+            self.output_layer = nn.Linear(config.hidden_size, config.padded_vocab_size, bias=False)
+            nn.init.normal_(self.output_layer.weight, mean=0.0, std=config.init_method_std)
+
+    def forward(self, tokens: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
+                attention_mask: Optional[torch.Tensor] = None,
+                labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Logits [b, s, vocab], or the per-token FP32 loss [b, s] when `labels` are given.
+
+        `attention_mask` is None for plain causal attention, else a boolean [b, 1, s, s] mask where
+        True means "may attend" (used by `--reset-attention-mask`).
+        """
+        b, s = tokens.shape
+        if s > self.config.max_position_embeddings:
+            raise ValueError(f"sequence of {s} tokens exceeds --max-position-embeddings "
+                             f"{self.config.max_position_embeddings}")
+        if position_ids is None:
+            position_ids = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
+        hidden = self.embedding(tokens, position_ids)
+        rotary = self.rotary(position_ids) if self.rotary is not None else None
+        hidden = self.decoder(hidden, rotary, attention_mask)
+        weight = self.output_layer.weight if self.output_layer is not None else self.embedding.word_embeddings.weight
+        logits = F.linear(hidden, weight)
+        if labels is None:
+            return logits
+        # Cross-entropy in FP32 whatever the compute dtype: BF16 logits lose too much for the loss.
+        loss = F.cross_entropy(logits.float().view(b * s, -1), labels.reshape(b * s), reduction="none")
+        return loss.view(b, s)
+
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        total = sum(p.numel() for p in self.parameters())
+        if exclude_embeddings:
+            total -= self.embedding.word_embeddings.weight.numel()
+        return total

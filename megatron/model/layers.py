@@ -1,0 +1,55 @@
+"""Small building blocks of the transformer: normalisation and rotary position embeddings."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megatron.config import ModelConfig, Normalization
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in FP32 whatever the activation dtype (as Llama does)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * self.weight.float()).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+def build_norm(config: ModelConfig) -> nn.Module:
+    if config.normalization is Normalization.RMSNORM:
+        return RMSNorm(config.hidden_size, config.norm_epsilon)
+    return nn.LayerNorm(config.hidden_size, eps=config.norm_epsilon, bias=config.add_bias_linear)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE tables (cos, sin) for positions 0..max_positions-1; applied in FP32 to q and k."""
+
+    def __init__(self, head_dim: int, max_positions: int, base: float) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
+        # Not saved in checkpoints: fully determined by the config.
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # [b, s] -> [b, 1, s, head_dim/2], broadcast over heads
+        return self.cos[position_ids].unsqueeze(1), self.sin[position_ids].unsqueeze(1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[..., :d/2], x[..., d/2:]) (the Llama/HF "rotate_half" layout)."""
+    x32 = x.float()
+    half = x32.shape[-1] // 2
+    x1, x2 = x32[..., :half], x32[..., half:]
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.to(x.dtype)

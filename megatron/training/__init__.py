@@ -1,0 +1,1 @@
+"""Training: the loop, its train state, checkpoints, logging and FLOP accounting."""

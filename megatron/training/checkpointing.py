@@ -1,0 +1,188 @@
+"""Checkpoints in Megatron's folder layout, written atomically and loaded without running code.
+
+Layout under `--save`:
+    latest_checkpointed_iteration.txt      the iteration of the newest complete checkpoint
+    iter_0000100/
+        mp_rank_00/model_optim_rng.pt      model, optimizer, scheduler, RNG, FP8 state (tensors + plain data)
+        train_state.json                   iteration, consumed samples and tokens, skip/NaN counters
+        config.json                        the resolved MegatronConfig (never a pickled Namespace)
+
+Atomicity: everything is written into a hidden temporary folder, fsynced, then renamed to its
+final `iter_*` name; only then is the pointer file replaced (also via rename). A crash at any
+moment leaves the previous checkpoint and pointer intact; leftovers are swept at the next save.
+Loading uses `torch.load(weights_only=True)`, which refuses pickled code objects.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+
+CHECKPOINT_VERSION = 1
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+_TMP_PREFIX = ".tmp_iter_"
+
+logger = logging.getLogger(__name__)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used with the current flags; the message says why and what to do."""
+
+
+def iteration_dir(save_dir: str | os.PathLike, iteration: int) -> Path:
+    return Path(save_dir) / f"iter_{iteration:07d}"
+
+
+def model_file(ckpt_dir: Path, mp_rank: int = 0) -> Path:
+    return ckpt_dir / f"mp_rank_{mp_rank:02d}" / "model_optim_rng.pt"
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: Path, data: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# ---------------------------------------------------------------------------------------------- RNG
+def get_rng_state() -> dict:
+    np_state = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": {"keys": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]),
+                  "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])},
+        "python": [int(x) for x in random.getstate()[1]],
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np_s = state["numpy"]
+    np.random.set_state(("MT19937", np_s["keys"].numpy().astype(np.uint32), np_s["pos"],
+                         np_s["has_gauss"], np_s["cached_gaussian"]))
+    random.setstate((3, tuple(state["python"]), None))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+# --------------------------------------------------------------------------------------------- save
+def save_checkpoint(save_dir: str | os.PathLike, iteration: int, payload: dict, train_state: dict,
+                    config: dict, mp_rank: int = 0,
+                    _before_commit: Optional[Callable[[Path], None]] = None) -> Path:
+    """Write checkpoint `iteration` atomically and point the tracker file at it.
+
+    `payload` holds tensors and plain data only. `_before_commit` is a test hook called with the
+    temporary folder just before the rename (to simulate a crash mid-save).
+    """
+    root = Path(save_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(_TMP_PREFIX + "*"):  # debris of an earlier crashed save
+        shutil.rmtree(stale, ignore_errors=True)
+    final = iteration_dir(root, iteration)
+    tmp = root / f"{_TMP_PREFIX}{iteration:07d}_{os.getpid()}"
+    target = model_file(tmp, mp_rank)
+    target.parent.mkdir(parents=True)
+    body = dict(payload, checkpoint_version=CHECKPOINT_VERSION, iteration=iteration)
+    with open(target, "wb") as f:
+        torch.save(body, f)
+        f.flush()
+        os.fsync(f.fileno())
+    _write_json(tmp / "train_state.json", train_state)
+    _write_json(tmp / "config.json", config)
+    _fsync_path(target.parent)
+    _fsync_path(tmp)
+    if _before_commit is not None:
+        _before_commit(tmp)
+    if final.exists():  # re-saving the same iteration: move the old one aside, then replace it
+        old = root / f"{_TMP_PREFIX}old_{iteration:07d}_{os.getpid()}"
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    _fsync_path(root)
+    tracker_tmp = root / f"{TRACKER_FILE}.tmp{os.getpid()}"
+    with open(tracker_tmp, "w") as f:
+        f.write(str(iteration))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tracker_tmp, root / TRACKER_FILE)
+    _fsync_path(root)
+    logger.info("saved checkpoint at iteration %d to %s", iteration, final)
+    return final
+
+
+# --------------------------------------------------------------------------------------------- load
+def read_tracker(load_dir: str | os.PathLike) -> Optional[int]:
+    """The iteration in `latest_checkpointed_iteration.txt`, or None when there is no checkpoint."""
+    tracker = Path(load_dir) / TRACKER_FILE
+    if not tracker.exists():
+        return None
+    text = tracker.read_text().strip()
+    if text == "release":
+        raise CheckpointError(f"{tracker} says 'release': release checkpoints are not supported yet; "
+                              "point --load at a training checkpoint folder")
+    try:
+        return int(text)
+    except ValueError:
+        raise CheckpointError(f"{tracker} is corrupt (content {text[:40]!r}); it must hold an iteration "
+                              "number: fix or delete it") from None
+
+
+def load_checkpoint_files(load_dir: str | os.PathLike, mp_rank: int = 0) -> Optional[dict]:
+    """Load the newest checkpoint under `load_dir`: {'payload', 'train_state', 'config', 'path'} or None."""
+    iteration = read_tracker(load_dir)
+    if iteration is None:
+        return None
+    ckpt = iteration_dir(load_dir, iteration)
+    path = model_file(ckpt, mp_rank)
+    if not path.exists():
+        raise CheckpointError(f"{Path(load_dir) / TRACKER_FILE} points at iteration {iteration} but {path} "
+                              "does not exist; restore that folder or fix the tracker file")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # pickle.UnpicklingError for code objects, RuntimeError for corruption
+        raise CheckpointError(f"refusing to load {path}: {exc.__class__.__name__}: {str(exc)[:300]}. "
+                              "Checkpoints may only hold tensors and plain data.") from exc
+    with open(ckpt / "train_state.json") as f:
+        train_state = json.load(f)
+    config = json.loads((ckpt / "config.json").read_text()) if (ckpt / "config.json").exists() else {}
+    return {"payload": payload, "train_state": train_state, "config": config, "path": ckpt}
+
+
+def load_model_state(model: torch.nn.Module, state: dict, source: Path) -> None:
+    """`load_state_dict(strict=True)` with errors that show both shapes and the missing/extra keys."""
+    own = model.state_dict()
+    problems = []
+    for key, tensor in state.items():
+        if key in own and tuple(own[key].shape) != tuple(tensor.shape):
+            problems.append(f"  {key}: checkpoint {tuple(tensor.shape)} vs model {tuple(own[key].shape)}")
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    if missing:
+        problems.append(f"  missing in checkpoint: {missing[:10]}{' ...' if len(missing) > 10 else ''}")
+    if unexpected:
+        problems.append(f"  not in model: {unexpected[:10]}{' ...' if len(unexpected) > 10 else ''}")
+    if problems:
+        raise CheckpointError(f"checkpoint {source} does not match the model built from the current flags:\n"
+                              + "\n".join(problems)
+                              + "\nUse the same --num-layers/--hidden-size/... as the run that saved it.")
+    model.load_state_dict(state, strict=True)

@@ -1,0 +1,78 @@
+"""Analytic parameter count, FLOPs per iteration and a per-device memory estimate.
+
+Used by the log line (TFLOP/s) and by `--dry-run`, which must work for a 7B configuration without
+building the model, so everything here is computed from the config alone.
+"""
+from __future__ import annotations
+
+from megatron.config import MegatronConfig, ModelConfig, PositionEmbedding, RecomputeGranularity
+
+
+def _block_linear_params(m: ModelConfig) -> int:
+    qkv = m.hidden_size * (m.query_projection_size + 2 * m.kv_projection_size)
+    proj = m.query_projection_size * m.hidden_size
+    fc1 = m.hidden_size * m.ffn_hidden_size * (2 if m.swiglu else 1)
+    fc2 = m.ffn_hidden_size * m.hidden_size
+    params = qkv + proj + fc1 + fc2
+    if m.add_bias_linear:
+        params += (m.query_projection_size + 2 * m.kv_projection_size) + m.hidden_size
+        params += m.ffn_hidden_size * (2 if m.swiglu else 1) + m.hidden_size
+    return params
+
+
+def count_parameters(m: ModelConfig) -> int:
+    """Exactly `sum(p.numel() for p in GPTModel(m).parameters())` (checked by a test)."""
+    norm = m.hidden_size * (2 if (m.normalization.value == "LayerNorm" and m.add_bias_linear) else 1)
+    per_layer = _block_linear_params(m) + 2 * norm
+    total = m.num_layers * per_layer + norm  # + final norm
+    total += m.padded_vocab_size * m.hidden_size  # word embeddings
+    if m.position_embedding_type is PositionEmbedding.LEARNED_ABSOLUTE:
+        total += m.max_position_embeddings * m.hidden_size
+    if m.untie_embeddings_and_output_weights:
+        total += m.padded_vocab_size * m.hidden_size
+    return total
+
+
+def flops_per_token_forward(m: ModelConfig) -> float:
+    """Matmul FLOPs (2 per multiply-add) of one token's forward pass, attention counted in full."""
+    linear = 2.0 * m.num_layers * _block_linear_params(m)
+    attention = m.num_layers * 4.0 * m.seq_length * m.query_projection_size  # QK^T and AV
+    head = 2.0 * m.hidden_size * m.padded_vocab_size
+    return linear + attention + head
+
+
+def flops_per_iteration(m: ModelConfig, global_batch_size: int) -> float:
+    """Forward + backward (2x forward), plus one more forward with full activation recompute."""
+    passes = 4.0 if m.recompute_granularity is RecomputeGranularity.FULL else 3.0
+    return passes * flops_per_token_forward(m) * global_batch_size * m.seq_length
+
+
+def memory_estimate_bytes(cfg: MegatronConfig) -> dict[str, float]:
+    """A rough per-device estimate in GiB: weights, gradients, optimizer state, activations.
+
+    FP32 master weights and gradients; AdamW keeps 8 bytes/param of moments, Fp8AdamW about 2;
+    ZeRO stages divide what they shard by the data-parallel size; TP/PP divide the model.
+    Activations follow Korthikanti et al. (sbh(34 + 5as/h) bytes per layer in 16-bit, no recompute).
+    """
+    m, t, p = cfg.model, cfg.training, cfg.parallel
+    model_split = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
+    params = count_parameters(m) / model_split
+    dp = t.data_parallel_size
+    zero = p.zero_stage or 0
+    opt_bytes = 2.0 if cfg.optimizer.optimizer == "fp8adam" else 8.0
+    weights = params * 4.0 / (dp if zero >= 3 else 1)
+    grads = params * 4.0 / (dp if zero >= 2 else 1)
+    optim = params * opt_bytes / (dp if zero >= 1 else 1)
+    s, b, h, a = m.seq_length, t.micro_batch_size, m.hidden_size, m.num_attention_heads
+    layers = m.num_layers / p.pipeline_model_parallel_size
+    if m.recompute_granularity is RecomputeGranularity.FULL:
+        act = s * b * h * 2.0 * layers  # only the layer inputs are kept
+    elif m.recompute_granularity is RecomputeGranularity.SELECTIVE:
+        act = s * b * h * 34.0 * layers / p.tensor_model_parallel_size
+    else:
+        act = s * b * h * (34.0 + 5.0 * a * s / h) * layers / p.tensor_model_parallel_size
+    gib = 2.0**30
+    out = {"weights_GiB": weights / gib, "grads_GiB": grads / gib, "optimizer_GiB": optim / gib,
+           "activations_GiB": act / gib}
+    out["total_GiB"] = sum(out.values())
+    return out

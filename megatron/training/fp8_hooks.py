@@ -1,0 +1,67 @@
+"""The training loop's view of FP8: convert the model, step hook, statistics, checkpoint state.
+
+With FP8 off every method is a no-op, so the loop has no FP8 branches of its own.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+from torch import nn
+
+from megatron.fp8.recipe import Fp8Recipe
+
+logger = logging.getLogger("megatron")
+
+
+class Fp8Hooks:
+    def __init__(self, model: nn.Module, recipe: Optional[Fp8Recipe], amax_group, stats: bool) -> None:
+        self.model = model
+        self.recipe = recipe
+        self.stats = stats and recipe is not None
+        self.converted: list[str] = []
+        if recipe is None:
+            return
+        from megatron.fp8 import convert_to_fp8, enable_fp8_stats
+
+        self.converted = convert_to_fp8(model, recipe, amax_group=amax_group)
+        if self.stats:
+            enable_fp8_stats(model, True)
+
+    @property
+    def enabled(self) -> bool:
+        return self.recipe is not None
+
+    def after_optimizer_step(self) -> None:
+        if self.enabled:
+            from megatron.fp8 import fp8_optimizer_step
+
+            fp8_optimizer_step(self.model)
+
+    def log_values(self, iteration: int, log_interval: int) -> tuple[dict, str]:
+        """FP8 statistics for TensorBoard and the worst layer for the log line, every log interval."""
+        if not self.stats or iteration % log_interval != 0:
+            return {}, ""
+        from megatron.fp8 import collect_fp8_stats, worst_fp8_layer
+
+        values = collect_fp8_stats(self.model, reset=True)
+        worst = worst_fp8_layer(values)
+        text = f" fp8 worst clipping: {worst[0]} {worst[1]:.2e} |" if worst else ""
+        return values, text
+
+    def state(self) -> Optional[dict]:
+        if not self.enabled:
+            return None
+        from megatron.fp8 import fp8_state_dict
+
+        return fp8_state_dict(self.model, self.recipe)
+
+    def load_state(self, state: Optional[dict], source) -> None:
+        if not self.enabled:
+            return
+        if state is None:
+            logger.warning("checkpoint %s has no FP8 state: FP8 scales start fresh", source)
+            return
+        from megatron.fp8 import load_fp8_state_dict
+
+        load_fp8_state_dict(self.model, self.recipe, state)

@@ -1,0 +1,100 @@
+"""The Megatron log line and TensorBoard scalars (keyed by iteration and by consumed tokens)."""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Optional
+
+logger = logging.getLogger("megatron")
+
+
+def setup_logging(rank: int) -> None:
+    """INFO on the logging rank, WARNING elsewhere, so N ranks do not print N copies."""
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format="[%(asctime)s] %(message)s", datefmt="%Y-%m-%d %H:%M:%S", force=True)
+
+
+class TrainingLogger:
+    """Accumulates per-iteration values between log lines and writes them out every `--log-interval`."""
+
+    def __init__(self, log_interval: int, train_iters: int, tensorboard_dir: Optional[str], enabled: bool) -> None:
+        self.log_interval = log_interval
+        self.train_iters = train_iters
+        self.enabled = enabled
+        self.writer = None
+        if enabled and tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=tensorboard_dir, max_queue=100)
+        self._reset()
+
+    def _reset(self) -> None:
+        self.loss_sum, self.loss_count, self.time_sum, self.iters = 0.0, 0, 0.0, 0
+
+    def scalar(self, tag: str, value: float, iteration: int, tokens: Optional[int] = None) -> None:
+        if self.writer is None:
+            return
+        self.writer.add_scalar(tag, value, iteration)
+        if tokens is not None:
+            self.writer.add_scalar(f"{tag} vs tokens", value, tokens)
+
+    def record(self, *, iteration: int, loss: Optional[float], elapsed_s: float, lr: float, grad_norm: float,
+               state, global_batch_size: int, seq_length: int, flops_per_iter: float, world_size: int,
+               memory: dict, extra: Optional[dict] = None, extra_text: str = "") -> Optional[str]:
+        """Accumulate one iteration; every `log_interval` iterations emit the log line (returned)."""
+        if loss is not None:
+            self.loss_sum += loss
+            self.loss_count += 1
+        self.time_sum += elapsed_s
+        self.iters += 1
+        tokens = state.consumed_train_tokens
+        if iteration % self.log_interval != 0 or not self.enabled:
+            return None
+        avg_time = self.time_sum / max(self.iters, 1)
+        avg_loss = self.loss_sum / self.loss_count if self.loss_count else float("nan")
+        tokens_per_s = global_batch_size * seq_length / avg_time
+        tflops = flops_per_iter / avg_time / world_size / 1e12
+        line = (f" iteration {iteration:8d}/{self.train_iters:8d} |"
+                f" consumed samples: {state.consumed_train_samples:12d} |"
+                f" consumed tokens: {tokens:14d} |"
+                f" elapsed time per iteration (ms): {avg_time * 1000:.1f} |"
+                f" learning rate: {lr:.6E} |"
+                f" global batch size: {global_batch_size:5d} |"
+                f" lm loss: {avg_loss:.6E} |"
+                f" grad norm: {grad_norm:.3f} |"
+                f" tokens/s: {tokens_per_s:.1f} |"
+                f" TFLOP/s per device: {tflops:.4f} |"
+                f" number of skipped iterations: {state.skipped_iterations:3d} |"
+                f" number of nan iterations: {state.nan_iterations:3d} |{extra_text}")
+        logger.info(line)
+        if math.isfinite(avg_loss):
+            self.scalar("lm-loss", avg_loss, iteration, tokens)
+        self.scalar("learning-rate", lr, iteration, tokens)
+        if math.isfinite(grad_norm):
+            self.scalar("grad-norm", grad_norm, iteration, tokens)
+        self.scalar("throughput/tokens-per-sec", tokens_per_s, iteration, tokens)
+        self.scalar("throughput/tflops-per-device", tflops, iteration, tokens)
+        self.scalar("skipped-iterations", state.skipped_iterations, iteration, tokens)
+        self.scalar("nan-iterations", state.nan_iterations, iteration, tokens)
+        for key, value in memory.items():
+            self.scalar(f"memory/{key}", value, iteration, tokens)
+        for key, value in (extra or {}).items():
+            self.scalar(key, value, iteration, tokens)
+        self._reset()
+        return line
+
+    def validation(self, name: str, loss: float, iteration: int, tokens: int) -> str:
+        ppl = math.exp(min(loss, 20.0))
+        line = f" {name} loss at iteration {iteration} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} |"
+        if self.enabled:
+            logger.info("-" * len(line))
+            logger.info(line)
+            logger.info("-" * len(line))
+        self.scalar(f"lm-loss-{name}/lm loss", loss, iteration, tokens)
+        self.scalar(f"lm-loss-{name}/lm loss ppl", ppl, iteration, tokens)
+        return line
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+            self.writer.close()

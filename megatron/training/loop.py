@@ -1,0 +1,301 @@
+"""The pretraining loop: build everything from a `MegatronConfig`, then train, evaluate and checkpoint.
+
+One iteration = one optimizer step over a global batch of `micro_batch_size * dp * accumulation`
+samples. Each micro-batch loss is the mean over its unmasked tokens; the step averages micro-batch
+losses (Megatron's convention), so 8 micro-batches of 1 equal 1 micro-batch of 8 when no tokens are
+masked. Non-finite loss or gradient norm skips the step (counted); too many in a row stop the run
+without saving, so the last good checkpoint stays the newest one.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import random
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron.accelerator import Accelerator, get_accelerator
+from megatron.config import MegatronConfig
+from megatron.data.provider import Batch, build_loader, make_batch
+from megatron.model import GPTModel
+from megatron.optimizer import build_optimizer
+from megatron.optimizer.lr_scheduler import LrScheduler
+from megatron.parallel_state import ParallelState, initialize_parallel_state
+from megatron.training import checkpointing as ckpt
+from megatron.training.datasets import build_datasets
+from megatron.training.flops import flops_per_iteration
+from megatron.training.fp8_hooks import Fp8Hooks
+from megatron.training.log import TrainingLogger, setup_logging
+from megatron.training.train_state import TrainState
+
+logger = logging.getLogger("megatron")
+
+
+class TrainingDiverged(RuntimeError):
+    """Raised after `--max-consecutive-nan-steps` non-finite steps in a row."""
+
+
+@dataclass
+class TrainResult:
+    state: TrainState
+    losses: list = field(default_factory=list)  # lm loss per iteration run in this process (nan if skipped)
+    valid: list = field(default_factory=list)  # (iteration, validation loss)
+    test_loss: Optional[float] = None
+    exit_reason: str = "train-iters"
+    model: Optional[nn.Module] = None
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+class _SignalFlag:
+    """Remembers a SIGTERM so the loop can save a checkpoint and exit at the end of the iteration."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.received = False
+        self._previous = None
+        if enabled:
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        logger.warning("received signal %d: will save a checkpoint and exit after this iteration", signum)
+        self.received = True
+
+    def restore(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+
+def _any_rank(flag: bool, parallel: ParallelState) -> bool:
+    if not parallel.is_distributed:
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item() > 0)
+
+
+class Trainer:
+    """Owns the objects of one run; `pretrain()` is the public entry point."""
+
+    def __init__(self, config: MegatronConfig, tokenizer=None) -> None:
+        self.config = config
+        self.accel: Accelerator = get_accelerator(config.device)
+        self.accel.set_device()
+        self.parallel = initialize_parallel_state(config.parallel, self.accel)
+        setup_logging(self.parallel.rank)
+        t = config.training
+        if t.data_parallel_size != self.parallel.data_parallel_size:
+            raise ValueError(f"config was resolved for data-parallel size {t.data_parallel_size} but "
+                             f"{self.parallel.data_parallel_size} ranks are running; launch with the same WORLD_SIZE")
+        seed_everything(t.seed)
+        self.model = GPTModel(config.model).to(self.accel.device)
+        self.fp8 = Fp8Hooks(self.model, config.fp8, self.parallel.amax_group, config.logging.log_fp8_stats)
+        logger.info("> number of parameters: %d", self.model.num_parameters())
+        self.train_model: nn.Module = self.model
+        if self.parallel.is_distributed:
+            self.train_model = nn.parallel.DistributedDataParallel(
+                self.model, process_group=self.parallel.data_parallel_group)
+        self.optimizer = build_optimizer(self.model, config.optimizer)
+        self.scheduler = LrScheduler(self.optimizer, config.scheduler)
+        self.state = TrainState()
+        if config.checkpoint.load:
+            self._load()
+        self.train_ds, self.valid_ds, self.test_ds, self.eod = build_datasets(config, tokenizer)
+        self.flops_per_iter = flops_per_iteration(config.model, t.global_batch_size)
+        self.tlog = TrainingLogger(config.logging.log_interval, t.train_iters, config.logging.tensorboard_dir,
+                                   enabled=self.parallel.is_logging_rank)
+
+    # -------------------------------------------------------------------------------- checkpoints
+    def _load(self) -> None:
+        c = self.config.checkpoint
+        loaded = ckpt.load_checkpoint_files(c.load, mp_rank=0)
+        if loaded is None:
+            logger.info("no checkpoint found under --load %s: starting from scratch", c.load)
+            return
+        payload = loaded["payload"]
+        ckpt.load_model_state(self.model, payload["model"], loaded["path"])
+        if c.finetune:
+            logger.info("--finetune: loaded weights only from %s; iteration and optimizer reset", loaded["path"])
+            return
+        self.state = TrainState.from_dict(loaded["train_state"])
+        if not c.no_load_optim:
+            if "optimizer" not in payload:
+                raise ckpt.CheckpointError(f"{loaded['path']} has no optimizer state (saved with --no-save-optim); "
+                                           "pass --no-load-optim or --finetune")
+            self.optimizer.load_state_dict(payload["optimizer"])
+        for diff in self.scheduler.check_state_dict(payload.get("lr_scheduler", {})):
+            logger.warning("learning-rate schedule differs from the checkpoint (flags win): %s", diff)
+        if not c.no_load_rng and "rng_state" in payload:
+            ckpt.set_rng_state(payload["rng_state"])
+        self.fp8.load_state(payload.get("fp8"), loaded["path"])
+        logger.info("loaded checkpoint %s at iteration %d", loaded["path"], self.state.iteration)
+
+    def save(self) -> None:
+        c = self.config.checkpoint
+        if not c.save:
+            return
+        if self.parallel.is_logging_rank:
+            payload = {"model": self.model.state_dict(), "lr_scheduler": self.scheduler.state_dict()}
+            if not c.no_save_optim:
+                payload["optimizer"] = self.optimizer.state_dict()
+            if not c.no_save_rng:
+                payload["rng_state"] = ckpt.get_rng_state()
+            fp8_state = self.fp8.state()
+            if fp8_state is not None:
+                payload["fp8"] = fp8_state
+            ckpt.save_checkpoint(c.save, self.state.iteration, payload, self.state.to_dict(), self.config.to_dict())
+        if self.parallel.is_distributed:
+            dist.barrier()
+
+    # ---------------------------------------------------------------------------------- one step
+    def _forward_loss(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        with self.accel.autocast(self.config.training.bf16):
+            per_token = model(batch.tokens, batch.position_ids, batch.attention_mask, labels=batch.labels)
+        masked = (per_token * batch.loss_mask).sum()
+        return masked, batch.loss_mask.sum()
+
+    def train_step(self, micro_batches: Iterator[torch.Tensor]) -> tuple[float, float, bool]:
+        """One optimizer step. Returns (loss, grad norm, stepped)."""
+        t, device = self.config.training, self.accel.device
+        self.train_model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        n = t.num_micro_batches
+        loss_sum = torch.zeros((), device=device)
+        for i in range(n):
+            batch = make_batch(next(micro_batches), self.eod, self.config.data).to(device)
+            sync = (i == n - 1) or not self.parallel.is_distributed
+            ctx = self.train_model.no_sync() if not sync else contextlib.nullcontext()
+            with ctx:
+                masked, count = self._forward_loss(self.train_model, batch)
+                loss = masked / count.clamp(min=1.0)
+                (loss / n).backward()
+            loss_sum += loss.detach().float()
+        loss_avg = loss_sum / n
+        if self.parallel.is_distributed:
+            dist.all_reduce(loss_avg, group=self.parallel.data_parallel_group)
+            loss_avg /= self.parallel.data_parallel_size
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        clip = self.config.optimizer.clip_grad
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+        loss_value, norm_value = float(loss_avg), float(grad_norm)
+        finite = math.isfinite(loss_value) and math.isfinite(norm_value)
+        if finite:
+            self.scheduler.apply(self.state.iteration)
+            self.optimizer.step()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+        self.fp8.after_optimizer_step()
+        return loss_value, norm_value, finite
+
+    # ------------------------------------------------------------------------------- evaluation
+    @torch.no_grad()
+    def evaluate(self, dataset) -> float:
+        """Token-weighted mean loss over the first `--eval-iters` global batches of `dataset`."""
+        t = self.config.training
+        self.train_model.eval()
+        loader = build_loader(dataset, 0, t.micro_batch_size, self.parallel.data_parallel_rank,
+                              self.parallel.data_parallel_size, self.config.data.num_workers)
+        it = iter(loader)
+        total = torch.zeros(2, dtype=torch.float64)
+        for _ in range(t.eval_iters * t.num_micro_batches):
+            batch = make_batch(next(it), self.eod, self.config.data).to(self.accel.device)
+            masked, count = self._forward_loss(self.model, batch)
+            total += torch.stack([masked.double().cpu(), count.double().cpu()])
+        if self.parallel.is_distributed:
+            dist.all_reduce(total, group=self.parallel.data_parallel_group)
+        self.train_model.train()
+        return float(total[0] / total[1].clamp(min=1.0))
+
+    # ------------------------------------------------------------------------------------ loop
+    def train(self) -> TrainResult:
+        cfg, t = self.config, self.config.training
+        result = TrainResult(state=self.state, model=self.model)
+        loader = build_loader(self.train_ds, self.state.consumed_train_samples, t.micro_batch_size,
+                              self.parallel.data_parallel_rank, self.parallel.data_parallel_size,
+                              cfg.data.num_workers)
+        micro_batches = iter(loader)
+        sig = _SignalFlag(t.exit_signal_handler)
+        start_time = time.time()
+        tokens_per_iter = t.global_batch_size * cfg.model.seq_length
+        saved_at = None
+        try:
+            while self.state.iteration < t.train_iters:
+                self.accel.synchronize()
+                t0 = time.perf_counter()
+                loss, grad_norm, stepped = self.train_step(micro_batches)
+                self.accel.synchronize()
+                elapsed = time.perf_counter() - t0
+                s = self.state
+                s.iteration += 1
+                s.consumed_train_samples += t.global_batch_size
+                s.consumed_train_tokens += tokens_per_iter
+                result.losses.append(loss if stepped else float("nan"))
+                if not stepped:
+                    s.skipped_iterations += 1
+                    s.nan_iterations += 1
+                    s.consecutive_nan_iterations += 1
+                    logger.warning("iteration %d: non-finite loss (%s) or grad norm (%s): step skipped (%d in a row)",
+                                   s.iteration, loss, grad_norm, s.consecutive_nan_iterations)
+                    if s.consecutive_nan_iterations >= t.max_consecutive_nan_steps:
+                        result.exit_reason = "diverged"
+                        raise TrainingDiverged(
+                            f"training diverged: {s.consecutive_nan_iterations} consecutive non-finite steps, the last "
+                            f"at iteration {s.iteration} (--max-consecutive-nan-steps {t.max_consecutive_nan_steps}). "
+                            f"No checkpoint was written for these steps; the last good one stays in --save.")
+                else:
+                    s.consecutive_nan_iterations = 0
+                fp8_extra, fp8_text = self.fp8.log_values(s.iteration, cfg.logging.log_interval)
+                self.tlog.record(iteration=s.iteration, loss=loss if stepped else None, elapsed_s=elapsed,
+                                 lr=self.optimizer.param_groups[0]["lr"], grad_norm=grad_norm, state=s,
+                                 global_batch_size=t.global_batch_size, seq_length=cfg.model.seq_length,
+                                 flops_per_iter=self.flops_per_iter, world_size=self.parallel.world_size,
+                                 memory=self.accel.memory_stats(), extra=fp8_extra, extra_text=fp8_text)
+                if self.valid_ds is not None and t.eval_interval and s.iteration % t.eval_interval == 0:
+                    vloss = self.evaluate(self.valid_ds)
+                    result.valid.append((s.iteration, vloss))
+                    self.tlog.validation("validation", vloss, s.iteration, s.consumed_train_tokens)
+                c = cfg.checkpoint
+                if c.save and c.save_interval and s.iteration % c.save_interval == 0:
+                    self.save()
+                    saved_at = s.iteration
+                exit_reason = self._exit_reason(sig, start_time)
+                if exit_reason:
+                    result.exit_reason = exit_reason
+                    break
+            if cfg.checkpoint.save and saved_at != self.state.iteration:
+                self.save()
+            if self.test_ds is not None and result.exit_reason == "train-iters":
+                result.test_loss = self.evaluate(self.test_ds)
+                self.tlog.validation("test", result.test_loss, self.state.iteration, self.state.consumed_train_tokens)
+        finally:
+            sig.restore()
+            self.tlog.close()
+        return result
+
+    def _exit_reason(self, sig: _SignalFlag, start_time: float) -> Optional[str]:
+        t, it = self.config.training, self.state.iteration
+        if _any_rank(sig.received, self.parallel):
+            return "signal"
+        if t.exit_interval and it % t.exit_interval == 0:
+            return "exit-interval"
+        if t.exit_duration_in_mins is not None:
+            over = (time.time() - start_time) / 60.0 > t.exit_duration_in_mins
+            if _any_rank(over, self.parallel):
+                return "exit-duration"
+        return None
+
+
+def pretrain(config: MegatronConfig, tokenizer=None) -> TrainResult:
+    """Build the model, optimizer and data from `config` and train; see `Trainer`."""
+    return Trainer(config, tokenizer).train()

@@ -1,0 +1,27 @@
+"""Pretrain a Llama-style GPT: parse flags -> typed config -> (dry run | train). All work is in `megatron/`."""
+import sys
+
+from megatron.arguments import parse_config
+from megatron.training.dry_run import describe
+from megatron.training.loop import TrainingDiverged, pretrain
+
+
+def main(argv=None) -> int:
+    try:
+        config = parse_config(argv)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if config.training.dry_run:
+        print(describe(config))
+        return 0
+    try:
+        pretrain(config)
+    except TrainingDiverged as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 3
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
