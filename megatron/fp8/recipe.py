@@ -6,6 +6,7 @@ flags (`--fp8-amax-history-len 1`, `--fp8-amax-compute-algo most_recent`, `--fp8
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 
@@ -47,9 +48,23 @@ class Fp8Recipe:
     grad_stochastic_rounding: bool = False
 
     def __post_init__(self) -> None:
+        # Accept the enums' string values too (from `from_dict`, or callers passing "hybrid").
+        for name, kind in (("format", Fp8Format), ("scaling", Fp8Scaling),
+                           ("amax_compute_algo", AmaxComputeAlgo), ("backend", Fp8Backend)):
+            object.__setattr__(self, name, kind(getattr(self, name)))
         if self.amax_history_len < 1:
             raise ValueError(f"--fp8-amax-history-len must be >= 1, got {self.amax_history_len}")
         if self.margin < 0:
             raise ValueError(f"--fp8-margin must be >= 0, got {self.margin}")
         if self.first_last_layers_bf16 < 0:
             raise ValueError(f"--fp8-first-last-layers-bf16 must be >= 0, got {self.first_last_layers_bf16}")
+
+    def to_dict(self) -> dict[str, object]:
+        """Plain dict (enums as their string values): safe for `torch.load(weights_only=True)` and JSON."""
+        return {f.name: (v.value if isinstance(v, enum.Enum) else v)
+                for f in dataclasses.fields(self) for v in [getattr(self, f.name)]}
+
+    @classmethod
+    def from_dict(cls, values: dict[str, object]) -> "Fp8Recipe":
+        """Inverse of `to_dict`; unknown keys raise (a newer checkpoint), missing keys take defaults."""
+        return cls(**values)  # __post_init__ turns strings back into enums

@@ -1,0 +1,176 @@
+"""FP8 GEMM backends: CUDA `torch._scaled_mm`, Gaudi `habana_frameworks` FP8 ops, and an emulation.
+
+All backends implement one operation in "NT" form, the natural one for a linear layer whose weight is
+stored [out_features, in_features]:
+
+    gemm_nt(a, a_scale, b, b_scale, out_dtype) = (a / a_scale) @ (b / b_scale)^T,   a: [M, K], b: [N, K]
+
+with FP8 operands, quantization scales (the ones that multiplied the data, see `quantize.py`), FP32
+accumulation and an output in `out_dtype`. Callers may pass transposed *views* (for dgrad and wgrad); each
+backend decides whether it needs a copy:
+
+- `CudaScaledMmBackend`: `torch._scaled_mm(A, B)` wants A row-major [M, K] and B column-major [K, N]. With
+  b row-major [N, K], `b.t()` is exactly that, for free. It takes *dequantization* factors (1/scale), needs
+  at least one E4M3 operand (E5M2 x E5M2 is not supported), and every dimension a multiple of 16: we pad with
+  zeros (zeros along K add nothing to the dot products; padded rows/columns of the output are sliced off).
+  Runs on sm89+ (L40, H100, H200). `torch._scaled_mm` also runs on CPU (2-D), which is how the tests check
+  this layout logic numerically without a GPU.
+- `HpuBackend`: `torch.ops.hpu.cast_to_fp8_v2` (multiplies by the scale, native stochastic rounding) and
+  `torch.ops.hpu.fp8_gemm_v2(A, trans_A, B, trans_B, D, out_dtype, A_scale_inv, B_scale_inv, bias,
+  accumulate)`, whose transpose flags make every layout free. Gaudi2's E4M3 maximum is 240. This backend
+  cannot be exercised on this project's CI (no Gaudi); it is written against the documented op signatures.
+- `EmulatedBackend`: real FP8 values (the same casts), GEMM on the dequantized values in FP32. Used on CPU
+  and on GPUs without FP8 tensor cores (sm < 89). Numerically it matches the hardware up to accumulation
+  order; it is slower than a plain BF16 matmul by design (it does strictly more work).
+
+`select_backend(choice, device)` picks one from the device, or validates a forced `--fp8-backend`.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from megatron.fp8.formats import Fp8FormatSpec, format_spec
+from megatron.fp8.quantize import quantize
+from megatron.fp8.recipe import Fp8Backend
+
+logger = logging.getLogger(__name__)
+
+
+class EmulatedBackend:
+    """Real FP8 casts; the GEMM runs in FP32 on the dequantized values."""
+
+    name = "emulated"
+    format_backend = "cpu"  # which FP8 maxima apply (OCP)
+    # Transposed views are fine for a plain matmul, so the linear need not cache transposed copies.
+    wants_contiguous_operands = False
+
+    def quantize(self, x: torch.Tensor, scale: torch.Tensor, spec: Fp8FormatSpec,
+                 stochastic_rounding: bool = False) -> torch.Tensor:
+        return quantize(x, scale, spec, stochastic_rounding)
+
+    def gemm_nt(self, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                out_dtype: torch.dtype) -> torch.Tensor:
+        # Dequantize in fp32 (exact for power-of-two scales) and accumulate in fp32, like the tensor cores.
+        out = (a.float() @ b.float().t()) / (a_scale.float() * b_scale.float())
+        return out.to(out_dtype)
+
+
+def _round_up(n: int, multiple: int = 16) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+class CudaScaledMmBackend:
+    """`torch._scaled_mm`: FP8 x FP8 on sm89+ tensor cores, FP32 accumulation."""
+
+    name = "cuda"
+    format_backend = "cuda"
+    wants_contiguous_operands = True  # b must be row-major [N, K]; the linear caches W^T once per step
+
+    def quantize(self, x: torch.Tensor, scale: torch.Tensor, spec: Fp8FormatSpec,
+                 stochastic_rounding: bool = False) -> torch.Tensor:
+        return quantize(x, scale, spec, stochastic_rounding)
+
+    def gemm_nt(self, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                out_dtype: torch.dtype) -> torch.Tensor:
+        m, k = a.shape
+        n = b.shape[0]
+        # Row-major A and row-major b (so that b.t() is the column-major B the kernel wants).
+        a = a.contiguous()
+        b = b.contiguous()
+        mp, kp, np_ = _round_up(m), _round_up(k), _round_up(n)
+        if (mp, kp) != (m, k):
+            a = F.pad(a, (0, kp - k, 0, mp - m))
+        if (np_, kp) != (n, k):
+            b = F.pad(b, (0, kp - k, 0, np_ - n))
+        one = torch.ones((), dtype=torch.float32, device=a.device)
+        out = torch._scaled_mm(
+            a, b.t(),
+            scale_a=(one / a_scale.float()).reshape(()),
+            scale_b=(one / b_scale.float()).reshape(()),
+            out_dtype=out_dtype,
+        )
+        if (mp, np_) != (m, n):
+            out = out[:m, :n]
+        return out
+
+
+class HpuBackend:
+    """Gaudi FP8 ops from `habana_frameworks` (imported lazily; untested here: no Gaudi on CI)."""
+
+    name = "hpu"
+    format_backend = "hpu"  # E4M3 max 240 on Gaudi2
+    wants_contiguous_operands = False  # fp8_gemm_v2 has transpose flags
+
+    def __init__(self) -> None:
+        import habana_frameworks.torch  # noqa: F401  registers torch.ops.hpu.*
+
+    def quantize(self, x: torch.Tensor, scale: torch.Tensor, spec: Fp8FormatSpec,
+                 stochastic_rounding: bool = False) -> torch.Tensor:
+        # The kernel multiplies by `scale` and saturates to the format's max itself; we still clamp first so
+        # an inf in the input becomes +-max exactly like on the other backends.
+        y = torch.clamp(x * scale.to(x.dtype), -spec.max, spec.max)
+        q, _ = torch.ops.hpu.cast_to_fp8_v2(y, None, stochastic_rounding, False, spec.torch_dtype)
+        return q
+
+    def gemm_nt(self, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                out_dtype: torch.dtype) -> torch.Tensor:
+        # Express transposed views through the flags instead of copying.
+        trans_a = not a.is_contiguous() and a.t().is_contiguous()
+        a_arg = a.t() if trans_a else a.contiguous()
+        # NT: b^T is wanted. A contiguous b [N, K] -> pass b with trans_B=True; a transposed view -> its base.
+        b_is_view_t = not b.is_contiguous() and b.t().is_contiguous()
+        b_arg, trans_b = (b.t(), False) if b_is_view_t else (b.contiguous(), True)
+        return torch.ops.hpu.fp8_gemm_v2(
+            a_arg, trans_a, b_arg, trans_b, None, out_dtype,
+            a_scale.float().reciprocal().reshape(1), b_scale.float().reciprocal().reshape(1), None, False,
+        )
+
+
+Backend = EmulatedBackend | CudaScaledMmBackend | HpuBackend
+
+
+def _cuda_has_fp8(device: torch.device) -> bool:
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+@functools.lru_cache(maxsize=None)
+def _make(name: str) -> Backend:
+    return {"emulated": EmulatedBackend, "cuda": CudaScaledMmBackend, "hpu": HpuBackend}[name]()
+
+
+def select_backend(choice: Fp8Backend | str, device: torch.device | str) -> Backend:
+    """The backend for tensors on `device`; `choice` is the recipe's `--fp8-backend`.
+
+    auto: cuda on sm89+, hpu on Gaudi, emulated otherwise (CPU, older GPUs). A forced choice the device
+    cannot run raises ValueError naming the flag.
+    """
+    choice = Fp8Backend(choice)
+    device = torch.device(device)
+    if choice is Fp8Backend.AUTO:
+        if _cuda_has_fp8(device):
+            return _make("cuda")
+        if device.type == "hpu":
+            return _make("hpu")
+        return _make("emulated")
+    if choice is Fp8Backend.CUDA and not _cuda_has_fp8(device):
+        raise ValueError(
+            f"--fp8-backend cuda needs a CUDA device with compute capability >= 8.9 (FP8 tensor cores), "
+            f"but the model is on {device}; use --fp8-backend auto or emulated")
+    if choice is Fp8Backend.HPU:
+        if device.type != "hpu" or importlib.util.find_spec("habana_frameworks") is None:
+            raise ValueError(
+                f"--fp8-backend hpu needs a Gaudi device and habana_frameworks, but the model is on {device}; "
+                f"use --fp8-backend auto or emulated")
+    return _make(choice.value)
+
+
+def backend_format_spec(backend: Backend, dtype: str) -> Fp8FormatSpec:
+    """The FP8 format `dtype` as `backend` implements it (the E4M3 max is 240 on Gaudi2, 448 elsewhere)."""
+    return format_spec(dtype, backend.format_backend)

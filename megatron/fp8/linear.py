@@ -1,0 +1,234 @@
+"""`Fp8Linear`: an `nn.Linear` whose three GEMMs run in FP8.
+
+The three GEMMs
+---------------
+For y = x W^T + b with x: [M, K] (M = tokens, any leading dims flattened), W: [N, K]:
+
+    fprop  y  = x  W^T     Q_e4m3(x)   x Q_e4m3(W)          -> [M, N]
+    dgrad  dx = dy W       Q_e5m2(dy)  x Q_e4m3(W)          -> [M, K]
+    wgrad  dW = dy^T x     Q_e5m2(dy)  x Q_e4m3(x)          -> [N, K]
+
+Formats: the "hybrid" recipe (default) uses E4M3 (3 mantissa bits, max 448; 240 on Gaudi2) for the forward
+operands, which need precision, and E5M2 (2 mantissa bits, max 57344) for gradients, which need range.
+The "e4m3" recipe uses E4M3 for gradients too. With `recipe.fp8_wgrad=False` the wgrad GEMM runs in high
+precision (fp32 accumulation of the unquantized dy and x); the input is then saved unquantized for it, as in
+Transformer Engine, trading the activation-memory saving for exact weight gradients.
+
+Every operand is quantized per tensor: `q = cast(clamp(t * s, -max, max))` with one fp32 scale `s` per
+tensor role (input, weight, grad_output), chosen by delayed or current scaling (see `scaling.py`). The GEMMs
+accumulate in FP32 and write the output in the compute dtype: the autocast dtype (bf16) under
+`torch.autocast`, otherwise the input's dtype. dW is returned in the weight's dtype (fp32 master weights).
+
+Layout rules
+------------
+Backends get every GEMM in "NT" form, `gemm_nt(a, b) = a @ b^T` with a: [M, K], b: [N, K] (see
+`backends.py`). fprop is already NT with the stored weight. dgrad passes `b = W^T` and wgrad passes
+`a = dy^T, b = x^T`: transposed *views*, which the emulated and Gaudi backends use as they are and the CUDA
+backend (`torch._scaled_mm` wants its second operand column-major, i.e. b row-major) turns into copies. FP8
+transposes are cheap (1 byte per element); the transposed weight is cached once per step with the weight.
+
+Memory and caching
+------------------
+The input is saved for backward as FP8 (1 byte per element plus its scale) instead of bf16/fp32: that is the
+activation-memory saving. The weight is quantized once per optimizer step and the FP8 copy is reused by every
+micro-batch's forward and backward; `fp8_optimizer_step` drops the cache after each step. As a safety net the
+cache is also keyed on the weight's version counter and storage, so an in-place update made without the hook
+is noticed (an update through `.data` is not: call the hook).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from megatron.fp8 import stats as fp8_stats
+from megatron.fp8.backends import Backend, backend_format_spec, select_backend
+from megatron.fp8.formats import Fp8FormatSpec
+from megatron.fp8.quantize import amax_of, compute_scale
+from megatron.fp8.recipe import Fp8Recipe, Fp8Scaling
+from megatron.fp8.scaling import Fp8Role, new_scaling_buffers, role_dtypes
+
+
+@dataclasses.dataclass
+class _QuantizedWeight:
+    """The FP8 weight of one optimizer step (and its transpose, made on first need)."""
+
+    key: tuple[Any, ...]
+    data: torch.Tensor  # [N, K] FP8
+    scale: torch.Tensor
+    transposed: torch.Tensor | None = None  # [K, N] FP8, row-major; only for backends that want copies
+
+    def weight_t(self, backend: Backend) -> torch.Tensor:
+        if not backend.wants_contiguous_operands:
+            return self.data.t()
+        if self.transposed is None:
+            self.transposed = self.data.t().contiguous()
+        return self.transposed
+
+
+class _Fp8LinearFunction(torch.autograd.Function):
+    """fprop, dgrad and wgrad of `Fp8Linear` (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                module: "Fp8Linear", out_dtype: torch.dtype) -> torch.Tensor:
+        backend = module.fp8_backend(x.device)
+        specs = module.fp8_specs(backend)
+        x2d = x.reshape(-1, x.shape[-1])
+        # Autocast would turn the fp32 GEMM of the emulated backend into bf16; every dtype here is explicit.
+        with torch.autocast(x.device.type, enabled=False):
+            s_x = module._scale_for(Fp8Role.INPUT, x2d, specs[Fp8Role.INPUT])
+            q_x = backend.quantize(x2d, s_x, specs[Fp8Role.INPUT])
+            if module.fp8_stats_enabled:
+                fp8_stats.record(module, Fp8Role.INPUT, x2d, q_x, s_x, specs[Fp8Role.INPUT])
+            w = module._quantized_weight(backend, specs[Fp8Role.WEIGHT])
+            y = backend.gemm_nt(q_x, s_x, w.data, w.scale, out_dtype)
+            if bias is not None:
+                y = y + bias.to(out_dtype)
+        saved_x = q_x if module.recipe.fp8_wgrad else x2d
+        ctx.save_for_backward(saved_x, s_x)
+        ctx.module, ctx.backend, ctx.specs, ctx.weight_fp8 = module, backend, specs, w
+        ctx.x_shape, ctx.x_dtype, ctx.w_dtype, ctx.has_bias = x.shape, x.dtype, weight.dtype, bias is not None
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        saved_x, s_x = ctx.saved_tensors
+        module, backend, specs, w = ctx.module, ctx.backend, ctx.specs, ctx.weight_fp8
+        grad_spec = specs[Fp8Role.GRAD_OUTPUT]
+        dy2d = dy.reshape(-1, dy.shape[-1])
+        dx = dw = db = None
+        with torch.autocast(dy.device.type, enabled=False):
+            s_g = module._scale_for(Fp8Role.GRAD_OUTPUT, dy2d, grad_spec)
+            q_g = backend.quantize(dy2d, s_g, grad_spec, module.recipe.grad_stochastic_rounding)
+            if module.fp8_stats_enabled:
+                fp8_stats.record(module, Fp8Role.GRAD_OUTPUT, dy2d, q_g, s_g, grad_spec)
+            if ctx.needs_input_grad[0]:
+                # dx = dy W  ==  gemm_nt(dy, W^T)
+                dx = backend.gemm_nt(q_g, s_g, w.weight_t(backend), w.scale, ctx.x_dtype)
+                dx = dx.reshape(ctx.x_shape)
+            if ctx.needs_input_grad[1]:
+                if module.recipe.fp8_wgrad:
+                    # dW = dy^T x  ==  gemm_nt(dy^T, x^T)
+                    dw = backend.gemm_nt(q_g.t(), s_g, saved_x.t(), s_x, torch.float32)
+                else:
+                    dw = dy2d.float().t() @ saved_x.float()
+                dw = dw.to(ctx.w_dtype)
+            if ctx.has_bias and ctx.needs_input_grad[2]:
+                db = dy2d.float().sum(dim=0).to(ctx.w_dtype)
+        return dx, dw, db, None, None
+
+
+class Fp8Linear(nn.Linear):
+    """`nn.Linear` with FP8 GEMMs. Same parameters and state_dict keys (`weight`, `bias`) as `nn.Linear`.
+
+    Its FP8 scaling state is held in non-persistent buffers (they follow `.to()`, but stay out of the model's
+    state_dict); checkpoints save it separately with `megatron.fp8.fp8_state_dict`.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 recipe: Fp8Recipe | None = None, amax_group: Any = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.recipe = recipe if recipe is not None else Fp8Recipe()
+        # Process group over which amaxes are max-reduced: every rank holding a piece (TP) or a replica (DP)
+        # of the same logical tensor. None = the default group when torch.distributed is initialized.
+        self.amax_group = amax_group
+        self.fp8_stats_enabled = False
+        self.fp8_num_updates = 0  # optimizer steps seen by the delayed-scaling update
+        self.fp8_weight_quantizations = 0  # how often the weight was cast (once per step when cached)
+        self._weight_cache: _QuantizedWeight | None = None
+        self._init_fp8_buffers(self.weight.device)
+
+    def _init_fp8_buffers(self, device: torch.device | str | None) -> None:
+        for name, tensor in new_scaling_buffers(self.recipe.amax_history_len, device).items():
+            self.register_buffer(name, tensor, persistent=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, recipe: Fp8Recipe, amax_group: Any = None) -> "Fp8Linear":
+        """An Fp8Linear sharing `linear`'s Parameter objects (same device, dtype, requires_grad and any
+        attributes set on them; an optimizer already holding them keeps working)."""
+        new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                  recipe=recipe, amax_group=amax_group, device="meta")
+        new.weight = linear.weight
+        new.bias = linear.bias
+        new._init_fp8_buffers(linear.weight.device)
+        new.train(linear.training)
+        return new
+
+    # --- pieces used by the autograd function -------------------------------------------------------------
+
+    def fp8_backend(self, device: torch.device) -> Backend:
+        return select_backend(self.recipe.backend, device)
+
+    def fp8_specs(self, backend: Backend) -> tuple[Fp8FormatSpec, ...]:
+        return tuple(backend_format_spec(backend, d) for d in role_dtypes(self.recipe))
+
+    def _scale_for(self, role: Fp8Role, t: torch.Tensor, spec: Fp8FormatSpec) -> torch.Tensor:
+        """The scale to quantize `t` with now; accumulates t's amax into this step's running amax."""
+        amax = amax_of(t)
+        tensorwise = self.recipe.scaling is Fp8Scaling.TENSORWISE
+        if tensorwise and _group_size(self.amax_group) > 1:
+            # Current scaling of a sharded tensor: all shards must agree on the scale now.
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.amax_group)
+        self.fp8_step_amax[role] = torch.maximum(self.fp8_step_amax[role], amax)
+        current = compute_scale(amax, spec.max, self.recipe.margin, self.recipe.power_of_two_scales,
+                                previous=self.fp8_scale[role])
+        if tensorwise:
+            self.fp8_scale[role] = current
+            return current
+        # Delayed: the scale from previous steps once the history holds one; the current amax before that.
+        return torch.where(self.fp8_scale_valid[role], self.fp8_scale[role], current)
+
+    def _quantized_weight(self, backend: Backend, spec: Fp8FormatSpec) -> _QuantizedWeight:
+        w = self.weight
+        key = (w._version, w.data_ptr(), backend.name)
+        if self._weight_cache is None or self._weight_cache.key != key:
+            with torch.no_grad():
+                scale = self._scale_for(Fp8Role.WEIGHT, w, spec)
+                q = backend.quantize(w, scale, spec)
+                if self.fp8_stats_enabled:
+                    fp8_stats.record(self, Fp8Role.WEIGHT, w, q, scale, spec)
+            self._weight_cache = _QuantizedWeight(key, q, scale)
+            self.fp8_weight_quantizations += 1
+        return self._weight_cache
+
+    def invalidate_fp8_weight_cache(self) -> None:
+        """Drop the FP8 weight; the next forward re-quantizes (called by `fp8_optimizer_step`)."""
+        self._weight_cache = None
+
+    # --- nn.Module -------------------------------------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        device_type = x.device.type
+        if torch.is_autocast_enabled(device_type):
+            out_dtype = torch.get_autocast_dtype(device_type)
+        else:
+            out_dtype = x.dtype
+        return _Fp8LinearFunction.apply(x, self.weight, self.bias, self, out_dtype)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> "Fp8Linear":
+        # .to()/.cuda() may replace the weight's storage; a cached FP8 copy on the old device must go.
+        self._weight_cache = None
+        return super()._apply(fn, recurse)
+
+    def extra_repr(self) -> str:
+        r = self.recipe
+        fmt = "E4M3 fwd / E5M2 bwd" if r.format.value == "hybrid" else "E4M3"
+        if r.scaling is Fp8Scaling.DELAYED:
+            scaling = f"delayed(history={r.amax_history_len}, algo={r.amax_compute_algo.value}, margin={r.margin})"
+        else:
+            scaling = f"tensorwise(margin={r.margin})"
+        extras = [f"fp8={r.format.value} ({fmt})", f"scaling={scaling}"]
+        if not r.fp8_wgrad:
+            extras.append("wgrad=high-precision")
+        return f"{super().extra_repr()}, " + ", ".join(extras)
+
+
+def _group_size(group: Any) -> int:
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)

@@ -1,0 +1,119 @@
+"""FP8 quantization statistics: which layer and tensor is clipping, flushing to zero or seeing inf/NaN.
+
+Off by default. `enable_fp8_stats(model, True)` sets a flag on every `Fp8Linear`; only then do the forward
+and backward call `record` (so disabled statistics cost one attribute check per GEMM, nothing else). Counts
+are accumulated in device tensors since the last read and moved to the host once, in `collect_fp8_stats`,
+which the training loop calls at its log interval.
+
+Per layer and tensor role (input, weight, grad_output):
+- `amax`: the largest |x| seen since the last read; `scale`: the scale used most recently;
+- `clipped_frac`: fraction of values with |x * scale| > fp8_max, i.e. saturated by the clamp;
+- `flushed_frac`: fraction of *nonzero* values that quantized to 0 (below half the smallest subnormal);
+- `nan_count`, `inf_count`: counted on the unquantized tensor, before the clamp hides infinities.
+`worst_fp8_layer` names the tensor with the highest clipped fraction, for the log line. Clipping is the
+early sign of the outliers that precede an FP8 divergence (the SwiGLU outliers of the paper).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn as nn
+
+from megatron.fp8.formats import Fp8FormatSpec
+from megatron.fp8.quantize import amax_of, count_nonfinite
+
+if TYPE_CHECKING:
+    from megatron.fp8.linear import Fp8Linear
+
+# Columns of the per-module count buffer.
+_COUNTS = ("clipped", "flushed", "nan", "inf", "numel")
+
+
+def _ensure_buffers(module: "Fp8Linear") -> None:
+    device = module.fp8_scale.device
+    if getattr(module, "fp8_stats_counts", None) is None or module.fp8_stats_counts.device != device:
+        n_roles = module.fp8_scale.numel()
+        module.register_buffer("fp8_stats_counts", torch.zeros(n_roles, len(_COUNTS), dtype=torch.int64,
+                                                               device=device), persistent=False)
+        module.register_buffer("fp8_stats_amax", torch.zeros(n_roles, dtype=torch.float32, device=device),
+                               persistent=False)
+        module.register_buffer("fp8_stats_scale", torch.ones(n_roles, dtype=torch.float32, device=device),
+                               persistent=False)
+
+
+@torch.no_grad()
+def record(module: "Fp8Linear", role: int, t: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+           spec: Fp8FormatSpec) -> None:
+    """Accumulate the statistics of one quantization of `t` (to `q` with `scale`) into `module`."""
+    _ensure_buffers(module)
+    scaled = t.float() * scale.float()
+    clipped = (scaled.abs() > spec.max).sum()
+    flushed = ((t != 0) & (q.float() == 0)).sum()
+    nan, inf = count_nonfinite(t)
+    numel = torch.tensor(t.numel(), dtype=torch.int64, device=t.device)
+    module.fp8_stats_counts[role] += torch.stack([clipped, flushed, nan, inf, numel]).to(torch.int64)
+    module.fp8_stats_amax[role] = torch.maximum(module.fp8_stats_amax[role], amax_of(t))
+    module.fp8_stats_scale[role] = scale.float()
+
+
+def enable_fp8_stats(model: nn.Module, enabled: bool = True) -> None:
+    """Turn statistics on or off for every Fp8Linear in `model`."""
+    from megatron.fp8.linear import Fp8Linear
+
+    for module in model.modules():
+        if isinstance(module, Fp8Linear):
+            module.fp8_stats_enabled = enabled
+            if enabled:
+                _ensure_buffers(module)
+
+
+def collect_fp8_stats(model: nn.Module, reset: bool = True) -> dict[str, float]:
+    """Statistics since the last read, keyed `fp8/<layer>/<role>/<metric>`; one host transfer in total.
+
+    Layers that recorded nothing (statistics disabled, or no forward since the last read) are left out.
+    """
+    from megatron.fp8.linear import Fp8Linear
+    from megatron.fp8.scaling import ROLE_NAMES
+
+    names, counts, amaxes, scales = [], [], [], []
+    for name, module in model.named_modules():
+        if isinstance(module, Fp8Linear) and getattr(module, "fp8_stats_counts", None) is not None:
+            names.append(name)
+            counts.append(module.fp8_stats_counts)
+            amaxes.append(module.fp8_stats_amax)
+            scales.append(module.fp8_stats_scale)
+    if not names:
+        return {}
+    all_counts = torch.stack(counts).cpu().tolist()
+    all_amax = torch.stack(amaxes).cpu().tolist()
+    all_scale = torch.stack(scales).cpu().tolist()
+    out: dict[str, float] = {}
+    for i, name in enumerate(names):
+        for r, role in enumerate(ROLE_NAMES):
+            clipped, flushed, nan, inf, numel = all_counts[i][r]
+            if numel == 0:
+                continue
+            prefix = f"fp8/{name}/{role}"
+            out[f"{prefix}/amax"] = float(all_amax[i][r])
+            out[f"{prefix}/scale"] = float(all_scale[i][r])
+            out[f"{prefix}/clipped_frac"] = clipped / numel
+            out[f"{prefix}/flushed_frac"] = flushed / numel
+            out[f"{prefix}/nan_count"] = float(nan)
+            out[f"{prefix}/inf_count"] = float(inf)
+    if reset:
+        for module in model.modules():
+            if isinstance(module, Fp8Linear) and getattr(module, "fp8_stats_counts", None) is not None:
+                module.fp8_stats_counts.zero_()
+                module.fp8_stats_amax.zero_()
+    return out
+
+
+def worst_fp8_layer(stats: dict[str, float]) -> tuple[str, float] | None:
+    """(`<layer>/<role>`, clipped fraction) of the tensor clipping most, or None without statistics."""
+    suffix = "/clipped_frac"
+    candidates = [(k[len("fp8/"):-len(suffix)], v) for k, v in stats.items()
+                  if k.startswith("fp8/") and k.endswith(suffix)]
+    if not candidates:
+        return None
+    return max(candidates, key=lambda kv: kv[1])

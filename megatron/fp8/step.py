@@ -1,0 +1,58 @@
+"""`fp8_optimizer_step`: the once-per-optimizer-step FP8 update, called by the training loop.
+
+What it does, for every `Fp8Linear` in the model:
+1. Max-reduce this step's amaxes (the running max over all micro-batches) across the module's amax group.
+   All modules sharing a group are reduced in ONE all-reduce of a stacked [n_modules, 3] fp32 tensor: one
+   collective per step instead of 3 per layer, and fp32 because gloo cannot reduce FP8 (and amaxes are
+   fp32 anyway). NaN is sent as +inf, because a MAX reduction's treatment of NaN is backend-defined while
+   inf is ordered; either way the step amax is non-finite and handled the same (see `scaling.py`).
+2. Roll the amax histories, recompute the delayed scales, count non-finite steps.
+3. Reset the running step amax and drop the cached FP8 weights (the optimizer has just changed them).
+
+Modules using current (tensorwise) scaling skip 1-2: their scales never come from a history.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from megatron.fp8.linear import Fp8Linear
+from megatron.fp8.recipe import Fp8Scaling
+from megatron.fp8.scaling import delayed_update
+
+
+def _fp8_maxes(module: Fp8Linear) -> torch.Tensor:
+    specs = module.fp8_specs(module.fp8_backend(module.weight.device))
+    return torch.tensor([s.max for s in specs], dtype=torch.float32, device=module.fp8_scale.device)
+
+
+@torch.no_grad()
+def fp8_optimizer_step(model: nn.Module) -> None:
+    """Reduce amaxes (one all-reduce per amax group), update delayed scales, invalidate FP8 weight caches."""
+    groups: dict[int, tuple[Any, list[Fp8Linear]]] = {}
+    for module in model.modules():
+        if not isinstance(module, Fp8Linear):
+            continue
+        if module.recipe.scaling is Fp8Scaling.DELAYED:
+            groups.setdefault(id(module.amax_group), (module.amax_group, []))[1].append(module)
+        module.invalidate_fp8_weight_cache()
+        if module.recipe.scaling is Fp8Scaling.TENSORWISE:
+            module.fp8_step_amax.zero_()
+
+    for group, modules in groups.values():
+        amaxes = torch.stack([m.fp8_step_amax for m in modules])
+        amaxes = torch.where(torch.isnan(amaxes), torch.full_like(amaxes, float("inf")), amaxes)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=group)
+        for m, step_amax in zip(modules, amaxes):
+            history, scale, valid, nonfinite = delayed_update(
+                m.fp8_amax_history, m.fp8_scale, m.fp8_scale_valid, step_amax, _fp8_maxes(m), m.recipe)
+            m.fp8_amax_history.copy_(history)
+            m.fp8_scale.copy_(scale)
+            m.fp8_scale_valid.copy_(valid)
+            m.fp8_nonfinite_steps += nonfinite.to(torch.int64)
+            m.fp8_step_amax.zero_()
+            m.fp8_num_updates += 1
