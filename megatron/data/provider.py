@@ -47,8 +47,10 @@ def _collate(samples: list[dict]) -> torch.Tensor:
 def build_loader(dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int,
                  num_workers: int = 0) -> DataLoader:
     sampler = PretrainingSampler(len(dataset), consumed_samples, micro_batch_size, dp_rank, dp_size)
+    # A private generator: creating a DataLoader iterator otherwise draws from the global torch RNG,
+    # which would shift the dropout masks of a resumed run against the uninterrupted one.
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=_collate, num_workers=num_workers,
-                      persistent_workers=False)
+                      persistent_workers=False, generator=torch.Generator().manual_seed(0))
 
 
 def get_ltor_masks_and_position_ids(tokens: torch.Tensor, eod: Optional[int], eod_mask_loss: bool,

@@ -267,8 +267,12 @@ class Trainer:
                     self.tlog.validation("validation", vloss, s.iteration, s.consumed_train_tokens)
                 c = cfg.checkpoint
                 if c.save and c.save_interval and s.iteration % c.save_interval == 0:
-                    self.save()
-                    saved_at = s.iteration
+                    if s.consecutive_nan_iterations:
+                        # Do not let a checkpoint taken mid-divergence replace the last healthy one.
+                        logger.warning("iteration %d: not saving during a run of non-finite steps", s.iteration)
+                    else:
+                        self.save()
+                        saved_at = s.iteration
                 exit_reason = self._exit_reason(sig, start_time)
                 if exit_reason:
                     result.exit_reason = exit_reason

@@ -1,0 +1,52 @@
+"""Shared helpers for the test suite: tiny configurations (2 layers, hidden 64, vocab 128, seq 32)."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+TINY = {
+    "--num-layers": 2, "--hidden-size": 64, "--num-attention-heads": 4, "--num-key-value-heads": 2,
+    "--seq-length": 32, "--micro-batch-size": 4, "--global-batch-size": 8, "--train-iters": 20,
+    "--lr": 3e-3, "--min-lr": 3e-4, "--lr-decay-style": "cosine", "--lr-warmup-iters": 2,
+    "--vocab-size": 128, "--normalization": "RMSNorm", "--log-interval": 5, "--eval-interval": 10,
+    "--eval-iters": 2, "--hidden-dropout": 0.0, "--attention-dropout": 0.0, "--seed": 1234,
+    "--weight-decay": 0.1,
+}
+TINY_SWITCHES = ["--mock-data", "--swiglu", "--use-rotary-position-embeddings",
+                 "--untie-embeddings-and-output-weights", "--disable-bias-linear"]
+
+
+def tiny_argv(*switches: str, **overrides) -> list[str]:
+    """argv for a tiny Llama-style run; overrides use underscores (train_iters=5); None drops a flag."""
+    values = dict(TINY)
+    for key, value in overrides.items():
+        values["--" + key.replace("_", "-")] = value
+    argv = list(TINY_SWITCHES)
+    for flag, value in values.items():
+        if value is not None:
+            argv += [flag, str(value)]
+    return argv + list(switches)
+
+
+@pytest.fixture(autouse=True)
+def _single_process_env(monkeypatch):
+    """Tests run as one process unless they spawn workers themselves."""
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    yield
+
+
+@pytest.fixture
+def venv_python() -> str:
+    return sys.executable
+
+
+def pytest_configure(config):
+    os.environ.setdefault("OMP_NUM_THREADS", "2")

@@ -1,0 +1,87 @@
+"""Flag validation: every error names the flag and the fix; unsupported flags are refused."""
+import re
+import subprocess
+import sys
+
+import pytest
+
+from megatron.arguments import parse_config
+from megatron.config import LrDecayStyle, Normalization, PositionEmbedding
+from megatron.model import GPTModel
+from megatron.training.flops import count_parameters
+from tests.conftest import REPO, tiny_argv
+
+
+def test_tiny_config_resolves():
+    cfg = parse_config(tiny_argv())
+    assert cfg.model.padded_vocab_size == 128
+    assert cfg.model.kv_channels == 16 and cfg.model.num_key_value_heads == 2
+    assert cfg.model.normalization is Normalization.RMSNORM
+    assert cfg.model.position_embedding_type is PositionEmbedding.ROPE
+    assert cfg.training.num_micro_batches == 2
+    assert cfg.scheduler.decay_style is LrDecayStyle.COSINE and cfg.scheduler.decay_iters == 20
+    assert cfg.fp8 is None
+
+
+@pytest.mark.parametrize("overrides, switches, message", [
+    (dict(global_batch_size=6), [], "--global-batch-size 6 must be divisible by --micro-batch-size 4"),
+    (dict(lr=None), [], "--lr is required"),
+    (dict(train_samples=100), [], "exactly one of --train-iters and --train-samples"),
+    (dict(num_key_value_heads=3), [], "--num-key-value-heads 3"),
+    (dict(hidden_size=66), [], "--hidden-size 66 must be divisible by --num-attention-heads"),
+    (dict(max_position_embeddings=16), [], "--seq-length 32 exceeds --max-position-embeddings 16"),
+    (dict(vocab_size=None), [], "--vocab-size is required"),
+    (dict(lr_warmup_iters=50), [], "warm-up (50 iterations) is longer than the decay"),
+    (dict(min_lr=1.0), [], "--min-lr 1.0 is larger than --lr"),
+    ({}, ["--fp16"], "--fp16 is not supported: use --bf16"),
+    (dict(tensor_model_parallel_size=2), [], "--tensor-model-parallel-size > 1 is not supported yet"),
+    ({}, ["--sequence-parallel"], "--sequence-parallel is not supported yet"),
+    ({}, ["--deepspeed"], "--deepspeed is not supported yet"),
+    (dict(fp8_optimizer_block_size=128), [], "--fp8-optimizer-* flags need --optimizer fp8adam"),
+    ({}, ["--no-fp8-wgrad"], "only apply to FP8 training: add --fp8-format"),
+    (dict(fp8_format="hybrid", fp8_first_last_layers_bf16=1), [], "keeps every one of the 2 layers"),
+])
+def test_validation_errors_name_the_flag(overrides, switches, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_config(tiny_argv(*switches, **overrides))
+
+
+def test_no_data_source_is_an_error():
+    argv = [a for a in tiny_argv() if a != "--mock-data"]
+    with pytest.raises(ValueError, match="--data-path"):
+        parse_config(argv)
+
+
+def test_train_samples_and_warmup_fraction():
+    cfg = parse_config(tiny_argv(train_iters=None, train_samples=81, lr_warmup_iters=None, lr_warmup_fraction=0.25))
+    assert cfg.training.train_iters == 11  # ceil(81 / 8)
+    assert cfg.scheduler.warmup_iters == 2  # int(0.25 * 11)
+
+
+def test_analytic_parameter_count_matches_model():
+    for switches in ([], ["--normalization", "LayerNorm"]):
+        cfg = parse_config(tiny_argv(*switches))
+        assert count_parameters(cfg.model) == GPTModel(cfg.model).num_parameters()
+    argv = [a for a in tiny_argv() if a not in ("--untie-embeddings-and-output-weights", "--disable-bias-linear")]
+    cfg = parse_config(argv)
+    assert count_parameters(cfg.model) == GPTModel(cfg.model).num_parameters()
+
+
+def test_dry_run_llama2_7b_parameter_count():
+    out = subprocess.run([sys.executable, "pretrain_gpt.py", "--dry-run", "--num-layers", "32", "--hidden-size", "4096",
+                          "--ffn-hidden-size", "11008", "--num-attention-heads", "32", "--seq-length", "4096",
+                          "--micro-batch-size", "1", "--global-batch-size", "1024", "--train-iters", "10",
+                          "--lr", "3e-4", "--mock-data", "--vocab-size", "32000", "--swiglu", "--normalization",
+                          "RMSNorm", "--use-rotary-position-embeddings", "--untie-embeddings-and-output-weights",
+                          "--disable-bias-linear"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "parameters: 6,738,415,616" in out.stdout  # Llama2-7B's published count
+    assert "gradient accumulation steps: 1024" in out.stdout
+    assert "memory estimate per device" in out.stdout
+
+
+def test_cli_error_exit_code_and_message():
+    out = subprocess.run([sys.executable, "pretrain_gpt.py", *tiny_argv(global_batch_size=6)], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "--global-batch-size 6" in out.stderr

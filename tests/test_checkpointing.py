@@ -1,0 +1,109 @@
+"""Checkpoint files: atomic saves, safe loading, clear errors."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron.arguments import parse_config
+from megatron.training import checkpointing as ckpt
+from megatron.training.loop import pretrain
+from tests.conftest import REPO, tiny_argv
+
+
+def _save(root, iteration, value, **kw):
+    return ckpt.save_checkpoint(root, iteration, {"model": {"w": torch.full((4,), float(value))}},
+                                {"iteration": iteration}, {"note": "test"}, **kw)
+
+
+def test_layout_and_round_trip(tmp_path):
+    _save(tmp_path, 100, 1.0)
+    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "100"
+    loaded = ckpt.load_checkpoint_files(tmp_path)
+    assert loaded["path"].name == "iter_0000100"
+    assert torch.equal(loaded["payload"]["model"]["w"], torch.ones(4))
+    assert loaded["payload"]["checkpoint_version"] == ckpt.CHECKPOINT_VERSION
+    assert loaded["train_state"] == {"iteration": 100} and loaded["config"] == {"note": "test"}
+
+
+def test_failed_save_leaves_previous_checkpoint_loadable(tmp_path):
+    _save(tmp_path, 10, 1.0)
+
+    def crash(tmp_dir):
+        assert (tmp_dir / "mp_rank_00" / "model_optim_rng.pt").exists()  # the crash happens mid-save
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        _save(tmp_path, 20, 2.0, _before_commit=crash)
+    assert not (tmp_path / "iter_0000020").exists()
+    loaded = ckpt.load_checkpoint_files(tmp_path)
+    assert loaded["path"].name == "iter_0000010" and torch.equal(loaded["payload"]["model"]["w"], torch.ones(4))
+    _save(tmp_path, 20, 2.0)  # the next save sweeps the debris
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp")] == []
+    assert ckpt.load_checkpoint_files(tmp_path)["path"].name == "iter_0000020"
+
+
+def test_killed_save_process_leaves_previous_checkpoint(tmp_path):
+    """A process killed (SIGKILL) while writing never exposes a half-written iter_ folder."""
+    _save(tmp_path, 1, 1.0)
+    script = (
+        "import os, signal, torch, sys\n"
+        "from megatron.training import checkpointing as c\n"
+        "def die(tmp): os.kill(os.getpid(), signal.SIGKILL)\n"
+        f"c.save_checkpoint({str(tmp_path)!r}, 2, {{'model': {{'w': torch.zeros(1000)}}}}, {{}}, {{}}, _before_commit=die)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO)
+    assert proc.returncode == -9
+    assert not (tmp_path / "iter_0000002").exists()
+    assert ckpt.load_checkpoint_files(tmp_path)["path"].name == "iter_0000001"
+
+
+def test_resaving_same_iteration_replaces_it(tmp_path):
+    _save(tmp_path, 5, 1.0)
+    _save(tmp_path, 5, 3.0)
+    assert torch.equal(ckpt.load_checkpoint_files(tmp_path)["payload"]["model"]["w"], torch.full((4,), 3.0))
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("touch pwned_marker",))
+
+
+def test_malicious_pickle_is_refused(tmp_path, monkeypatch):
+    _save(tmp_path, 1, 1.0)
+    target = ckpt.model_file(ckpt.iteration_dir(tmp_path, 1))
+    torch.save({"model": _Evil()}, target)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ckpt.CheckpointError, match="refusing to load"):
+        ckpt.load_checkpoint_files(tmp_path)
+    assert not (tmp_path / "pwned_marker").exists()
+
+
+def test_tracker_errors(tmp_path):
+    assert ckpt.load_checkpoint_files(tmp_path) is None  # nothing there: start from scratch
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("garbage")
+    with pytest.raises(ckpt.CheckpointError, match="is corrupt"):
+        ckpt.load_checkpoint_files(tmp_path)
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("7")
+    with pytest.raises(ckpt.CheckpointError, match="points at iteration 7 but"):
+        ckpt.load_checkpoint_files(tmp_path)
+
+
+def test_checkpoint_holds_plain_config_and_train_state(tmp_path):
+    pretrain(parse_config(tiny_argv(save=tmp_path / "c", train_iters=3, eval_iters=0, lr_warmup_iters=0)))
+    loaded = ckpt.load_checkpoint_files(tmp_path / "c")
+    assert loaded["train_state"]["consumed_train_samples"] == 24
+    assert loaded["config"]["model"]["hidden_size"] == 64
+    assert set(loaded["payload"]) >= {"model", "optimizer", "lr_scheduler", "rng_state", "iteration"}
+    assert "args" not in loaded["payload"]  # never a pickled Namespace
+
+
+def test_no_load_optim_needed_when_optimizer_not_saved(tmp_path):
+    pretrain(parse_config(tiny_argv("--no-save-optim", save=tmp_path / "c", train_iters=2, eval_iters=0,
+                                    lr_warmup_iters=0)))
+    with pytest.raises(ValueError, match="--no-load-optim"):
+        pretrain(parse_config(tiny_argv(load=tmp_path / "c", train_iters=3, eval_iters=0, lr_warmup_iters=0)))
+    result = pretrain(parse_config(tiny_argv("--no-load-optim", load=tmp_path / "c", train_iters=3, eval_iters=0,
+                                             lr_warmup_iters=0)))
+    assert result.state.iteration == 3
