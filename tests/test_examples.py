@@ -19,7 +19,7 @@ def test_llama2_7b_dry_run():
 
 
 def test_tiny_cpu_example_trains():
-    out = _run("pretrain_tiny_cpu.sh", "--train-iters", "6", "--log-interval", "3", "--eval-interval", "6",
+    out = _run("pretrain_tiny_cpu.sh", "--train-iters", "6", "--lr-warmup-iters", "2", "--log-interval", "3", "--eval-interval", "6",
                "--eval-iters", "1")
     assert out.returncode == 0, out.stderr
     assert "iteration        6/       6" in out.stderr
