@@ -1,0 +1,257 @@
+"""GPT pretraining samples over an indexed dataset, with Megatron's three indices.
+
+A sample is `seq_length + 1` consecutive tokens of a stream made by concatenating documents, so
+samples cross document boundaries and consecutive samples share one token (input/label shift).
+Three arrays define the samples, as in Megatron-LM's GPTDataset:
+
+* document index: the split's documents repeated for as many epochs as needed to produce the
+  requested number of samples, each epoch independently shuffled;
+* sample index: `[num_samples + 1, 2]` (position in the document index, token offset) of each
+  sample start; sample i starts at token `i * seq_length` of the stream;
+* shuffle index: a permutation of the samples, shuffled within each epoch, so every sample of an
+  epoch is seen before any sample of the next.
+
+Megatron builds the sample index with a C++ loop over samples; here the same positions come from
+one `cumsum` over document lengths and one `searchsorted` (vectorised numpy, memory linear in the
+number of documents and samples; see bench/bench_data.py for a 10B-token corpus). Indices are
+cached by `megatron.data.index_cache`. Dataset selection (`--data-path`, `--split`, per-split
+paths, blends) is in `build_train_valid_test_datasets`.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Optional, Sequence
+
+import numpy as np
+
+from megatron.config import DataConfig
+from megatron.data.blended_dataset import BlendedDataset, build_blending_indices
+from megatron.data.index_cache import array_digest, load_or_build, resolve_cache_dir
+from megatron.data.indexed_dataset import MMapIndexedDataset
+
+logger = logging.getLogger(__name__)
+
+INDEX_FORMAT_VERSION = 1  # bump when the index construction changes: old cache entries are then ignored
+
+
+def num_epochs_for(tokens_per_epoch: int, seq_length: int, num_samples: int) -> int:
+    """Fewest epochs whose token stream yields `num_samples` samples of `seq_length + 1` tokens."""
+    # Samples available from e epochs: (e * T - 1) // L (the last sample needs one extra token).
+    return max(1, -(-(num_samples * seq_length + 1) // tokens_per_epoch))
+
+
+def build_document_index(documents: np.ndarray, num_epochs: int, rng: np.random.Generator) -> np.ndarray:
+    """`documents` repeated `num_epochs` times, each repetition in its own random order."""
+    tiled = np.broadcast_to(documents.astype(np.int32), (num_epochs, len(documents)))
+    return rng.permuted(tiled, axis=1).reshape(-1)
+
+
+def build_sample_index(sizes: np.ndarray, doc_idx: np.ndarray, seq_length: int, num_samples: int) -> np.ndarray:
+    """(position in `doc_idx`, offset) of the first token of samples 0..num_samples (inclusive)."""
+    # cum[k] = stream position of the first token of doc_idx[k]; cum[-1] = stream length.
+    cum = np.zeros(len(doc_idx) + 1, dtype=np.int64)
+    np.cumsum(sizes[doc_idx], dtype=np.int64, out=cum[1:])
+    starts = np.arange(num_samples + 1, dtype=np.int64) * seq_length
+    if num_samples and starts[-1] >= cum[-1]:
+        raise ValueError(f"{num_samples} samples of {seq_length} tokens need more than the {cum[-1]} tokens given")
+    # side="right" skips empty documents, as Megatron's loop does.
+    position = np.searchsorted(cum, starts, side="right") - 1
+    sample_idx = np.empty((num_samples + 1, 2), dtype=np.int64)
+    sample_idx[:, 0] = position
+    sample_idx[:, 1] = starts - cum[position]
+    return sample_idx
+
+
+def build_shuffle_index(num_samples: int, seq_length: int, tokens_per_epoch: int,
+                        rng: np.random.Generator) -> np.ndarray:
+    """A permutation of the samples that only mixes samples of the same epoch."""
+    epoch = np.arange(num_samples, dtype=np.int64) * seq_length // tokens_per_epoch
+    # Sorting epoch + U[0, 1) keys shuffles inside each epoch and keeps epochs in order.
+    return np.argsort(epoch + rng.random(num_samples), kind="stable")
+
+
+def build_gpt_indices(sizes: np.ndarray, documents: np.ndarray, seq_length: int, num_samples: int,
+                      seed: int) -> dict[str, np.ndarray]:
+    """The document, sample and shuffle indices for at least `num_samples` samples (pure function)."""
+    if seq_length <= 0:
+        raise ValueError(f"--seq-length must be positive, got {seq_length}")
+    tokens_per_epoch = int(sizes[documents].sum(dtype=np.int64))
+    if tokens_per_epoch == 0:
+        raise ValueError("the selected documents hold no tokens")
+    num_epochs = num_epochs_for(tokens_per_epoch, seq_length, num_samples)
+    total_samples = (num_epochs * tokens_per_epoch - 1) // seq_length
+    rng = np.random.default_rng(seed)
+    doc_idx = build_document_index(documents, num_epochs, rng)
+    sample_idx = build_sample_index(sizes, doc_idx, seq_length, total_samples)
+    shuffle_idx = build_shuffle_index(total_samples, seq_length, tokens_per_epoch, rng)
+    return {"doc_idx": doc_idx, "sample_idx": sample_idx, "shuffle_idx": shuffle_idx}
+
+
+class GPTDataset:
+    """Map-style dataset: `ds[i] == {"text": int64 array of seq_length + 1 tokens}`."""
+
+    def __init__(self, name: str, indexed_dataset: MMapIndexedDataset, documents: tuple[int, int],
+                 seq_length: int, seed: int, num_samples: int, cache_dir: Optional[str] = None) -> None:
+        self.name = name
+        self.indexed_dataset = indexed_dataset
+        self.seq_length = seq_length
+        start, end = documents
+        if not 0 <= start < end <= len(indexed_dataset):
+            raise ValueError(f"document range [{start}, {end}) is empty or outside the "
+                             f"{len(indexed_dataset)} documents of {indexed_dataset.path_prefix}")
+        sizes = indexed_dataset.sizes
+        description = {
+            "class": "GPTDataset", "version": INDEX_FORMAT_VERSION,
+            "path_prefix": os.path.abspath(indexed_dataset.path_prefix),
+            "sizes_md5": array_digest(sizes), "documents": [start, end],
+            "seq_length": seq_length, "seed": seed, "num_samples": num_samples,
+        }
+        cache_dir = resolve_cache_dir(cache_dir, indexed_dataset.path_prefix)
+        tag = f"{os.path.basename(indexed_dataset.path_prefix)}-{name}"
+        arrays = load_or_build(cache_dir, tag, description, ("doc_idx", "sample_idx", "shuffle_idx"),
+                               lambda: build_gpt_indices(sizes, np.arange(start, end), seq_length,
+                                                         num_samples, seed))
+        self.doc_idx, self.sample_idx, self.shuffle_idx = (
+            arrays["doc_idx"], arrays["sample_idx"], arrays["shuffle_idx"])
+
+    def __len__(self) -> int:
+        return len(self.shuffle_idx)
+
+    def __getitem__(self, idx: int) -> dict[str, np.ndarray]:
+        if not 0 <= idx < len(self):
+            raise IndexError(f"sample {idx} out of range for the {len(self)} samples of the {self.name} dataset")
+        i = int(self.shuffle_idx[idx])
+        first, first_offset = (int(v) for v in self.sample_idx[i])
+        last, last_offset = (int(v) for v in self.sample_idx[i + 1])
+        get = self.indexed_dataset.get
+        if first == last:
+            tokens = get(int(self.doc_idx[first]), first_offset, last_offset - first_offset + 1)
+        else:
+            parts = [get(int(self.doc_idx[first]), first_offset)]
+            parts += [get(int(d)) for d in self.doc_idx[first + 1:last]]
+            parts.append(get(int(self.doc_idx[last]), 0, last_offset + 1))
+            tokens = np.concatenate(parts)
+        return {"text": tokens.astype(np.int64)}
+
+
+def parse_split(split: str, num_documents: int) -> list[tuple[int, int]]:
+    """Megatron's `--split 969,30,1`: weights -> train/valid/test document ranges."""
+    try:
+        weights = [float(w) for w in split.replace("/", ",").split(",")]
+    except ValueError:
+        raise ValueError(f"--split {split!r} must be comma-separated numbers, e.g. 969,30,1") from None
+    if len(weights) > 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise ValueError(f"--split {split!r} needs up to three non-negative weights with a positive sum")
+    weights = (weights + [0.0, 0.0])[:3]
+    total = sum(weights)
+    bounds = [0]
+    for w in weights:
+        bounds.append(bounds[-1] + int(round(w / total * num_documents)))
+    # Rounding may over- or undershoot: the last split absorbs the difference, as in Megatron.
+    diff = bounds[-1] - num_documents
+    bounds = [bounds[0]] + [b - diff for b in bounds[1:]]
+    bounds = [min(max(b, 0), num_documents) for b in bounds]
+    return [(bounds[k], bounds[k + 1]) for k in range(3)]
+
+
+def parse_blend(paths: Sequence[str], flag: str) -> tuple[list[str], Optional[list[float]]]:
+    """`("0.3", "A", "0.7", "B")` -> prefixes and weights; unweighted paths give weights None."""
+    paths = list(paths)
+    try:
+        float(paths[0])
+    except ValueError:
+        return paths, None
+    if len(paths) % 2:
+        raise ValueError(f"{flag} {' '.join(paths)}: give weight/prefix pairs (0.3 A 0.7 B) or prefixes only")
+    weights, prefixes = paths[0::2], paths[1::2]
+    try:
+        values = [float(w) for w in weights]
+    except ValueError:
+        raise ValueError(f"{flag}: every other item must be a weight, got {weights}") from None
+    if any(w < 0 for w in values) or sum(values) <= 0:
+        raise ValueError(f"{flag}: weights must be non-negative with a positive sum, got {values}")
+    return prefixes, values
+
+
+def _check_tokenizer(ds: MMapIndexedDataset, tokenizer) -> None:
+    """Catch data preprocessed with another tokenizer early: ids must be below its vocabulary size."""
+    if tokenizer is None or len(ds) == 0:
+        return
+    head = np.concatenate([ds[i] for i in range(min(len(ds), 32))]).astype(np.int64)
+    if head.size and head.max() >= tokenizer.vocab_size:
+        raise ValueError(f"{ds.path_prefix} holds token id {head.max()} but the tokenizer has only "
+                         f"{tokenizer.vocab_size} ids: pass the --tokenizer-type/--tokenizer-model that "
+                         "tools/preprocess_data.py used for this data")
+
+
+def _build_split(name: str, parts: list[tuple[MMapIndexedDataset, tuple[int, int]]],
+                 weights: Optional[list[float]], seq_length: int, seed: int, num_samples: int,
+                 cache_path: Optional[str]):
+    """One split: a GPTDataset, a BlendedDataset of several, or None when there is nothing to build."""
+    if weights is None:  # unweighted prefixes: blend in proportion to their tokens (plain concatenation)
+        weights = [float(ds.sizes[a:b].sum(dtype=np.int64)) for ds, (a, b) in parts]
+    kept = [(ds, docs, w) for (ds, docs), w in zip(parts, weights) if docs[1] > docs[0] and w > 0]
+    for ds, docs in parts:
+        if docs[1] <= docs[0] and len(parts) > 1:
+            logger.warning("%s split of %s is empty (--split): left out of the blend", name, ds.path_prefix)
+    if not kept or num_samples == 0:
+        return None
+    if len(kept) == 1:
+        ds, docs, _ = kept[0]
+        return GPTDataset(name, ds, docs, seq_length, seed, num_samples, cache_path)
+    blend_weights = [w for _, _, w in kept]
+    description = {"class": "BlendedDataset", "version": INDEX_FORMAT_VERSION, "size": num_samples,
+                   "weights": blend_weights,
+                   "parts": [[os.path.abspath(ds.path_prefix), array_digest(ds.sizes), list(docs)]
+                             for ds, docs, _ in kept]}
+    first = kept[0][0].path_prefix
+    arrays = load_or_build(resolve_cache_dir(cache_path, first), f"blend-{name}", description,
+                           ("dataset_index", "dataset_sample_index"),
+                           lambda: dict(zip(("dataset_index", "dataset_sample_index"),
+                                            build_blending_indices(blend_weights, num_samples))))
+    counts = np.bincount(arrays["dataset_index"], minlength=len(kept))
+    datasets = [GPTDataset(name, ds, docs, seq_length, seed, int(n), cache_path) if n else None
+                for (ds, docs, _), n in zip(kept, counts)]
+    return BlendedDataset(datasets, blend_weights, arrays["dataset_index"], arrays["dataset_sample_index"])
+
+
+def build_train_valid_test_datasets(cfg: DataConfig, tokenizer, seq_length: int, seed: int,
+                                    num_samples: tuple[int, int, int]) -> tuple:
+    """(train, valid, test) datasets of at least `num_samples[k]` samples each (None: no data or 0 asked).
+
+    `cfg.data_path` (one prefix or a weighted blend) is cut into splits by `cfg.split` over documents;
+    or `cfg.train_data_path` / `valid_data_path` / `test_data_path` give each split its own data.
+    """
+    per_split = (cfg.train_data_path, cfg.valid_data_path, cfg.test_data_path)
+    if cfg.data_path and any(per_split):
+        raise ValueError("--data-path and --train-data-path/--valid-data-path/--test-data-path are exclusive: "
+                         "use --data-path with --split, or the per-split paths")
+    if not cfg.data_path and not any(per_split):
+        raise ValueError("no training data: pass --data-path PREFIX (or --train-data-path ...), "
+                         "or --mock-data; tools/prepare_demo_data.py makes a small corpus")
+    opened: dict[str, MMapIndexedDataset] = {}
+
+    def open_prefix(prefix: str) -> MMapIndexedDataset:
+        if prefix not in opened:
+            opened[prefix] = MMapIndexedDataset(prefix)
+            _check_tokenizer(opened[prefix], tokenizer)
+        return opened[prefix]
+
+    names = ("train", "valid", "test")
+    if cfg.data_path:
+        prefixes, weights = parse_blend(cfg.data_path, "--data-path")
+        datasets = [open_prefix(p) for p in prefixes]
+        ranges = [parse_split(cfg.split, len(ds)) for ds in datasets]
+        return tuple(_build_split(names[k], [(ds, r[k]) for ds, r in zip(datasets, ranges)], weights,
+                                  seq_length, seed, num_samples[k], cfg.data_cache_path) for k in range(3))
+    out = []
+    for k, (paths, flag) in enumerate(zip(per_split, ("--train-data-path", "--valid-data-path",
+                                                      "--test-data-path"))):
+        if not paths:
+            out.append(None)
+            continue
+        prefixes, weights = parse_blend(paths, flag)
+        parts = [(open_prefix(p), (0, len(open_prefix(p)))) for p in prefixes]
+        out.append(_build_split(names[k], parts, weights, seq_length, seed, num_samples[k], cfg.data_cache_path))
+    return tuple(out)

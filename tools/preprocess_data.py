@@ -1,0 +1,60 @@
+"""Tokenize a corpus into Megatron `.bin/.idx` files (flags as in Megatron-LM's tool).
+
+    python tools/preprocess_data.py --input corpus.jsonl --json-keys text --output-prefix data/my \\
+        --tokenizer-type GPTSentencePieceTokenizer --tokenizer-model tok.model --append-eod --workers 4
+
+writes `data/my_text_document.bin/.idx`. `--input` is JSONL when it ends in .jsonl/.json, otherwise
+plain text with one document per line. A malformed line stops the run (exit status 1) with its file
+and line number, unless `--skip-bad-lines`. Interrupted runs leave no files under the final names.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from typing import Optional
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron.data.preprocess import preprocess  # noqa: E402
+from megatron.tokenizer.flags import add_tokenizer_args, tokenizer_config  # noqa: E402
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    group = parser.add_argument_group("input data")
+    group.add_argument("--input", type=str, required=True, help="JSONL (.jsonl/.json) or plain text, one doc a line")
+    group.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract (default: text)")
+    group.add_argument("--skip-bad-lines", action="store_true",
+                       help="skip and count malformed lines instead of stopping at the first")
+    add_tokenizer_args(parser).add_argument("--append-eod", action="store_true",
+                                            help="append the end-of-document token to every document")
+    group = parser.add_argument_group("output data")
+    group.add_argument("--output-prefix", type=str, required=True,
+                       help="writes {prefix}_{key}_document.bin/.idx for every key")
+    group = parser.add_argument_group("runtime")
+    group.add_argument("--workers", type=int, default=1, help="tokenizer processes")
+    group.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser.parse_args(argv)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    # SIGTERM becomes SystemExit, so the temporary outputs are removed like on Ctrl-C.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        stats = preprocess(args.input, args.output_prefix, tokenizer_config(args), args.json_keys,
+                           append_eod=args.append_eod, workers=args.workers, skip_bad_lines=args.skip_bad_lines,
+                           progress=not args.no_progress)
+    except ValueError as err:  # bad flags, files or lines: the message says what and how to fix it
+        print(f"preprocess_data.py: error: {err}", file=sys.stderr)
+        return 1
+    print(stats.summary())
+    for prefix in stats.output_prefixes:
+        print(f"wrote {prefix}.bin and {prefix}.idx")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
