@@ -94,7 +94,7 @@ def collect_fp8_stats(model: nn.Module, reset: bool = True) -> dict[str, float]:
             clipped, flushed, nan, inf, numel = all_counts[i][r]
             if numel == 0:
                 continue
-            prefix = f"fp8/{name}/{role}"
+            prefix = f"fp8/{name}/{role}" if name else f"fp8/{role}"  # name is "" for a bare layer
             out[f"{prefix}/amax"] = float(all_amax[i][r])
             out[f"{prefix}/scale"] = float(all_scale[i][r])
             out[f"{prefix}/clipped_frac"] = clipped / numel
