@@ -11,6 +11,7 @@ from megatron.data.gpt_dataset import (
     GPTDataset,
     build_gpt_indices,
     build_sample_index,
+    build_shuffle_index,
     build_train_valid_test_datasets,
     parse_split,
 )
@@ -79,6 +80,15 @@ def test_samples_rebuild_the_token_stream_across_epochs(tmp_path):
     # The shuffle never mixes epochs: the first epoch's samples come first.
     first_epoch = tokens_per_epoch // SEQ
     assert np.all(np.asarray(gpt.shuffle_idx[:first_epoch]) < first_epoch + 1)
+
+
+@pytest.mark.parametrize("tokens_per_epoch", [1000, 37])  # few long epochs / thousands of tiny ones
+def test_shuffle_stays_within_epochs(tokens_per_epoch):
+    n = 5000
+    shuffle = build_shuffle_index(n, SEQ, tokens_per_epoch, np.random.default_rng(0))
+    assert sorted(shuffle) == list(range(n)) and not np.array_equal(shuffle, np.arange(n))
+    epoch = np.arange(n) * SEQ // tokens_per_epoch
+    assert np.array_equal(epoch[shuffle], epoch)
 
 
 def test_indices_are_deterministic_and_cached(tmp_path, monkeypatch):

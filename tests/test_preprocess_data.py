@@ -47,7 +47,8 @@ def test_plain_text_and_workers_give_identical_files(tmp_path):
     # Blank lines (every 17th here) are not documents.
     assert [one[i].tolist() for i in range(len(one))] == [[int(x) for x in ln.split()] for ln in lines if ln]
     for ext in (".bin", ".idx"):
-        assert (tmp_path / f"one_text_document{ext}").read_bytes() == (tmp_path / f"two_text_document{ext}").read_bytes()
+        one_bytes = (tmp_path / f"one_text_document{ext}").read_bytes()
+        assert one_bytes == (tmp_path / f"two_text_document{ext}").read_bytes()
 
 
 def test_plain_text_takes_one_key(tmp_path):

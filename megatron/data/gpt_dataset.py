@@ -66,9 +66,18 @@ def build_sample_index(sizes: np.ndarray, doc_idx: np.ndarray, seq_length: int, 
 def build_shuffle_index(num_samples: int, seq_length: int, tokens_per_epoch: int,
                         rng: np.random.Generator) -> np.ndarray:
     """A permutation of the samples that only mixes samples of the same epoch."""
+    # Sample i belongs to the epoch holding its first token.
+    num_epochs = (max(num_samples - 1, 0) * seq_length) // tokens_per_epoch + 1
+    if num_epochs <= 1024:  # few epochs: one permutation each (faster than a global sort)
+        first = -(-np.arange(num_epochs + 1, dtype=np.int64) * tokens_per_epoch // seq_length)
+        first[-1] = num_samples
+        shuffle = np.empty(num_samples, dtype=np.int64)
+        for a, b in zip(first[:-1], first[1:]):
+            shuffle[a:b] = a + rng.permutation(b - a)
+        return shuffle
+    # Many tiny epochs: sorting epoch + U[0, 1) keys shuffles inside epochs and keeps their order.
     epoch = np.arange(num_samples, dtype=np.int64) * seq_length // tokens_per_epoch
-    # Sorting epoch + U[0, 1) keys shuffles inside each epoch and keeps epochs in order.
-    return np.argsort(epoch + rng.random(num_samples), kind="stable")
+    return np.argsort(epoch + rng.random(num_samples))
 
 
 def build_gpt_indices(sizes: np.ndarray, documents: np.ndarray, seq_length: int, num_samples: int,

@@ -79,7 +79,8 @@ class MMapIndexedDataset:
         with open(idx_path, "rb") as f:
             header = f.read(HEADER_BYTES)
         if not HDR_MAGIC.startswith(header[:len(HDR_MAGIC)]):
-            raise corrupt(f"bad magic {header[:len(HDR_MAGIC)]!r}, expected {HDR_MAGIC!r} (not a Megatron mmap .idx file)")
+            raise corrupt(f"bad magic {header[:len(HDR_MAGIC)]!r}, expected {HDR_MAGIC!r} "
+                          "(not a Megatron mmap .idx file)")
         if len(header) < HEADER_BYTES:
             raise corrupt(f"only {idx_size} bytes, shorter than the {HEADER_BYTES}-byte header (truncated)")
         offset = len(HDR_MAGIC)
