@@ -236,15 +236,15 @@ def _data_config(a: argparse.Namespace) -> DataConfig:
 
 
 def _padded_vocab_size(a: argparse.Namespace, data: DataConfig) -> int:
-    if data.mock_data or data.tokenizer_type == "NullTokenizer":
-        _require(data.vocab_size, "--vocab-size")
+    if data.mock_data:
         vocab = data.vocab_size
     else:
         from megatron.tokenizer import build_tokenizer
 
         vocab = build_tokenizer(data).vocab_size
-    multiple = a.make_vocab_size_divisible_by * a.tensor_model_parallel_size
-    return int(math.ceil(vocab / multiple) * multiple)
+    from megatron.tokenizer import pad_vocab_size
+
+    return pad_vocab_size(vocab, a.make_vocab_size_divisible_by, a.tensor_model_parallel_size)
 
 
 def _fp8_recipe(a: argparse.Namespace) -> Optional[Fp8Recipe]:
