@@ -123,3 +123,25 @@ def test_zero_and_nonfinite_amax_keep_the_previous_scale() -> None:
     assert torch.isnan(layer(nan_x)[1]).all()  # NaN propagates to the output (the loss will show it)
     fp8_optimizer_step(layer)
     assert layer.fp8_nonfinite_steps[IN].item() == 2 and layer.fp8_scale[IN].item() == good
+
+
+def test_evaluation_does_not_touch_the_scaling_state() -> None:
+    layer = _layer(amax_history_len=2)
+    _step(layer, 3.0)
+    before = {k: v.clone() for k, v in layer.named_buffers()}
+    layer.eval()
+    with torch.no_grad():
+        layer(_x(1000.0))
+    layer.train()
+    assert all(torch.equal(v, before[k]) for k, v in layer.named_buffers())
+
+
+def test_weight_amax_is_recorded_even_when_the_cast_happened_in_evaluation() -> None:
+    layer = _layer(amax_history_len=2)
+    _step(layer, 3.0)
+    layer.eval()
+    layer(_x(1.0))  # the FP8 weight of the next step is made here, outside training
+    layer.train()
+    _step(layer, 3.0)
+    assert layer.fp8_weight_quantizations == 2
+    assert layer.fp8_amax_history[Fp8Role.WEIGHT, 0].item() == layer.weight.abs().max().item()

@@ -55,7 +55,9 @@ class EmulatedBackend:
 
     def gemm_nt(self, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                 out_dtype: torch.dtype) -> torch.Tensor:
-        # Dequantize in fp32 (exact for power-of-two scales) and accumulate in fp32, like the tensor cores.
+        # a and b hold FP8 values (as FP8 tensors, or exactly in bf16 for the cached weight). The GEMM runs on
+        # those values in fp32, which accumulates in fp32 like the tensor cores, and the two scales are
+        # divided out of the result once instead of out of every element.
         out = (a.float() @ b.float().t()) / (a_scale.float() * b_scale.float())
         return out.to(out_dtype)
 

@@ -59,11 +59,25 @@ class _QuantizedWeight:
     key: tuple[Any, ...]
     data: torch.Tensor  # [N, K] FP8
     scale: torch.Tensor
+    amax: torch.Tensor
     transposed: torch.Tensor | None = None  # [K, N] FP8, row-major; only for backends that want copies
+    values: torch.Tensor | None = None  # the FP8 values in bf16 (exact); only for the emulated backend
+
+    def weight(self, backend: Backend) -> torch.Tensor:
+        """Operand for fprop, [N, K]."""
+        if backend.name != "emulated":
+            return self.data
+        # The emulated GEMM upcasts its operands; CPU fp8->float casts are slow, so convert the weight once
+        # per step, not twice per micro-batch. bf16 holds every E4M3/E5M2 value exactly (the scale is applied
+        # after the GEMM), at 2 bytes per weight.
+        if self.values is None:
+            self.values = self.data.to(torch.bfloat16)
+        return self.values
 
     def weight_t(self, backend: Backend) -> torch.Tensor:
+        """Operand for dgrad, W^T as [K, N]: a view, or a row-major copy for backends that need one."""
         if not backend.wants_contiguous_operands:
-            return self.data.t()
+            return self.weight(backend).t()
         if self.transposed is None:
             self.transposed = self.data.t().contiguous()
         return self.transposed
@@ -80,12 +94,13 @@ class _Fp8LinearFunction(torch.autograd.Function):
         x2d = x.reshape(-1, x.shape[-1])
         # Autocast would turn the fp32 GEMM of the emulated backend into bf16; every dtype here is explicit.
         with torch.autocast(x.device.type, enabled=False):
-            s_x = module._scale_for(Fp8Role.INPUT, x2d, specs[Fp8Role.INPUT])
+            s_x = module._scale_for(Fp8Role.INPUT, amax_of(x2d), specs[Fp8Role.INPUT])
             q_x = backend.quantize(x2d, s_x, specs[Fp8Role.INPUT])
             if module.fp8_stats_enabled:
                 fp8_stats.record(module, Fp8Role.INPUT, x2d, q_x, s_x, specs[Fp8Role.INPUT])
             w = module._quantized_weight(backend, specs[Fp8Role.WEIGHT])
-            y = backend.gemm_nt(q_x, s_x, w.data, w.scale, out_dtype)
+            module._note_weight_use(w)
+            y = backend.gemm_nt(q_x, s_x, w.weight(backend), w.scale, out_dtype)
             if bias is not None:
                 y = y + bias.to(out_dtype)
         saved_x = q_x if module.recipe.fp8_wgrad else x2d
@@ -102,7 +117,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         dy2d = dy.reshape(-1, dy.shape[-1])
         dx = dw = db = None
         with torch.autocast(dy.device.type, enabled=False):
-            s_g = module._scale_for(Fp8Role.GRAD_OUTPUT, dy2d, grad_spec)
+            s_g = module._scale_for(Fp8Role.GRAD_OUTPUT, amax_of(dy2d), grad_spec)
             q_g = backend.quantize(dy2d, s_g, grad_spec, module.recipe.grad_stochastic_rounding)
             if module.fp8_stats_enabled:
                 fp8_stats.record(module, Fp8Role.GRAD_OUTPUT, dy2d, q_g, s_g, grad_spec)
@@ -167,18 +182,26 @@ class Fp8Linear(nn.Linear):
     def fp8_specs(self, backend: Backend) -> tuple[Fp8FormatSpec, ...]:
         return tuple(backend_format_spec(backend, d) for d in role_dtypes(self.recipe))
 
-    def _scale_for(self, role: Fp8Role, t: torch.Tensor, spec: Fp8FormatSpec) -> torch.Tensor:
-        """The scale to quantize `t` with now; accumulates t's amax into this step's running amax."""
-        amax = amax_of(t)
+    def _scale_for(self, role: Fp8Role, amax: torch.Tensor, spec: Fp8FormatSpec,
+                   record: bool | None = None) -> torch.Tensor:
+        """The scale to quantize a tensor of this `amax` with now; records the amax into this step's running
+        amax when `record` (default: in training mode).
+
+        Only training passes feed the scaling state: an evaluation between two steps must not change the
+        scales of the next training step (or a resumed run would differ from an uninterrupted one).
+        """
+        record = self.training if record is None else record
         tensorwise = self.recipe.scaling is Fp8Scaling.TENSORWISE
         if tensorwise and _group_size(self.amax_group) > 1:
             # Current scaling of a sharded tensor: all shards must agree on the scale now.
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.amax_group)
-        self.fp8_step_amax[role] = torch.maximum(self.fp8_step_amax[role], amax)
+        if record:
+            self.fp8_step_amax[role] = torch.maximum(self.fp8_step_amax[role], amax)
         current = compute_scale(amax, spec.max, self.recipe.margin, self.recipe.power_of_two_scales,
                                 previous=self.fp8_scale[role])
         if tensorwise:
-            self.fp8_scale[role] = current
+            if record:
+                self.fp8_scale[role] = current
             return current
         # Delayed: the scale from previous steps once the history holds one; the current amax before that.
         return torch.where(self.fp8_scale_valid[role], self.fp8_scale[role], current)
@@ -188,13 +211,22 @@ class Fp8Linear(nn.Linear):
         key = (w._version, w.data_ptr(), backend.name)
         if self._weight_cache is None or self._weight_cache.key != key:
             with torch.no_grad():
-                scale = self._scale_for(Fp8Role.WEIGHT, w, spec)
+                amax = amax_of(w)
+                # Recorded by `_note_weight_use` instead: the cast may happen in an evaluation pass.
+                scale = self._scale_for(Fp8Role.WEIGHT, amax, spec, record=False)
                 q = backend.quantize(w, scale, spec)
                 if self.fp8_stats_enabled:
                     fp8_stats.record(self, Fp8Role.WEIGHT, w, q, scale, spec)
-            self._weight_cache = _QuantizedWeight(key, q, scale)
+            self._weight_cache = _QuantizedWeight(key, q, scale, amax)
             self.fp8_weight_quantizations += 1
         return self._weight_cache
+
+    def _note_weight_use(self, w: _QuantizedWeight) -> None:
+        """Every training forward records the weight's amax, wherever the cached FP8 weight was made."""
+        if self.training:
+            self.fp8_step_amax[Fp8Role.WEIGHT] = torch.maximum(self.fp8_step_amax[Fp8Role.WEIGHT], w.amax)
+            if self.recipe.scaling is Fp8Scaling.TENSORWISE:
+                self.fp8_scale[Fp8Role.WEIGHT] = w.scale
 
     def invalidate_fp8_weight_cache(self) -> None:
         """Drop the FP8 weight; the next forward re-quantizes (called by `fp8_optimizer_step`)."""
