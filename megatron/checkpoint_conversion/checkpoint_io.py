@@ -1,0 +1,164 @@
+"""Rebuild a `GPTModel` (and its config slices) from one of our checkpoints, and write converted ones.
+
+Tools that only need the weights (export, evaluation, generation) use `load_gpt_checkpoint`: it
+finds the checkpoint (a run's `--save` folder through its tracker file, a run folder plus an
+iteration, or an `iter_XXXXXXX` folder itself), loads it with `torch.load(weights_only=True)`,
+rebuilds `ModelConfig`/`DataConfig`/`TrainingConfig` from the checkpoint's `config.json` (the
+resolved `MegatronConfig.to_dict()`, never a pickled Namespace) and loads the weights strictly.
+Optimizer, RNG and FP8 scaling state are ignored.
+
+`save_converted_checkpoint` writes iteration 0 in the layout of `megatron.training.checkpointing`,
+so `pretrain_gpt.py --load DIR` (optionally with `--finetune`) starts from converted weights.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from megatron.config import (
+    CheckpointConfig, DataConfig, LoggingConfig, LrDecayStyle, MegatronConfig, ModelConfig, Normalization,
+    OptimizerConfig, ParallelConfig, PositionEmbedding, RecomputeGranularity, SchedulerConfig,
+    SmoothSwiGLUGranularity, TrainingConfig,
+)
+from megatron.model import GPTModel
+from megatron.training import checkpointing as ckpt
+from megatron.training.train_state import TrainState
+
+_MODEL_ENUMS: dict[str, type[enum.Enum]] = {
+    "normalization": Normalization, "position_embedding_type": PositionEmbedding,
+    "recompute_granularity": RecomputeGranularity, "smooth_swiglu": SmoothSwiGLUGranularity,
+}
+
+
+@dataclass
+class LoadedCheckpoint:
+    """A model rebuilt from a checkpoint, with the config slices the tools need."""
+
+    model: GPTModel
+    model_config: ModelConfig
+    data_config: DataConfig
+    training_config: Optional[TrainingConfig]
+    iteration: int
+    path: Path
+    train_state: dict
+    raw_config: dict
+
+
+def _from_dict(cls: type, data: dict[str, Any], source: Path, enums: Optional[dict] = None):
+    """`cls(**data)` for a frozen config dataclass: enum values back to enums, lists to tuples."""
+    enums = enums or {}
+    known = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for name, value in data.items():
+        if name not in known:
+            continue  # written by a newer version: a field we do not need to rebuild the model
+        if name in enums and value is not None:
+            value = enums[name](value)
+        elif isinstance(value, list):
+            value = tuple(value)
+        kwargs[name] = value
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as err:
+        raise ckpt.CheckpointError(f"{source}: cannot rebuild {cls.__name__} from its config.json ({err}); "
+                                   "was the checkpoint written by megatron-fp8?") from None
+
+
+def model_config_from_dict(config: dict[str, Any], source: Path) -> ModelConfig:
+    if "model" not in config:
+        raise ckpt.CheckpointError(f"{source} has no model section in config.json: cannot rebuild the model "
+                                   "(checkpoints written by pretrain_gpt.py always have one)")
+    return _from_dict(ModelConfig, config["model"], source, _MODEL_ENUMS)
+
+
+def data_config_from_dict(config: dict[str, Any], source: Path) -> DataConfig:
+    return _from_dict(DataConfig, config.get("data", {}), source)
+
+
+def resolve_checkpoint_dir(load: str | Path, iteration: Optional[int] = None) -> Path:
+    """The `iter_XXXXXXX` folder meant by `--load DIR [--iteration N]`; raises naming what is missing."""
+    root = Path(load)
+    if ckpt.model_file(root).exists():  # already an iteration folder
+        if iteration is not None:
+            raise ValueError(f"--load {root} is an iteration folder itself: drop --iteration, or pass its run folder")
+        return root
+    if not root.is_dir():
+        raise FileNotFoundError(f"--load {root} does not exist")
+    if iteration is None:
+        iteration = ckpt.read_tracker(root)
+        if iteration is None:
+            raise FileNotFoundError(f"--load {root} holds no {ckpt.TRACKER_FILE} and no mp_rank_00/"
+                                    "model_optim_rng.pt: pass a run's --save folder or one of its iter_* folders")
+    path = ckpt.iteration_dir(root, iteration)
+    if not ckpt.model_file(path).exists():
+        available = sorted(p.name for p in root.glob("iter_*"))
+        raise FileNotFoundError(f"{ckpt.model_file(path)} does not exist (iteration {iteration}); "
+                                f"available: {available or 'none'}")
+    return path
+
+
+def read_checkpoint(path: Path) -> tuple[dict, dict, dict]:
+    """(payload, config dict, train state) of an iteration folder, loaded without running code."""
+    file = ckpt.model_file(path)
+    try:
+        payload = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as exc:  # pickled code objects, or a corrupt file
+        raise ckpt.CheckpointError(f"refusing to load {file}: {exc.__class__.__name__}: {str(exc)[:300]}") from exc
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise ckpt.CheckpointError(f"{config_file} is missing: the model shape cannot be known without it")
+    config = json.loads(config_file.read_text())
+    state_file = path / "train_state.json"
+    train_state = json.loads(state_file.read_text()) if state_file.exists() else {}
+    return payload, config, train_state
+
+
+def load_gpt_checkpoint(load: str | Path, iteration: Optional[int] = None,
+                        device: str | torch.device = "cpu") -> LoadedCheckpoint:
+    """Rebuild the `GPTModel` of a checkpoint in eval mode, FP32 weights as saved, on `device`."""
+    path = resolve_checkpoint_dir(load, iteration)
+    payload, config, train_state = read_checkpoint(path)
+    model_config = model_config_from_dict(config, path)
+    data_config = data_config_from_dict(config, path)
+    training = config.get("training")
+    training_config = _from_dict(TrainingConfig, training, path) if training else None
+    if "model" not in payload:
+        raise ckpt.CheckpointError(f"{ckpt.model_file(path)} holds no 'model' state dict")
+    model = GPTModel(model_config)
+    ckpt.load_model_state(model, payload["model"], path)
+    model.to(device).eval()
+    return LoadedCheckpoint(model=model, model_config=model_config, data_config=data_config,
+                            training_config=training_config, iteration=int(payload.get("iteration", 0)),
+                            path=path, train_state=train_state, raw_config=config)
+
+
+def converted_megatron_config(model: ModelConfig, data: DataConfig) -> MegatronConfig:
+    """A `MegatronConfig` for a checkpoint made by conversion: the model and tokenizer are real, the
+    training slices are placeholders (nothing was trained; the next run's flags define them)."""
+    return MegatronConfig(
+        model=model, optimizer=OptimizerConfig(),
+        scheduler=SchedulerConfig(lr=0.0, min_lr=0.0, decay_style=LrDecayStyle.CONSTANT, warmup_iters=0,
+                                  decay_iters=0),
+        training=TrainingConfig(micro_batch_size=1, global_batch_size=1, data_parallel_size=1, train_iters=0),
+        checkpoint=CheckpointConfig(), logging=LoggingConfig(), data=data, parallel=ParallelConfig())
+
+
+def save_converted_checkpoint(save_dir: str | Path, state: dict[str, torch.Tensor], model: ModelConfig,
+                              data: DataConfig, source: str) -> Path:
+    """Write `state` as iteration 0 of `save_dir` (weights only: no optimizer, RNG or FP8 state)."""
+    with torch.device("meta"):  # shapes only: fail here rather than at the next training launch
+        expected = {k: tuple(v.shape) for k, v in GPTModel(model).state_dict().items()}
+    got = {k: tuple(v.shape) for k, v in state.items()}
+    if got != expected:
+        wrong = sorted(k for k in set(got) | set(expected) if got.get(k) != expected.get(k))
+        raise ckpt.CheckpointError(f"converted tensors do not fit GPTModel({model}): "
+                                   + ", ".join(f"{k}: {got.get(k)} vs {expected.get(k)}" for k in wrong[:6]))
+    payload = {"model": {k: v.detach().contiguous() for k, v in state.items()}, "converted_from": source}
+    return ckpt.save_checkpoint(save_dir, 0, payload, TrainState().to_dict(),
+                                converted_megatron_config(model, data).to_dict())
