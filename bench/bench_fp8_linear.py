@@ -1,0 +1,142 @@
+"""Benchmark: Fp8Linear vs a BF16 nn.Linear (and torchao float8 when installed), forward + backward.
+
+Every variant runs on the same inputs, interleaved iteration by iteration (so a busy machine slows all of
+them alike), on whatever device is present. Reported per shape: median milliseconds per forward+backward,
+the ratio to BF16 (> 1 means slower than BF16), and the bytes each variant saves for backward.
+
+Shapes: the four linears of a Llama2-7B layer (hidden 4096, FFN 11008; fc1 is w1|w2 = 22016 outputs) and a
+small layer. Tokens per micro-batch default to 4096 on an accelerator; on CPU the emulated FP8 path (real FP8
+casts, fp32 GEMM) is slow by design, so pass a reduced `--tokens`.
+
+    python bench/bench_fp8_linear.py --tokens 256 --iters 3          # CPU, a few minutes
+    python bench/bench_fp8_linear.py --tokens 8192 --iters 20        # H100/H200
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from megatron.fp8 import Fp8Linear, Fp8Recipe, fp8_optimizer_step
+from megatron.fp8.backends import select_backend
+
+SHAPES = {  # name: (in_features, out_features)
+    "7b.qkv": (4096, 3 * 4096),
+    "7b.proj": (4096, 4096),
+    "7b.fc1": (4096, 2 * 11008),
+    "7b.fc2": (11008, 4096),
+    "small": (512, 2048),
+}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _saved_bytes(module: nn.Module, x: torch.Tensor) -> int:
+    """Bytes of activations saved for backward (tensors sharing storage with a parameter are not counted)."""
+    total = 0
+    param_storages = {p.untyped_storage().data_ptr() for p in module.parameters()}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        if t.untyped_storage().data_ptr() not in param_storages:
+            total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(x)
+    return total
+
+
+def _torchao_variant(linear: nn.Linear, emulate: bool) -> nn.Module | None:
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except Exception:  # not installed, or its kernels failed to load
+        return None
+    wrapper = nn.Sequential(linear)
+    convert_to_float8_training(wrapper, config=Float8LinearConfig(emulate=emulate))
+    return wrapper
+
+
+def bench_shape(name: str, in_f: int, out_f: int, tokens: int, iters: int, warmup: int,
+                device: torch.device, use_torchao: bool, micro_batches_per_step: int) -> list[str]:
+    torch.manual_seed(0)
+    base = nn.Linear(in_f, out_f, bias=False, device=device, dtype=torch.bfloat16)
+    variants: dict[str, nn.Module] = {"bf16": base}
+    fp8 = Fp8Linear.from_linear(nn.Linear(in_f, out_f, bias=False, device=device, dtype=torch.bfloat16),
+                                Fp8Recipe())
+    variants["fp8 (ours)"] = fp8
+    if use_torchao:
+        ao = _torchao_variant(nn.Linear(in_f, out_f, bias=False, device=device, dtype=torch.bfloat16),
+                              emulate=device.type != "cuda")
+        if ao is not None:
+            variants["torchao tensorwise" + (" (emulate)" if device.type != "cuda" else "")] = ao
+    x = torch.randn(tokens, in_f, device=device, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(tokens, out_f, device=device, dtype=torch.bfloat16)
+
+    def step(module: nn.Module, i: int) -> None:
+        module(x).backward(dy)
+        if module is fp8 and (i + 1) % micro_batches_per_step == 0:
+            fp8_optimizer_step(fp8)  # new step: the FP8 weight is re-quantized
+
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for i in range(warmup + iters):
+        for label, module in variants.items():  # interleaved: load on the machine hits all variants alike
+            _sync(device)
+            start = time.perf_counter()
+            step(module, i)
+            _sync(device)
+            if i >= warmup:
+                times[label].append(time.perf_counter() - start)
+            x.grad = None
+            for p in module.parameters():
+                p.grad = None
+    ref = statistics.median(times["bf16"])
+    rows = []
+    for label, module in variants.items():
+        t = statistics.median(times[label])
+        saved = _saved_bytes(module, x) / 2**20
+        rows.append(f"{name:8s} {in_f:>5d}x{out_f:<5d} {tokens:>5d}  {label:28s} {t * 1e3:10.1f} ms "
+                    f"{t / ref:6.2f}x  saved {saved:7.1f} MiB")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", default="7b.qkv,7b.proj,7b.fc1,7b.fc2,small",
+                        help=f"comma-separated subset of {','.join(SHAPES)}")
+    parser.add_argument("--tokens", type=int, default=None,
+                        help="tokens per micro-batch (default 4096 on an accelerator, 256 on CPU)")
+    parser.add_argument("--iters", type=int, default=None, help="timed iterations (default 20 GPU, 3 CPU)")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--micro-batches-per-step", type=int, default=1,
+                        help="forward+backward passes per optimizer step (the FP8 weight is cast once per step)")
+    parser.add_argument("--no-torchao", action="store_true", help="skip the torchao comparison")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads (torch.set_num_threads)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    on_cpu = device.type == "cpu"
+    tokens = args.tokens or (256 if on_cpu else 4096)
+    iters = args.iters or (3 if on_cpu else 20)
+    backend = select_backend("auto", device).name
+    print(f"device={device} fp8 backend={backend} torch={torch.__version__} threads={torch.get_num_threads()} "
+          f"tokens={tokens} iters={iters} micro_batches_per_step={args.micro_batches_per_step}")
+    print(f"{'shape':8s} {'in x out':11s} {'tok':>5s}  {'variant':28s} {'fwd+bwd':>13s} {'vs bf16':>7s}")
+    for name in args.shapes.split(","):
+        in_f, out_f = SHAPES[name]
+        for row in bench_shape(name, in_f, out_f, tokens, iters, args.warmup, device, not args.no_torchao,
+                               args.micro_batches_per_step):
+            print(row, flush=True)
+
+
+if __name__ == "__main__":
+    main()
