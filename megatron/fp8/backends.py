@@ -115,7 +115,7 @@ class HpuBackend:
                  stochastic_rounding: bool = False) -> torch.Tensor:
         # The kernel multiplies by `scale` and saturates to the format's max itself; we still clamp first so
         # an inf in the input becomes +-max exactly like on the other backends.
-        y = torch.clamp(x * scale.to(x.dtype), -spec.max, spec.max)
+        y = torch.clamp(x.float() * scale.float(), -spec.max, spec.max)
         q, _ = torch.ops.hpu.cast_to_fp8_v2(y, None, stochastic_rounding, False, spec.torch_dtype)
         return q
 

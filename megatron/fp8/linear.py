@@ -41,7 +41,6 @@ import dataclasses
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from megatron.fp8 import stats as fp8_stats
@@ -190,11 +189,11 @@ class Fp8Linear(nn.Linear):
         Only training passes feed the scaling state: an evaluation between two steps must not change the
         scales of the next training step (or a resumed run would differ from an uninterrupted one).
         """
+        # No collective here, also not for current scaling: no FP8 tensor is communicated, so a rank's
+        # shard may use its own scale (replicated weights get identical scales anyway), and a blocking
+        # all-reduce per GEMM would cost more than the GEMM for small layers.
         record = self.training if record is None else record
         tensorwise = self.recipe.scaling is Fp8Scaling.TENSORWISE
-        if tensorwise and _group_size(self.amax_group) > 1:
-            # Current scaling of a sharded tensor: all shards must agree on the scale now.
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.amax_group)
         if record:
             self.fp8_step_amax[role] = torch.maximum(self.fp8_step_amax[role], amax)
         current = compute_scale(amax, spec.max, self.recipe.margin, self.recipe.power_of_two_scales,
@@ -259,8 +258,3 @@ class Fp8Linear(nn.Linear):
             extras.append("wgrad=high-precision")
         return f"{super().extra_repr()}, " + ", ".join(extras)
 
-
-def _group_size(group: Any) -> int:
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1
-    return dist.get_world_size(group)
