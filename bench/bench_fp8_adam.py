@@ -1,0 +1,119 @@
+"""Side-by-side CPU benchmark of optimizer state memory and step time: Fp8AdamW vs AdamW vs torchao.
+
+Usage: python bench/bench_fp8_adam.py [--steps 5] [--only NAME ...]
+
+A ~50M-parameter set (four 2048x5632 matrices, one 2048x2048, and 1-D norm/bias vectors) with fixed
+random gradients. Each optimizer runs in its own subprocess so that process RSS growth after the first
+step is not polluted by another optimizer's allocations. Reported per optimizer:
+- state B/param: the sum of nbytes of the state tensors (moments and scales; step counters excluded;
+  tensor subclasses such as torchao's are measured through their inner tensors),
+- RSS growth: psutil RSS after the first step minus before it (state plus whatever the allocator keeps),
+- first step (includes torch.compile where compiled) and the median of the following steps.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Callable, Dict, List
+
+import psutil
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from megatron.optimizer.fp8_adam import Fp8AdamW  # noqa: E402
+
+MATRICES = [(2048, 5632)] * 4 + [(2048, 2048)]
+VECTORS = [(2048,)] * 16 + [(5632,)] * 4
+
+
+def _optimizers() -> Dict[str, Callable]:
+    opts: Dict[str, Callable] = {
+        "torch AdamW foreach": lambda p: torch.optim.AdamW(p, lr=1e-4, foreach=True),
+        "Fp8AdamW eager": lambda p: Fp8AdamW(p, lr=1e-4),
+        "Fp8AdamW eager block128": lambda p: Fp8AdamW(p, lr=1e-4, block_size=128),
+        "Fp8AdamW compiled": lambda p: Fp8AdamW(p, lr=1e-4, compile=True),
+        "Fp8AdamW compiled block128": lambda p: Fp8AdamW(p, lr=1e-4, block_size=128, compile=True),
+    }
+    try:
+        from torchao.optim import AdamWFp8  # E4M3 moments, blocks of 256, compiled step
+
+        opts["torchao AdamWFp8"] = lambda p: AdamWFp8(p, lr=1e-4)
+    except ImportError:
+        pass
+    return opts
+
+
+def _tensor_nbytes(t: torch.Tensor) -> int:
+    if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return sum(_tensor_nbytes(getattr(t, n)) for n in names)
+    return t.numel() * t.element_size()
+
+
+def _state_nbytes(opt: torch.optim.Optimizer) -> int:
+    return sum(_tensor_nbytes(v) for s in opt.state.values() for k, v in s.items()
+               if k != "step" and isinstance(v, torch.Tensor))
+
+
+def _worker(name: str, steps: int) -> dict:
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s) * 0.02) for s in MATRICES + VECTORS]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    n = sum(p.numel() for p in params)
+    opt = _optimizers()[name](params)
+    proc = psutil.Process()
+    rss0 = proc.memory_info().rss
+    t0 = time.perf_counter()
+    opt.step()
+    first = time.perf_counter() - t0
+    rss1 = proc.memory_info().rss
+    times: List[float] = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    return {"name": name, "params": n, "state_bytes": _state_nbytes(opt), "rss_growth": rss1 - rss0,
+            "first_s": first, "step_s": statistics.median(times)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=5, help="timed steps after the first")
+    ap.add_argument("--only", nargs="*", default=None, help="subset of optimizer names")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        print("RESULT " + json.dumps(_worker(args.worker, args.steps)), flush=True)
+        return
+    names = [n for n in _optimizers() if args.only is None or n in args.only]
+    results = []
+    for name in names:
+        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", name,
+                              "--steps", str(args.steps)], capture_output=True, text=True)
+        lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
+        if out.returncode != 0 or not lines:
+            print(f"{name}: failed\n{out.stderr[-2000:]}", file=sys.stderr)
+            continue
+        results.append(json.loads(lines[-1][len("RESULT "):]))
+    base = next((r for r in results if r["name"].startswith("torch AdamW")), results[0])
+    print(f"params: {base['params'] / 1e6:.2f}M, torch {torch.__version__}, threads {torch.get_num_threads()}")
+    header = (f"{'optimizer':28s} {'state B/param':>13s} {'x AdamW':>8s} {'RSS growth MB':>14s} {'x AdamW':>8s} "
+              f"{'first step s':>12s} {'step ms':>9s} {'x AdamW':>8s}")
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        bpp = r["state_bytes"] / r["params"]
+        print(f"{r['name']:28s} {bpp:13.3f} {bpp / (base['state_bytes'] / base['params']):8.3f} "
+              f"{r['rss_growth'] / 2**20:14.1f} {r['rss_growth'] / max(base['rss_growth'], 1):8.3f} "
+              f"{r['first_s']:12.2f} {r['step_s'] * 1e3:9.1f} {r['step_s'] / base['step_s']:8.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,418 @@
+"""Fp8AdamW: decoupled-weight-decay Adam whose two moments are *stored* in FP8.
+
+What it does (FP8_SPEC section 4): between steps the first moment m lives in E4M3 and the second
+moment v in E5M2 as real 1-byte tensors, each with FP32 scales (one per tensor, or one per block of
+`block_size` elements of the flattened tensor). Each step dequantizes m and v, runs the AdamW update in
+FP32 on the FP32 master weights, and requantizes m and v with scales from their fresh amax. State is
+~2 bytes per parameter (+ 8 bytes per block of scales) instead of AdamW's 8.
+
+Which tensors get FP8 states is a rule, not a guess: matrices (`p.ndim >= 2`) do; 1-D tensors (norm
+weights, biases: few elements, and the paper keeps them in FP32) keep FP32 states. A param group may
+carry `"fp8_states": True/False` to override the rule for its parameters. `state_summary()` returns
+the counts for the startup log line.
+
+Numerics of v (why E5M2, and what happens at the bottom of its range):
+- v = EMA(g^2) spans many orders of magnitude inside one tensor, and the update divides by sqrt(v).
+  E5M2 with a scale from the current amax represents v down to amax * 2**-32 (32 binades); E4M3 only
+  down to amax * 2**-18, which is why v in E4M3 fails (the paper's finding; see the tests).
+- We store v itself, not sqrt(v): sqrt(v) would double the range but also double the relative error
+  of the update (2 mantissa bits on sqrt(v) instead of on v), and the range of E5M2 per block is
+  already enough when underflow is handled as follows.
+- A v element below its block's flush threshold is stored as 0 while m may not be 0 (m has its own
+  scale). Dividing by sqrt(0) + eps would give an update of m / 1e-8: a blow-up. Exact Adam keeps
+  |m| <= C * sqrt(v) (Cauchy-Schwarz on the two EMAs, C ~ 7 for betas 0.9/0.999), so the update is
+  bounded by ~C * lr. We therefore floor the *denominator* where v was stored as 0 at the largest value
+  that could have been flushed (min_subnormal / 2 * scale_inv for round-to-nearest, min_subnormal *
+  scale_inv for stochastic rounding). The true v was at most that, so the step can only be smaller
+  than exact Adam's, and the C * lr bound survives underflow. The floor is not written back into v
+  (it would freeze tiny v's at the threshold for ever). An all-zero block has scale_inv 0: no floor.
+- eps enters as in torch.optim.AdamW: denom = sqrt(v_hat) + eps, after the floor.
+- Round-to-nearest can stall an EMA whose per-step change is below half an ulp (E5M2 has 2 mantissa
+  bits: v changes of < ~6-12% per step can be lost). `stochastic_rounding=True` makes the requantization
+  unbiased (E[q] = x), so small changes survive on average; its noise comes from an optimizer-owned
+  generator with a fixed seed, so data-parallel replicas stay identical and resume is exact.
+
+State dict: plain tensors/ints/floats/strings (FP8 tensors included), loadable with
+`torch.load(weights_only=True)`. Loading converts: a torch.optim.AdamW state (FP32 moments), or one of
+ours written with another block size or dtype, is dequantized and requantized into this optimizer's
+formats; a state whose layout matches is copied bit for bit (exact resume). Shapes that do not fit the
+parameter, and AMSGrad/maximize states, raise ValueError.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+
+import torch
+
+from megatron.optimizer.fp8_state_quant import (
+    MomentDtype, MomentFormat, block_layout, dequantize, dequantize_with_floor, moment_format, quantize,
+    state_nbytes, storage_numel,
+)
+
+logger = logging.getLogger(__name__)
+
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+_FP32 = moment_format(MomentDtype.FP32)
+# Fixed seed of the stochastic-rounding generator: identical on every rank (see module docstring).
+_SR_SEED = 0x5EED
+# torch.optim.AdamW group options that mean nothing here (dropped when loading its state dict).
+_FOREIGN_GROUP_KEYS = {"amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused",
+                       "decoupled_weight_decay", "fp8_states"}
+
+
+@dataclass(frozen=True)
+class Fp8StateSummary:
+    """How many tensors/elements keep low-precision states, for the startup log line."""
+
+    m_format: str
+    v_format: str
+    fp8_tensors: int
+    fp8_params: int
+    fp32_tensors: int
+    fp32_params: int
+
+    def __str__(self) -> str:
+        return (f"Fp8AdamW: m={self.m_format} v={self.v_format} states for {self.fp8_tensors} tensors "
+                f"({self.fp8_params:,} params); FP32 states for {self.fp32_tensors} tensors "
+                f"({self.fp32_params:,} params)")
+
+
+def _chunk_step(param: Optional[torch.Tensor], grad: torch.Tensor,
+                m_data: torch.Tensor, m_scale_inv: Optional[torch.Tensor],
+                v_data: torch.Tensor, v_scale_inv: Optional[torch.Tensor],
+                decay: torch.Tensor, step_size: torch.Tensor, bc2_sqrt: torch.Tensor,
+                beta1: float, beta2: float, eps: float,
+                m_fmt: MomentFormat, v_fmt: MomentFormat, stochastic: bool, requantize: bool,
+                m_amax: Optional[torch.Tensor], v_amax: Optional[torch.Tensor],
+                m_noise: Optional[torch.Tensor], v_noise: Optional[torch.Tensor]):
+    """AdamW on one flat chunk of one parameter whose moments are stored in `m_fmt`/`v_fmt`.
+
+    Updates `param` in place unless it is None; returns (m_data, m_scale_inv, v_data, v_scale_inv) if
+    `requantize`, else the amax of the new m and v (pass 1 of per-tensor scaling, see `_step_stored`).
+    `m_amax`/`v_amax` impose a per-tensor scale; None = the chunk's own per-block amax.
+    Step-dependent scalars are 0-d tensors so a torch.compile'd version does not recompile every step.
+    """
+    numel = grad.numel()
+    g = grad.float()
+    m = dequantize(m_data, m_scale_inv, numel)
+    v, v_floor = dequantize_with_floor(v_data, v_scale_inv, numel, v_fmt, stochastic)
+    m = torch.lerp(m, g, 1.0 - beta1)
+    v = v * beta2 + g * g * (1.0 - beta2)
+    if param is not None:
+        # beta2 * floor: the most the flushed previous v could have contributed to this step's v.
+        denom = (v + beta2 * v_floor).sqrt() / bc2_sqrt + eps
+        param.mul_(decay)
+        param.sub_(step_size * m / denom)
+    if not requantize:
+        return m.abs().amax(), v.amax()
+    m_data, m_scale_inv = quantize(m, m_fmt, m_noise, m_amax)
+    v_data, v_scale_inv = quantize(v, v_fmt, v_noise, v_amax)
+    return m_data, m_scale_inv, v_data, v_scale_inv
+
+
+# Elements per chunk of the update: temporaries of a few MB are reused by the allocator instead of
+# page-faulting fresh tensor-sized buffers every step (that cost 30x in eager mode on CPU), and they
+# stay cache-friendly. A multiple of every sensible block size.
+_CHUNK = 1 << 20
+
+
+def _validate(lr: float, betas: Tuple[float, float], eps: float, weight_decay: float, m_dtype: str,
+              v_dtype: str, block_size: int) -> None:
+    dtypes = ", ".join(d.value for d in MomentDtype)
+    for flag, value in (("--fp8-optimizer-m-dtype", m_dtype), ("--fp8-optimizer-v-dtype", v_dtype)):
+        if value not in {d.value for d in MomentDtype}:
+            raise ValueError(f"{flag} must be one of {dtypes}; got {value!r}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 0:
+        raise ValueError("--fp8-optimizer-block-size must be 0 (one scale per tensor) or a positive number "
+                         f"of elements per scale block (e.g. 128 or 256); got {block_size!r}")
+    if not lr >= 0.0:
+        raise ValueError(f"--lr must be >= 0; got {lr}")
+    if not eps >= 0.0:
+        raise ValueError(f"--adam-eps must be >= 0; got {eps}")
+    for flag, beta in zip(("--adam-beta1", "--adam-beta2"), betas):
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"{flag} must be in [0, 1); got {beta}")
+    if not weight_decay >= 0.0:
+        raise ValueError(f"--weight-decay must be >= 0; got {weight_decay}")
+
+
+class Fp8AdamW(torch.optim.Optimizer):
+    """AdamW with m/v stored in FP8 (default m E4M3, v E5M2) for matrices, FP32 for 1-D tensors."""
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.01, m_dtype: str = "e4m3",
+                 v_dtype: str = "e5m2", block_size: int = 0, stochastic_rounding: bool = False,
+                 compile: bool = False) -> None:
+        _validate(lr, betas, eps, weight_decay, m_dtype, v_dtype, block_size)
+        if v_dtype == MomentDtype.E4M3.value:
+            logger.warning("Fp8AdamW: v in E4M3 lacks the range 1/sqrt(v) needs; E5M2 is recommended")
+        self.m_format = moment_format(m_dtype, block_size)
+        self.v_format = moment_format(v_dtype, block_size)
+        self.block_size = block_size
+        self.stochastic_rounding = bool(stochastic_rounding)
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, fp8_states=None)
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.dtype != torch.float32:
+                    raise ValueError(f"Fp8AdamW updates FP32 master weights; got a {p.dtype} parameter of "
+                                     f"shape {tuple(p.shape)} (keep master weights in FP32, e.g. --bf16 "
+                                     "with an FP32 master copy)")
+        self._generators: Dict[torch.device, torch.Generator] = {}
+        self._eager_kernel: Callable = _chunk_step
+        self._kernel: Callable = _chunk_step
+        if compile:
+            # Static shapes: chunks are all _CHUNK long except each tensor's tail, so few graphs.
+            self._kernel = torch.compile(_chunk_step, dynamic=False)
+
+    # ----------------------------------------------------------------------------- the rule
+    def uses_fp8_states(self, p: torch.Tensor, group: Dict[str, Any]) -> bool:
+        """The rule: the group's `fp8_states` if set, else True for matrices (ndim >= 2)."""
+        override = group.get("fp8_states")
+        return bool(override) if override is not None else p.ndim >= 2
+
+    def _formats(self, p: torch.Tensor, group: Dict[str, Any]) -> Tuple[MomentFormat, MomentFormat]:
+        return (self.m_format, self.v_format) if self.uses_fp8_states(p, group) else (_FP32, _FP32)
+
+    def state_summary(self) -> Fp8StateSummary:
+        """Counts of tensors/params with low-precision vs FP32 states (for a startup log line)."""
+        counts = [0, 0, 0, 0]
+        for group in self.param_groups:
+            for p in group["params"]:
+                i = 0 if self.uses_fp8_states(p, group) else 2
+                counts[i] += 1
+                counts[i + 1] += p.numel()
+        return Fp8StateSummary(self.m_format.bits_label, self.v_format.bits_label, *counts)
+
+    def state_nbytes(self) -> int:
+        """Bytes held by all state tensors (moments and scales; the step counters excluded)."""
+        return sum(state_nbytes(*(s.get(k) for k in ("exp_avg", "exp_avg_scale_inv", "exp_avg_sq",
+                                                       "exp_avg_sq_scale_inv"))) for s in self.state.values())
+
+    # ----------------------------------------------------------------------------- state
+    def _generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device).manual_seed(_SR_SEED)
+        return self._generators[device]
+
+    @staticmethod
+    def _new_moment(p: torch.Tensor, fmt: MomentFormat, zero: bool = True
+                    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        make = torch.zeros if zero else torch.empty
+        if not fmt.is_fp8:
+            return make(p.shape, dtype=fmt.torch_dtype, device=p.device), None
+        n_blocks, _ = block_layout(p.numel(), fmt.block_size)
+        data = make(storage_numel(p.numel(), fmt), dtype=fmt.torch_dtype, device=p.device)
+        return data, make(n_blocks, dtype=torch.float32, device=p.device)
+
+    def _init_state(self, p: torch.Tensor, group: Dict[str, Any]) -> Dict[str, Any]:
+        state: Dict[str, Any] = {"step": torch.zeros((), dtype=torch.float32)}
+        for name, fmt in zip(_MOMENTS, self._formats(p, group)):
+            data, scale_inv = self._new_moment(p, fmt)
+            state[name] = data
+            if scale_inv is not None:
+                state[name + "_scale_inv"] = scale_inv
+        return state
+
+    # ----------------------------------------------------------------------------- step
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+            batch: Dict[str, List] = defaultdict(list)  # FP32-state params: one foreach pass
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("Fp8AdamW does not support sparse gradients")
+                state = self.state[p]
+                if not state:
+                    state.update(self._init_state(p, group))
+                state["step"] += 1
+                step = float(state["step"])
+                m_fmt, v_fmt = self._formats(p, group)
+                if m_fmt is _FP32 and v_fmt is _FP32:
+                    for key, value in (("params", p), ("grads", p.grad), ("m", state["exp_avg"]),
+                                       ("v", state["exp_avg_sq"]), ("step", step)):
+                        batch[key].append(value)
+                    continue
+                self._step_stored(p, state, group, step, m_fmt, v_fmt)
+            if batch:
+                self._step_fp32_foreach(batch, lr, beta1, beta2, eps, wd)
+        return loss
+
+    def _step_stored(self, p: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any], step: float,
+                     m_fmt: MomentFormat, v_fmt: MomentFormat) -> None:
+        """Update one parameter chunk by chunk. Per-tensor FP8 scaling needs the amax of the *new*
+        moments before any chunk can be quantized, so it takes two passes: pass 1 updates the parameter
+        and collects the amaxes, pass 2 recomputes m and v from the old states and quantizes them."""
+        beta1, beta2 = group["betas"]
+        lr = group["lr"]
+        scalars = [torch.tensor(x, dtype=torch.float32, device=p.device) for x in (
+            1.0 - lr * group["weight_decay"], lr / (1.0 - beta1**step), math.sqrt(1.0 - beta2**step))]
+        fixed = (beta1, beta2, group["eps"], m_fmt, v_fmt, self.stochastic_rounding)
+        fmts = (m_fmt, v_fmt)
+        old = [(state[name], state.get(name + "_scale_inv")) for name in _MOMENTS]
+        flat_p, flat_g = p.view(-1), p.grad.reshape(-1)
+        n = p.numel()
+        chunk = max(_CHUNK // max(self.block_size, 1), 1) * max(self.block_size, 1)
+        per_tensor = any(f.is_fp8 and f.block_size == 0 for f in fmts)
+        amaxes: List[Optional[torch.Tensor]] = [None, None]
+        if per_tensor:  # pass 1
+            amaxes = [torch.zeros((), device=p.device), torch.zeros((), device=p.device)]
+            for a in range(0, n, chunk):
+                length = min(chunk, n - a)
+                ins = [x for (d, si), f in zip(old, fmts) for x in self._moment_slice(d, si, f, a, length)]
+                out = self._call(flat_p[a:a + length], flat_g[a:a + length], *ins, *scalars, *fixed, False,
+                                 None, None, None, None)
+                amaxes = [torch.maximum(x, y) for x, y in zip(amaxes, out)]
+            amaxes = [am if f.is_fp8 and f.block_size == 0 else None for am, f in zip(amaxes, fmts)]
+        new = [self._new_moment(p, f, zero=False) for f in fmts]  # every element is written
+        for a in range(0, n, chunk):
+            length = min(chunk, n - a)
+            ins = [x for (d, si), f in zip(old, fmts) for x in self._moment_slice(d, si, f, a, length)]
+            noise = [self._noise(f, length, p.device) for f in fmts]
+            out = self._call(None if per_tensor else flat_p[a:a + length], flat_g[a:a + length], *ins,
+                             *scalars, *fixed, True, *amaxes, *noise)
+            for (d, si), f, q, qs in zip(new, fmts, out[0::2], out[1::2]):
+                d_slice, s_slice = self._moment_slice(d, si, f, a, length)
+                d_slice.copy_(q)
+                if s_slice is not None:
+                    s_slice.copy_(qs)
+        for name, (d, si) in zip(_MOMENTS, new):
+            state[name] = d
+            if si is not None:
+                state[name + "_scale_inv"] = si
+
+    @staticmethod
+    def _moment_slice(data: torch.Tensor, scale_inv: Optional[torch.Tensor], fmt: MomentFormat, start: int,
+                      length: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The stored elements (and scales) of parameter elements [start, start + length), as views."""
+        flat = data.view(-1)
+        if not fmt.is_fp8:
+            return flat[start:start + length], None
+        if fmt.block_size == 0:  # one scale for the whole tensor
+            return flat[start:start + length], scale_inv
+        first, count = start // fmt.block_size, -(-length // fmt.block_size)
+        return flat[start:start + count * fmt.block_size], scale_inv[first:first + count]
+
+    def _noise(self, fmt: MomentFormat, length: int, device: torch.device) -> Optional[torch.Tensor]:
+        if not self.stochastic_rounding or fmt.dtype is MomentDtype.FP32:
+            return None
+        return torch.rand(storage_numel(length, fmt), generator=self._generator(device), device=device)
+
+    def _call(self, *args: Any):
+        try:
+            return self._kernel(*args)
+        except Exception as exc:  # compile failures surface on the first call, before any mutation
+            if self._kernel is self._eager_kernel:
+                raise
+            logger.warning("Fp8AdamW: torch.compile of the update failed (%s); using eager", exc)
+            self._kernel = self._eager_kernel
+            return self._kernel(*args)
+
+    @staticmethod
+    def _step_fp32_foreach(b: Dict[str, List], lr: float, beta1: float, beta2: float, eps: float,
+                           wd: float) -> None:
+        """torch.optim.AdamW's arithmetic, batched with foreach ops over the FP32-state parameters."""
+        params, grads, ms, vs = b["params"], b["grads"], b["m"], b["v"]
+        torch._foreach_mul_(params, 1.0 - lr * wd)
+        torch._foreach_lerp_(ms, grads, 1.0 - beta1)
+        torch._foreach_mul_(vs, beta2)
+        torch._foreach_addcmul_(vs, grads, grads, 1.0 - beta2)
+        denom = torch._foreach_sqrt(vs)
+        torch._foreach_div_(denom, [math.sqrt(1.0 - beta2**s) for s in b["step"]])
+        torch._foreach_add_(denom, eps)
+        torch._foreach_addcdiv_(params, ms, denom, [-lr / (1.0 - beta1**s) for s in b["step"]])
+
+    # ----------------------------------------------------------------------------- state dict
+    def state_dict(self) -> Dict[str, Any]:
+        sd = super().state_dict()
+        # Plain data only (weights_only-loadable): what wrote it, and the stochastic-rounding streams.
+        sd["fp8_adam"] = {"format_version": 1, "m_dtype": self.m_format.dtype.value,
+                          "v_dtype": self.v_format.dtype.value, "block_size": self.block_size,
+                          "stochastic_rounding": self.stochastic_rounding,
+                          "rng_states": [[str(d), g.get_state()] for d, g in self._generators.items()]}
+        return sd
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Load ours or torch.optim.AdamW's state; moments are converted to this optimizer's formats."""
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"optimizer state has {len(saved_groups)} param groups, this optimizer "
+                             f"{len(self.param_groups)}")
+        id_map: Dict[int, Tuple[torch.Tensor, Dict[str, Any]]] = {}
+        for group, saved in zip(self.param_groups, saved_groups):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError("optimizer state has a param group of a different size than this optimizer's")
+            if saved.get("amsgrad") or saved.get("maximize"):
+                raise ValueError("cannot load an AdamW state with amsgrad=True or maximize=True into Fp8AdamW")
+            # The saved hyper-parameters win (as in torch); the FP8 rule stays this optimizer's.
+            group.update({k: v for k, v in saved.items() if k != "params" and k not in _FOREIGN_GROUP_KEYS})
+            group["betas"] = tuple(group["betas"])
+            id_map.update({pid: (p, group) for pid, p in zip(saved["params"], group["params"])})
+        new_state: Dict[torch.Tensor, Dict[str, Any]] = defaultdict(dict)
+        for pid, saved_state in state_dict["state"].items():
+            if pid not in id_map:
+                raise ValueError(f"optimizer state holds parameter id {pid!r}, absent from its param groups")
+            p, group = id_map[pid]
+            new_state[p] = self._convert_state(p, group, saved_state)
+        self.state = new_state
+        meta = state_dict.get("fp8_adam", {})
+        for device, rng_state in meta.get("rng_states", []):
+            self._generator(torch.device(device)).set_state(rng_state)
+
+    def _convert_state(self, p: torch.Tensor, group: Dict[str, Any], saved: Dict[str, Any]) -> Dict[str, Any]:
+        if "max_exp_avg_sq" in saved:
+            raise ValueError("cannot load an AMSGrad state (max_exp_avg_sq) into Fp8AdamW")
+        step = saved.get("step", 0)
+        out: Dict[str, Any] = {"step": torch.as_tensor(float(step), dtype=torch.float32).clone()}
+        for name, fmt in zip(_MOMENTS, self._formats(p, group)):
+            data, scale_inv = saved[name], saved.get(name + "_scale_inv")
+            if self._layout_matches(p, fmt, data, scale_inv):  # same format: copy bits (exact resume)
+                new_data = data.to(p.device, copy=True)
+                new_scale = None if scale_inv is None else scale_inv.to(p.device, torch.float32, copy=True)
+            else:
+                values = self._saved_values(p, name, data, scale_inv)
+                new_data, new_scale = quantize(values.view(p.shape), fmt)
+            out[name] = new_data
+            if new_scale is not None:
+                out[name + "_scale_inv"] = new_scale
+        return out
+
+    @staticmethod
+    def _layout_matches(p: torch.Tensor, fmt: MomentFormat, data: torch.Tensor,
+                        scale_inv: Optional[torch.Tensor]) -> bool:
+        if data.dtype != fmt.torch_dtype:
+            return False
+        if not fmt.is_fp8:
+            return scale_inv is None and data.shape == p.shape
+        n_blocks, block_len = block_layout(p.numel(), fmt.block_size)
+        return scale_inv is not None and scale_inv.numel() == n_blocks and data.numel() == n_blocks * block_len
+
+    @staticmethod
+    def _saved_values(p: torch.Tensor, name: str, data: torch.Tensor,
+                      scale_inv: Optional[torch.Tensor]) -> torch.Tensor:
+        """FP32 values of a saved moment in any supported layout, checked against the parameter."""
+        numel = p.numel()
+        if scale_inv is None:
+            ok = data.numel() == numel
+        else:
+            n_blocks = scale_inv.numel()
+            block_len = data.numel() // max(n_blocks, 1)
+            ok = n_blocks > 0 and data.numel() == n_blocks * block_len and n_blocks * block_len >= numel \
+                and (n_blocks - 1) * block_len < max(numel, 1)
+        if not ok:
+            raise ValueError(f"saved optimizer state {name!r} ({tuple(data.shape)}, "
+                             f"{0 if scale_inv is None else scale_inv.numel()} scales) does not fit a "
+                             f"parameter of shape {tuple(p.shape)}")
+        return dequantize(data.to(p.device), None if scale_inv is None else scale_inv.to(p.device).float(), numel)
