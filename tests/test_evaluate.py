@@ -161,7 +161,7 @@ def test_lm_eval_adapter_methods():
     rolling = lm.loglikelihood_rolling([req(" ".join(str(i) for i in range(20)))])[0]
     assert rolling == pytest.approx(-20 * math.log1p(127 * math.exp(-8.0)), rel=1e-4)
     out = lm.generate_until([req("1 2 3", {"until": [" 9"], "max_gen_toks": 10})])
-    assert out == ["4 5 6 7 8"]
+    assert out == [" 4 5 6 7 8"]  # the continuation keeps its leading space
     assert lm.rank == 0 and lm.world_size == 1
 
 

@@ -91,3 +91,13 @@ def generate(model: nn.Module, prompt: Sequence[int], sampling: SamplingConfig, 
         tokens.append(token)
         new.append(token)
     return new
+
+
+def decode_continuation(tokenizer, prompt: Sequence[int], new: Sequence[int]) -> str:
+    """The text that `new` adds after `prompt`.
+
+    Decoding `new` alone can lose a leading space (SentencePiece drops the "▁" of a sequence's first
+    piece), so the prompt is decoded with it and its own text cut off.
+    """
+    full, head = tokenizer.detokenize(list(prompt) + list(new)), tokenizer.detokenize(list(prompt))
+    return full[len(head):] if full.startswith(head) else tokenizer.detokenize(list(new))

@@ -20,7 +20,7 @@ from typing import Any, Optional, Sequence
 
 from torch import nn
 
-from megatron.evaluation.generation import SamplingConfig, generate
+from megatron.evaluation.generation import SamplingConfig, decode_continuation, generate
 from megatron.evaluation.scoring import LogLikelihoodScorer
 
 try:  # optional dependency
@@ -90,7 +90,7 @@ class MegatronLM(_LMBase):
             prompt = self.tokenizer.tokenize(context) if context else [self.tokenizer.eod]
             ids = generate(self.model, prompt, sampling, self.max_length, eod=self.tokenizer.eod,
                            seed=int(gen_kwargs.pop("seed", 0) or 0), vocab_size=self.tokenizer.vocab_size)
-            text = self.tokenizer.detokenize(ids)
+            text = decode_continuation(self.tokenizer, prompt, ids)
             for stop in until:  # cut at the earliest stop sequence, as lm-eval's HF model does
                 if stop and stop in text:
                     text = text.split(stop)[0]
