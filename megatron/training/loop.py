@@ -8,7 +8,6 @@ without saving, so the last good checkpoint stays the newest one.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import random
@@ -31,6 +30,7 @@ from megatron.optimizer.lr_scheduler import LrScheduler
 from megatron.parallel_state import ParallelState, initialize_parallel_state
 from megatron.training import checkpointing as ckpt
 from megatron.training.datasets import build_datasets
+from megatron.training.engine import build_engine
 from megatron.training.flops import flops_per_iteration
 from megatron.training.fp8_hooks import Fp8Hooks
 from megatron.training.log import TrainingLogger, setup_logging
@@ -102,12 +102,9 @@ class Trainer:
         self.model = GPTModel(config.model).to(self.accel.device)
         self.fp8 = Fp8Hooks(self.model, config.fp8, self.parallel.amax_group, config.logging.log_fp8_stats)
         logger.info("> number of parameters: %d", self.model.num_parameters())
-        self.train_model: nn.Module = self.model
-        if self.parallel.is_distributed:
-            self.train_model = nn.parallel.DistributedDataParallel(
-                self.model, process_group=self.parallel.data_parallel_group)
         self.optimizer = build_optimizer(self.model, config.optimizer)
         self.scheduler = LrScheduler(self.optimizer, config.scheduler)
+        self.engine = build_engine(config, self.model, self.optimizer, self.scheduler, self.parallel)
         self.state = TrainState()
         if config.checkpoint.load:
             self._load()
@@ -133,7 +130,7 @@ class Trainer:
             if "optimizer" not in payload:
                 raise ckpt.CheckpointError(f"{loaded['path']} has no optimizer state (saved with --no-save-optim); "
                                            "pass --no-load-optim or --finetune")
-            self.optimizer.load_state_dict(payload["optimizer"])
+            self.engine.load_optimizer_state_dict(payload["optimizer"])
         for diff in self.scheduler.check_state_dict(payload.get("lr_scheduler", {})):
             logger.warning("learning-rate schedule differs from the checkpoint (flags win): %s", diff)
         if not c.no_load_rng and "rng_state" in payload:
@@ -148,7 +145,7 @@ class Trainer:
         if self.parallel.is_logging_rank:
             payload = {"model": self.model.state_dict(), "lr_scheduler": self.scheduler.state_dict()}
             if not c.no_save_optim:
-                payload["optimizer"] = self.optimizer.state_dict()
+                payload["optimizer"] = self.engine.optimizer_state_dict()
             if not c.no_save_rng:
                 payload["rng_state"] = ckpt.get_rng_state()
             fp8_state = self.fp8.state()
@@ -167,43 +164,33 @@ class Trainer:
 
     def train_step(self, micro_batches: Iterator[torch.Tensor]) -> tuple[float, float, bool]:
         """One optimizer step. Returns (loss, grad norm, stepped)."""
-        t, device = self.config.training, self.accel.device
-        self.train_model.train()
-        self.optimizer.zero_grad(set_to_none=True)
+        t, device, engine = self.config.training, self.accel.device, self.engine
+        engine.module.train()
+        engine.zero_grad()
         n = t.num_micro_batches
         loss_sum = torch.zeros((), device=device)
         for i in range(n):
             batch = make_batch(next(micro_batches), self.eod, self.config.data).to(device)
-            sync = (i == n - 1) or not self.parallel.is_distributed
-            ctx = self.train_model.no_sync() if not sync else contextlib.nullcontext()
-            with ctx:
-                masked, count = self._forward_loss(self.train_model, batch)
+            with engine.micro_batch_context(is_last=i == n - 1):
+                masked, count = self._forward_loss(engine.module, batch)
                 loss = masked / count.clamp(min=1.0)
-                (loss / n).backward()
+                engine.backward(loss / n)
             loss_sum += loss.detach().float()
         loss_avg = loss_sum / n
         if self.parallel.is_distributed:
             dist.all_reduce(loss_avg, group=self.parallel.data_parallel_group)
             loss_avg /= self.parallel.data_parallel_size
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        clip = self.config.optimizer.clip_grad
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
-        loss_value, norm_value = float(loss_avg), float(grad_norm)
-        finite = math.isfinite(loss_value) and math.isfinite(norm_value)
-        if finite:
-            self.scheduler.apply(self.state.iteration)
-            self.optimizer.step()
-        else:
-            self.optimizer.zero_grad(set_to_none=True)
+        loss_value = float(loss_avg)
+        grad_norm, stepped = engine.step(self.state.iteration, math.isfinite(loss_value))
         self.fp8.after_optimizer_step()
-        return loss_value, norm_value, finite
+        return loss_value, grad_norm, stepped
 
     # ------------------------------------------------------------------------------- evaluation
     @torch.no_grad()
     def evaluate(self, dataset) -> float:
         """Token-weighted mean loss over the first `--eval-iters` global batches of `dataset`."""
         t = self.config.training
-        self.train_model.eval()
+        self.engine.module.eval()
         loader = build_loader(dataset, 0, t.micro_batch_size, self.parallel.data_parallel_rank,
                               self.parallel.data_parallel_size, self.config.data.num_workers)
         it = iter(loader)
@@ -214,7 +201,7 @@ class Trainer:
             total += torch.stack([masked.double().cpu(), count.double().cpu()])
         if self.parallel.is_distributed:
             dist.all_reduce(total, group=self.parallel.data_parallel_group)
-        self.train_model.train()
+        self.engine.module.train()
         return float(total[0] / total[1].clamp(min=1.0))
 
     # ------------------------------------------------------------------------------------ loop
@@ -257,7 +244,7 @@ class Trainer:
                     s.consecutive_nan_iterations = 0
                 fp8_extra, fp8_text = self.fp8.log_values(s.iteration, cfg.logging.log_interval)
                 self.tlog.record(iteration=s.iteration, loss=loss if stepped else None, elapsed_s=elapsed,
-                                 lr=self.optimizer.param_groups[0]["lr"], grad_norm=grad_norm, state=s,
+                                 lr=self.engine.learning_rate, grad_norm=grad_norm, state=s,
                                  global_batch_size=t.global_batch_size, seq_length=cfg.model.seq_length,
                                  flops_per_iter=self.flops_per_iter, world_size=self.parallel.world_size,
                                  memory=self.accel.memory_stats(), extra=fp8_extra, extra_text=fp8_text)
