@@ -13,7 +13,8 @@ from typing import Optional, Sequence
 
 from megatron.config import (
     CheckpointConfig, DataConfig, LoggingConfig, LrDecayStyle, MegatronConfig, ModelConfig, Normalization,
-    OptimizerConfig, ParallelConfig, PositionEmbedding, RecomputeGranularity, SchedulerConfig, TrainingConfig,
+    OptimizerConfig, ParallelConfig, PositionEmbedding, RecomputeGranularity, SchedulerConfig,
+    SmoothSwiGLUGranularity, TrainingConfig,
 )
 from megatron.fp8.recipe import AmaxComputeAlgo, Fp8Backend, Fp8Format, Fp8Recipe, Fp8Scaling
 from megatron.parallel_state import world_size_from_env
@@ -108,8 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fp8-mlp-fc2-bf16", action="store_true", help="keep only the fc2 GEMM in BF16 (ablation)")
     g.add_argument("--fp8-grad-stochastic-rounding", action="store_true")
     g.add_argument("--log-fp8-stats", action="store_true", help="per-layer FP8 amax/clipping statistics")
-    g.add_argument("--smooth-swiglu", action="store_true")
-    g.add_argument("--smooth-swiglu-granularity", choices=["channel", "token"], default="channel")
+    g.add_argument("--smooth-swiglu", action="store_true",
+                   help="scale the SwiGLU output per channel/token before its FP8 quantization (needs --swiglu, FP8)")
+    g.add_argument("--smooth-swiglu-granularity", choices=["channel", "token"], default="channel",
+                   help="channel: the paper's per-channel scales; token: the reference code's per-token scales")
+    g.add_argument("--no-swiglu-diagnostics", action="store_true",
+                   help="turn off the per-layer SwiGLU outlier and w1/w2 alignment diagnostics")
 
     g = p.add_argument_group("checkpointing")
     g.add_argument("--save", type=str, default=None)
@@ -170,7 +175,6 @@ def _not_supported_yet(a: argparse.Namespace) -> None:
         "--sequence-parallel": a.sequence_parallel,
         "--deepspeed": a.deepspeed or a.deepspeed_config is not None,
         "--zero-stage": a.zero_stage is not None,
-        "--smooth-swiglu": a.smooth_swiglu,
     }
     for flag, used in unsupported.items():
         if used:
@@ -200,6 +204,13 @@ def _model_config(a: argparse.Namespace, padded_vocab: int) -> ModelConfig:
     if a.recompute_num_layers < 1:
         raise ValueError("--recompute-num-layers must be >= 1")
     pos = "rope" if a.use_rotary_position_embeddings else a.position_embedding_type
+    smooth = None
+    if a.smooth_swiglu:
+        if not a.swiglu:
+            raise ValueError("--smooth-swiglu needs --swiglu (it rescales the SwiGLU product)")
+        if not (a.fp8_format or a.fp8_hybrid or a.fp8_e4m3):
+            raise ValueError("--smooth-swiglu only matters for FP8 training: add --fp8-format hybrid (or e4m3)")
+        smooth = SmoothSwiGLUGranularity(a.smooth_swiglu_granularity)
     return ModelConfig(
         num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
         num_key_value_heads=kv_heads, ffn_hidden_size=ffn, seq_length=a.seq_length, max_position_embeddings=max_pos,
@@ -210,7 +221,7 @@ def _model_config(a: argparse.Namespace, padded_vocab: int) -> ModelConfig:
         rotary_base=a.rotary_base, hidden_dropout=a.hidden_dropout, attention_dropout=a.attention_dropout,
         init_method_std=a.init_method_std,
         recompute_granularity=RecomputeGranularity(granularity) if granularity else None,
-        recompute_method=a.recompute_method, recompute_num_layers=a.recompute_num_layers,
+        recompute_method=a.recompute_method, recompute_num_layers=a.recompute_num_layers, smooth_swiglu=smooth,
     )
 
 
@@ -350,7 +361,7 @@ def parse_config(argv: Optional[Sequence[str]] = None, world_size: Optional[int]
             save=a.save, load=a.load, save_interval=a.save_interval, no_save_optim=a.no_save_optim,
             no_save_rng=a.no_save_rng, no_load_optim=a.no_load_optim, no_load_rng=a.no_load_rng, finetune=a.finetune),
         logging=LoggingConfig(log_interval=a.log_interval, tensorboard_dir=a.tensorboard_dir,
-                              log_fp8_stats=a.log_fp8_stats),
+                              log_fp8_stats=a.log_fp8_stats, log_swiglu_diagnostics=not a.no_swiglu_diagnostics),
         data=data,
         parallel=ParallelConfig(
             tensor_model_parallel_size=a.tensor_model_parallel_size,
