@@ -1,4 +1,4 @@
-"""tools/compare_runs.py on two tiny runs (one BF16-free FP32 baseline, one FP8 with statistics)."""
+"""tools/compare_runs.py on two tiny runs: an FP32 baseline and an FP8 run with statistics."""
 from __future__ import annotations
 
 import importlib.util
@@ -33,6 +33,7 @@ def two_runs(tmp_path_factory):
 
 
 def test_table_json_and_plots(two_runs, tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason="plots need matplotlib (the demo/eval extras)")
     root, base, fp8 = two_runs
     out_dir = tmp_path / "plots"
     runs = _tool()([str(root / "baseline"), str(root / "fp8"), "--output-dir", str(out_dir),

@@ -36,7 +36,8 @@ TOKENIZER_FIELDS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_fi
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("checkpoint")
     g.add_argument("--load", required=True, help="run folder (--save of training) or an iter_XXXXXXX folder")
     g.add_argument("--iteration", type=int, default=None)

@@ -89,7 +89,8 @@ def summarize(name: str, scalars: dict[str, Series]) -> RunSummary:
     tokens = [int(s[0][-1]) for t, s in scalars.items() if t.endswith(" vs tokens") and len(s[0])]
     throughput = scalars.get(THROUGHPUT)
     memory = next((scalars[t] for t in MEMORY_TAGS if t in scalars), None)
-    clips = [(t[len("fp8/"):-len("/clipped_frac")], float(scalars[t][1].max())) for t in fp8_tags(scalars, "clipped_frac")]
+    clips = [(t[len("fp8/"):-len("/clipped_frac")], float(scalars[t][1].max()))
+             for t in fp8_tags(scalars, "clipped_frac")]
     skipped, nans = _last(scalars, SKIPPED), _last(scalars, NANS)
     return RunSummary(
         name=name, tokens=max(tokens) if tokens else None,
@@ -145,8 +146,8 @@ def format_table(runs: Sequence[RunSummary]) -> str:
     rows = [header]
     for r in runs:
         clip = f"{r.worst_fp8_clip[1]:.2e} {r.worst_fp8_clip[0]}" if r.worst_fp8_clip else "-"
-        rows.append([r.name, _fmt(r.tokens, ","), _fmt(r.final_valid, ".4f"), _fmt(r.best_valid, ".4f"),
-                     _fmt(r.valid_gap * 100 if r.valid_gap is not None else None, "+.2f") + ("%" if r.valid_gap is not None else ""),
+        gap = f"{r.valid_gap * 100:+.2f}%" if r.valid_gap is not None else "-"
+        rows.append([r.name, _fmt(r.tokens, ","), _fmt(r.final_valid, ".4f"), _fmt(r.best_valid, ".4f"), gap,
                      _fmt(r.test, ".4f"), _fmt(r.tokens_per_sec, ",.0f"), _fmt(r.peak_memory_mib, ",.0f"),
                      _fmt(r.skipped, "d"), _fmt(r.nans, "d"), clip])
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
