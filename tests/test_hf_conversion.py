@@ -133,13 +133,19 @@ def test_rejects_what_llama_cannot_express(tmp_path, change, reason):
     assert not (tmp_path / "hf").exists()
 
 
-def test_smooth_swiglu_hook():
+def test_smooth_swiglu_hook(tmp_path):
     config = _tiny_config().model
     state = GPTModel(config).state_dict()
     assert fold_smooth_swiglu_scales(state, config) is state
     smooth = dataclasses.replace(config, smooth_swiglu=SmoothSwiGLUGranularity.CHANNEL)
     with pytest.raises(NotImplementedError, match="--smooth-swiglu"):
         fold_smooth_swiglu_scales(state, smooth)
+    # A Smooth-SwiGLU checkpoint is refused at export, never written with its scales lost.
+    full = dataclasses.replace(_tiny_config(), model=smooth)
+    save_checkpoint(tmp_path / "ckpt", 1, {"model": state}, {}, full.to_dict())
+    with pytest.raises(NotImplementedError, match="--smooth-swiglu"):
+        export_to_hf(tmp_path / "ckpt", tmp_path / "hf", with_tokenizer=False)
+    assert not (tmp_path / "hf").exists()
 
 
 def test_sentencepiece_tokenizer_exported(tmp_path):
