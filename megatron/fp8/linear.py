@@ -34,6 +34,17 @@ activation-memory saving. The weight is quantized once per optimizer step and th
 micro-batch's forward and backward; `fp8_optimizer_step` drops the cache after each step. As a safety net the
 cache is also keyed on the weight's version counter and storage, so an in-place update made without the hook
 is noticed (an update through `.data` is not: call the hook).
+
+Per-input-channel weight scale (Smooth-SwiGLU, channel form)
+-----------------------------------------------------------
+`forward(x, weight_column_scale=c)` computes y = Q(x) Q(W diag(c))^T: the columns of W (its input channels)
+are multiplied by c *before* quantization, so one FP8 GEMM still does the whole product. W diag(c) is a new
+tensor whenever c changes (every micro-batch under Smooth-SwiGLU), so such a call bypasses the per-step
+weight cache and quantizes afresh (counted in `fp8_weight_quantizations`), always with a scale from its own
+amax (a history of other tensors' amaxes would lag and clip it); its amax still feeds the weight role's
+statistics and history. Gradients: dx from Q(W diag(c)), dW = (dy^T x) diag(c), none through c.
+`input_amax`, when the caller already knows max|x| (Smooth-SwiGLU gets it from its scale reduction), saves
+the reduction over x.
 """
 from __future__ import annotations
 
@@ -87,30 +98,35 @@ class _Fp8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                module: "Fp8Linear", out_dtype: torch.dtype) -> torch.Tensor:
+                module: "Fp8Linear", out_dtype: torch.dtype, column_scale: torch.Tensor | None = None,
+                input_amax: torch.Tensor | None = None) -> torch.Tensor:
         backend = module.fp8_backend(x.device)
         specs = module.fp8_specs(backend)
         x2d = x.reshape(-1, x.shape[-1])
         # Autocast would turn the fp32 GEMM of the emulated backend into bf16; every dtype here is explicit.
         with torch.autocast(x.device.type, enabled=False):
-            s_x = module._scale_for(Fp8Role.INPUT, amax_of(x2d), specs[Fp8Role.INPUT])
+            x_amax = amax_of(x2d) if input_amax is None else input_amax.float()
+            s_x = module._scale_for(Fp8Role.INPUT, x_amax, specs[Fp8Role.INPUT])
             q_x = backend.quantize(x2d, s_x, specs[Fp8Role.INPUT])
             if module.fp8_stats_enabled:
                 fp8_stats.record(module, Fp8Role.INPUT, x2d, q_x, s_x, specs[Fp8Role.INPUT])
-            w = module._quantized_weight(backend, specs[Fp8Role.WEIGHT])
+            if column_scale is None:
+                w = module._quantized_weight(backend, specs[Fp8Role.WEIGHT])
+            else:
+                w = module._quantized_scaled_weight(backend, specs[Fp8Role.WEIGHT], column_scale)
             module._note_weight_use(w)
             y = backend.gemm_nt(q_x, s_x, w.weight(backend), w.scale, out_dtype)
             if bias is not None:
                 y = y + bias.to(out_dtype)
         saved_x = q_x if module.recipe.fp8_wgrad else x2d
-        ctx.save_for_backward(saved_x, s_x)
+        ctx.save_for_backward(saved_x, s_x, column_scale)
         ctx.module, ctx.backend, ctx.specs, ctx.weight_fp8 = module, backend, specs, w
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype, ctx.has_bias = x.shape, x.dtype, weight.dtype, bias is not None
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        saved_x, s_x = ctx.saved_tensors
+        saved_x, s_x, column_scale = ctx.saved_tensors
         module, backend, specs, w = ctx.module, ctx.backend, ctx.specs, ctx.weight_fp8
         grad_spec = specs[Fp8Role.GRAD_OUTPUT]
         dy2d = dy.reshape(-1, dy.shape[-1])
@@ -130,10 +146,12 @@ class _Fp8LinearFunction(torch.autograd.Function):
                     dw = backend.gemm_nt(q_g.t(), s_g, saved_x.t(), s_x, torch.float32)
                 else:
                     dw = dy2d.float().t() @ saved_x.float()
+                if column_scale is not None:
+                    dw = dw * column_scale.float()  # d/dW of (W diag(c)): scale the columns back
                 dw = dw.to(ctx.w_dtype)
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 db = dy2d.float().sum(dim=0).to(ctx.w_dtype)
-        return dx, dw, db, None, None
+        return dx, dw, db, None, None, None, None
 
 
 class Fp8Linear(nn.Linear):
@@ -220,6 +238,20 @@ class Fp8Linear(nn.Linear):
             self.fp8_weight_quantizations += 1
         return self._weight_cache
 
+    def _quantized_scaled_weight(self, backend: Backend, spec: Fp8FormatSpec,
+                                 column_scale: torch.Tensor) -> _QuantizedWeight:
+        """Q(W diag(column_scale)), made for this call only (see "Per-input-channel weight scale")."""
+        with torch.no_grad():
+            w = self.weight.float() * column_scale.float()
+            amax = amax_of(w)
+            scale = compute_scale(amax, spec.max, self.recipe.margin, self.recipe.power_of_two_scales,
+                                  previous=self.fp8_scale[Fp8Role.WEIGHT])
+            q = backend.quantize(w, scale, spec)
+            if self.fp8_stats_enabled:
+                fp8_stats.record(self, Fp8Role.WEIGHT, w, q, scale, spec)
+        self.fp8_weight_quantizations += 1
+        return _QuantizedWeight(None, q, scale, amax)
+
     def _note_weight_use(self, w: _QuantizedWeight) -> None:
         """Every training forward records the weight's amax, wherever the cached FP8 weight was made."""
         if self.training:
@@ -233,13 +265,18 @@ class Fp8Linear(nn.Linear):
 
     # --- nn.Module -------------------------------------------------------------------------------------------
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weight_column_scale: torch.Tensor | None = None,
+                input_amax: torch.Tensor | None = None) -> torch.Tensor:
+        """y = Q(x) Q(W)^T + b; with `weight_column_scale` c, W diag(c) replaces W (see the module docstring)."""
         device_type = x.device.type
         if torch.is_autocast_enabled(device_type):
             out_dtype = torch.get_autocast_dtype(device_type)
         else:
             out_dtype = x.dtype
-        return _Fp8LinearFunction.apply(x, self.weight, self.bias, self, out_dtype)
+        if weight_column_scale is not None:
+            weight_column_scale = weight_column_scale.detach()
+        return _Fp8LinearFunction.apply(x, self.weight, self.bias, self, out_dtype, weight_column_scale,
+                                        input_amax)
 
     def _apply(self, fn: Any, recurse: bool = True) -> "Fp8Linear":
         # .to()/.cuda() may replace the weight's storage; a cached FP8 copy on the old device must go.

@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megatron.config import ModelConfig, RecomputeGranularity
 from megatron.model.layers import apply_rotary, build_norm
+from megatron.model.smooth_swiglu import SmoothSwiGLU
 
 
 def _init_linear(linear: nn.Linear, std: float) -> None:
@@ -88,7 +89,8 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU (`--swiglu`) or GeLU feed-forward block."""
+    """SwiGLU (`--swiglu`) or GeLU feed-forward block; `--smooth-swiglu` runs the product and fc2 through
+    `smooth_swiglu` (see `megatron/model/smooth_swiglu.py`)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -98,6 +100,11 @@ class MLP(nn.Module):
         self.linear_fc2 = nn.Linear(config.ffn_hidden_size, config.hidden_size, bias=config.add_bias_linear)
         _init_linear(self.linear_fc1, config.init_method_std)
         _init_linear(self.linear_fc2, output_layer_std(config))
+        self.smooth_swiglu: Optional[SmoothSwiGLU] = None
+        if config.smooth_swiglu is not None:
+            if not config.swiglu:
+                raise ValueError("--smooth-swiglu needs --swiglu (it rescales the SwiGLU product)")
+            self.smooth_swiglu = SmoothSwiGLU(config.smooth_swiglu, has_bias=config.add_bias_linear)
 
     def activation(self, fc1_out: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
@@ -106,6 +113,8 @@ class MLP(nn.Module):
         return F.gelu(fc1_out)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.smooth_swiglu is not None and self.smooth_swiglu.enabled:
+            return self.smooth_swiglu(self.linear_fc1(hidden), self.linear_fc2)
         return self.linear_fc2(self.activation(self.linear_fc1(hidden)))
 
 
