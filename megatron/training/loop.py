@@ -34,6 +34,7 @@ from megatron.training.engine import build_engine
 from megatron.training.flops import flops_per_iteration
 from megatron.training.fp8_hooks import Fp8Hooks
 from megatron.training.log import TrainingLogger, setup_logging
+from megatron.training.swiglu_hooks import SwiGLUHooks
 from megatron.training.train_state import TrainState
 
 logger = logging.getLogger("megatron")
@@ -101,6 +102,8 @@ class Trainer:
         seed_everything(t.seed)
         self.model = GPTModel(config.model).to(self.accel.device)
         self.fp8 = Fp8Hooks(self.model, config.fp8, self.parallel.amax_group, config.logging.log_fp8_stats)
+        self.swiglu = SwiGLUHooks(self.model, config.model,
+                                  config.logging.log_swiglu_diagnostics and self.parallel.is_logging_rank)
         logger.info("> number of parameters: %d", self.model.num_parameters())
         self.optimizer = build_optimizer(self.model, config.optimizer)
         self.scheduler = LrScheduler(self.optimizer, config.scheduler)
@@ -220,6 +223,7 @@ class Trainer:
             while self.state.iteration < t.train_iters:
                 self.accel.synchronize()
                 t0 = time.perf_counter()
+                self.swiglu.before_step(self.state.iteration + 1, cfg.logging.log_interval)
                 loss, grad_norm, stepped = self.train_step(micro_batches)
                 self.accel.synchronize()
                 elapsed = time.perf_counter() - t0
@@ -243,11 +247,13 @@ class Trainer:
                 else:
                     s.consecutive_nan_iterations = 0
                 fp8_extra, fp8_text = self.fp8.log_values(s.iteration, cfg.logging.log_interval)
+                swiglu_extra, swiglu_text = self.swiglu.log_values(s.iteration, cfg.logging.log_interval)
                 self.tlog.record(iteration=s.iteration, loss=loss if stepped else None, elapsed_s=elapsed,
                                  lr=self.engine.learning_rate, grad_norm=grad_norm, state=s,
                                  global_batch_size=t.global_batch_size, seq_length=cfg.model.seq_length,
                                  flops_per_iter=self.flops_per_iter, world_size=self.parallel.world_size,
-                                 memory=self.accel.memory_stats(), extra=fp8_extra, extra_text=fp8_text)
+                                 memory=self.accel.memory_stats(), extra={**fp8_extra, **swiglu_extra},
+                                 extra_text=fp8_text + swiglu_text)
                 if self.valid_ds is not None and t.eval_interval and s.iteration % t.eval_interval == 0:
                     vloss = self.evaluate(self.valid_ds)
                     result.valid.append((s.iteration, vloss))

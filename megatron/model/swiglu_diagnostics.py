@@ -1,0 +1,127 @@
+"""SwiGLU outlier and weight-alignment diagnostics: find the layer that is about to overflow FP8.
+
+Two signals from the paper, per transformer layer:
+- Activation outliers: max |h| of the SwiGLU product h = Swish(x W2) * (x W1) (fc2's input in a plain
+  model; the *unscaled* product in a Smooth-SwiGLU model, whose fc2 input is normalised by construction),
+  and the outlier ratio = that max / the median over channels of the per-channel max.
+- Weight alignment: for each FFN channel i, |cos(w1_i, w2_i)| between its up (linear) row and gate (Swish)
+  row of `linear_fc1`. The absolute value because w1 -> +w2 and w1 -> -w2 both make the channel quadratic.
+  Summarised as max, 99th percentile and the number of channels above 0.5.
+
+Cost model: nothing runs between log intervals. `ActivationRecorder.arm()` registers a forward hook on
+every `mlp.linear_fc1` for one training step; the hook recomputes the product from fc1's output (one
+elementwise op and one max over tokens per layer and micro-batch) and `collect()` removes the hooks. The
+alignment is computed from the weights at log time (one [2F, H] pass per layer, no activations).
+
+`JumpDetector` turns the logged series into warnings: a value "jumps" when it exceeds `factor` (2x) times
+the median of its previous log points, once at least `min_points` (3) of them exist.
+"""
+from __future__ import annotations
+
+import statistics
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ALIGNMENT_THRESHOLD = 0.5
+
+
+def up_gate_alignment(fc1_weight: torch.Tensor) -> torch.Tensor:
+    """|cos| between row i of up (w1) and row i of gate (w2) for every channel: fp32 [F].
+
+    `fc1_weight` is `linear_fc1.weight` laid out [gate | up] ([2F, H]). A zero row gives 0.
+    """
+    gate, up = fc1_weight.detach().float().chunk(2, dim=0)
+    return F.cosine_similarity(up, gate, dim=-1, eps=1e-12).abs()
+
+
+def alignment_summary(cosines: torch.Tensor) -> dict[str, float]:
+    """max, p99 and the number of channels above `ALIGNMENT_THRESHOLD` of |cos| per channel."""
+    return {"align_max": float(cosines.max()),
+            "align_p99": float(torch.quantile(cosines, 0.99)),
+            "align_count_gt_0.5": float((cosines > ALIGNMENT_THRESHOLD).sum())}
+
+
+def outlier_summary(channel_max: torch.Tensor) -> dict[str, float]:
+    """max |h| and its ratio to the median channel max (inf-safe: a zero median gives ratio 0)."""
+    top = float(channel_max.max())
+    median = float(channel_max.median())
+    return {"act_max": top, "outlier_ratio": top / median if median > 0 else 0.0}
+
+
+def _swiglu_mlps(model: nn.Module) -> list[nn.Module]:
+    layers = getattr(getattr(model, "decoder", None), "layers", None)
+    if layers is None:
+        return []
+    return [layer.mlp for layer in layers if getattr(layer.mlp, "swiglu", False)]
+
+
+class ActivationRecorder:
+    """Per-channel running max of the SwiGLU product of every layer, only while armed."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.mlps = _swiglu_mlps(model)
+        self._handles: list[Any] = []
+        self._maxima: list[Optional[torch.Tensor]] = [None] * len(self.mlps)
+
+    @property
+    def armed(self) -> bool:
+        return bool(self._handles)
+
+    def _hook(self, index: int):
+        def hook(_module: nn.Module, _inputs: Any, out: torch.Tensor) -> None:
+            with torch.no_grad():
+                gate, up = out.detach().chunk(2, dim=-1)
+                cmax = (F.silu(gate) * up).abs().reshape(-1, up.shape[-1]).amax(dim=0).float()
+                prev = self._maxima[index]
+                self._maxima[index] = cmax if prev is None else torch.maximum(prev, cmax)
+        return hook
+
+    def arm(self) -> None:
+        """Record from the next forward passes on (idempotent)."""
+        if self.armed:
+            return
+        self._maxima = [None] * len(self.mlps)
+        self._handles = [mlp.linear_fc1.register_forward_hook(self._hook(i)) for i, mlp in enumerate(self.mlps)]
+
+    def collect(self) -> list[Optional[torch.Tensor]]:
+        """Per layer the per-channel max recorded since `arm()` (None if no forward ran); disarms."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        maxima, self._maxima = self._maxima, [None] * len(self.mlps)
+        return maxima
+
+
+class JumpDetector:
+    """Flags values above `factor` x the median of the same series' previous log points."""
+
+    def __init__(self, factor: float = 2.0, min_points: int = 3) -> None:
+        self.factor = factor
+        self.min_points = min_points
+        self.history: dict[str, list[float]] = {}
+
+    def update(self, key: str, value: float) -> Optional[float]:
+        """Append `value`; return the previous median when this is a jump, else None."""
+        past = self.history.setdefault(key, [])
+        jump = None
+        if len(past) >= self.min_points:
+            median = statistics.median(past)
+            if median > 0 and value > self.factor * median:
+                jump = median
+        past.append(value)
+        return jump
+
+
+def layer_diagnostics(model: nn.Module, channel_maxima: Optional[list[Optional[torch.Tensor]]] = None
+                      ) -> dict[int, dict[str, float]]:
+    """{layer index: {align_max, align_p99, align_count_gt_0.5[, act_max, outlier_ratio]}}."""
+    out: dict[int, dict[str, float]] = {}
+    for i, mlp in enumerate(_swiglu_mlps(model)):
+        values = alignment_summary(up_gate_alignment(mlp.linear_fc1.weight))
+        if channel_maxima is not None and channel_maxima[i] is not None:
+            values.update(outlier_summary(channel_maxima[i]))
+        out[i] = values
+    return out

@@ -1,0 +1,83 @@
+"""The training loop's view of SwiGLU: Smooth-SwiGLU placement and the outlier/alignment diagnostics.
+
+Built after `convert_to_fp8` (it must see which fc2 layers became FP8):
+- Smooth-SwiGLU protects the FP8 cast of fc2's input. A layer whose fc2 stayed in high precision
+  (`--fp8-mlp-fc2-bf16`, or the layers kept by `--fp8-first-last-layers-bf16`) has no such cast, so its
+  smoothing is switched off (a no-op, said once in the log) instead of rejecting the flag combination:
+  the result is the same function, without the extra reduction and the uncached fc2 weight.
+- Diagnostics (on unless `--no-swiglu-diagnostics`): `before_step(iteration)` arms the activation
+  recorder for the forward passes of a logging step only; `log_values` returns the TensorBoard scalars
+  `swiglu/layer{i}/{act_max,outlier_ratio,align_max,align_p99,align_count_gt_0.5}` and a log-line
+  fragment, and logs a warning when a layer's outlier ratio or max alignment jumps (> 2x the median of
+  its previous log points).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+from torch import nn
+
+from megatron.config import ModelConfig
+from megatron.model.swiglu_diagnostics import ActivationRecorder, JumpDetector, layer_diagnostics
+
+logger = logging.getLogger("megatron")
+
+WATCHED = ("outlier_ratio", "align_max")
+
+
+def disable_smoothing_without_fp8_fc2(model: nn.Module) -> list[int]:
+    """Switch Smooth-SwiGLU off in layers whose `linear_fc2` is not an `Fp8Linear`; return their indices."""
+    from megatron.fp8.linear import Fp8Linear
+
+    disabled = []
+    for i, layer in enumerate(model.decoder.layers):
+        smooth = getattr(layer.mlp, "smooth_swiglu", None)
+        if smooth is not None and not isinstance(layer.mlp.linear_fc2, Fp8Linear):
+            smooth.enabled = False
+            disabled.append(i)
+    return disabled
+
+
+class SwiGLUHooks:
+    def __init__(self, model: nn.Module, config: ModelConfig, diagnostics: bool) -> None:
+        self.model = model
+        if config.smooth_swiglu is not None:
+            disabled = disable_smoothing_without_fp8_fc2(model)
+            if disabled:
+                logger.info("smooth-swiglu: off in layers %s, whose fc2 is not FP8 (nothing to protect)", disabled)
+            logger.info("smooth-swiglu: %s scaling in %d/%d layers", config.smooth_swiglu.value,
+                        config.num_layers - len(disabled), config.num_layers)
+        self.recorder: Optional[ActivationRecorder] = None
+        if diagnostics and config.swiglu:
+            self.recorder = ActivationRecorder(model)
+        self.jumps = JumpDetector()
+
+    def before_step(self, iteration: int, log_interval: int) -> None:
+        """Called before running `iteration` (1-based): arm the recorder if it will be logged."""
+        if self.recorder is not None and iteration % log_interval == 0:
+            self.recorder.arm()
+
+    def log_values(self, iteration: int, log_interval: int) -> tuple[dict, str]:
+        """TensorBoard scalars and a log-line fragment every log interval; warnings on jumps."""
+        if self.recorder is None or iteration % log_interval != 0:
+            return {}, ""
+        per_layer = layer_diagnostics(self.model, self.recorder.collect())
+        values: dict[str, float] = {}
+        worst: Optional[tuple[int, float]] = None
+        for layer, stats in per_layer.items():
+            for key, value in stats.items():
+                values[f"swiglu/layer{layer}/{key}"] = value
+            for key in WATCHED:
+                if key not in stats:
+                    continue
+                previous = self.jumps.update(f"{layer}/{key}", stats[key])
+                if previous is not None:
+                    logger.warning("iteration %d: SwiGLU %s of layer %d jumped to %.3g (median of earlier log "
+                                   "points %.3g): an FP8 outlier may be forming", iteration, key, layer,
+                                   stats[key], previous)
+            ratio = stats.get("outlier_ratio")
+            if ratio is not None and (worst is None or ratio > worst[1]):
+                worst = (layer, ratio)
+        text = f" swiglu max outlier ratio: layer {worst[0]} {worst[1]:.1f} |" if worst else ""
+        return values, text
