@@ -147,3 +147,19 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     saved = int((tmp_path / "c" / "latest_checkpointed_iteration.txt").read_text())
     assert 3 <= saved < 100000
     assert (tmp_path / "c" / f"iter_{saved:07d}" / "train_state.json").exists()
+
+
+def test_exit_duration_stops_after_the_current_iteration(tmp_path):
+    result = pretrain(parse_config(tiny_argv(exit_duration_in_mins=0.0, save=tmp_path / "c", train_iters=50,
+                                             eval_iters=0)))
+    assert result.exit_reason == "exit-duration" and result.state.iteration == 1
+    assert (tmp_path / "c" / "latest_checkpointed_iteration.txt").read_text() == "1"
+
+
+def test_finetune_loads_weights_only(tmp_path):
+    first = pretrain(parse_config(tiny_argv(save=tmp_path / "c", train_iters=3, eval_iters=0, lr_warmup_iters=0)))
+    trainer = Trainer(parse_config(tiny_argv("--finetune", load=tmp_path / "c", train_iters=3, eval_iters=0,
+                                             lr_warmup_iters=0)))
+    assert trainer.state.iteration == 0 and not trainer.optimizer.state
+    for key, value in first.model.state_dict().items():
+        assert torch.equal(trainer.model.state_dict()[key], value), key
