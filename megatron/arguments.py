@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from typing import Optional, Sequence
 
 from megatron.config import (
@@ -159,7 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("deepspeed")
     g.add_argument("--deepspeed", action="store_true")
     g.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", type=str, default=None)
-    g.add_argument("--zero-stage", type=int, default=None)
+    g.add_argument("--zero-stage", type=int, default=None, help="ZeRO stage 0-3 (default 0, or the JSON's)")
+    g.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None,
+                   help="passed by the deepspeed launcher; must agree with the LOCAL_RANK environment variable, "
+                        "which is what is used")
     return p
 
 
@@ -173,12 +177,21 @@ def _not_supported_yet(a: argparse.Namespace) -> None:
         "--tensor-model-parallel-size > 1": a.tensor_model_parallel_size != 1,
         "--pipeline-model-parallel-size > 1": a.pipeline_model_parallel_size != 1,
         "--sequence-parallel": a.sequence_parallel,
-        "--deepspeed": a.deepspeed or a.deepspeed_config is not None,
-        "--zero-stage": a.zero_stage is not None,
     }
     for flag, used in unsupported.items():
         if used:
             raise ValueError(f"{flag} is not supported yet in megatron-fp8; remove it from the command line")
+    if not a.deepspeed and (a.deepspeed_config is not None or a.zero_stage is not None):
+        raise ValueError("--deepspeed_config and --zero-stage need --deepspeed; add it, or drop them for torch DDP")
+    if a.zero_stage is not None and a.zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"--zero-stage must be 0, 1, 2 or 3, got {a.zero_stage}")
+    if a.deepspeed and a.no_save_optim:
+        raise ValueError("--no-save-optim is not supported with --deepspeed: DeepSpeed checkpoints always carry "
+                         "the (partitioned) optimizer state; drop the flag")
+    env_local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if a.local_rank is not None and a.local_rank != env_local_rank:
+        raise ValueError(f"--local_rank {a.local_rank} disagrees with the environment's LOCAL_RANK={env_local_rank}, "
+                         "which decides the device: launch with torchrun or deepspeed, which set both")
     if a.fp16:
         raise ValueError("--fp16 is not supported: use --bf16 (BF16 autocast with FP32 master weights). "
                          "On CPU, FP16 compute is also about 1000x slower than BF16.")

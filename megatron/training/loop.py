@@ -119,17 +119,23 @@ class Trainer:
     # -------------------------------------------------------------------------------- checkpoints
     def _load(self) -> None:
         c = self.config.checkpoint
-        loaded = ckpt.load_checkpoint_files(c.load, mp_rank=0)
+        if hasattr(self.engine, "load_checkpoint"):  # DeepSpeed restores weights and ZeRO partitions in place
+            loaded = self.engine.load_checkpoint(c.load, load_optimizer=not (c.no_load_optim or c.finetune),
+                                                 module_only=c.finetune)
+        else:
+            loaded = ckpt.load_checkpoint_files(c.load, mp_rank=0)
         if loaded is None:
             logger.info("no checkpoint found under --load %s: starting from scratch", c.load)
             return
         payload = loaded["payload"]
-        ckpt.load_model_state(self.model, payload["model"], loaded["path"])
+        engine_restored = loaded.get("engine_restored", False)
+        if not engine_restored:
+            ckpt.load_model_state(self.model, payload["model"], loaded["path"])
         if c.finetune:
             logger.info("--finetune: loaded weights only from %s; iteration and optimizer reset", loaded["path"])
             return
         self.state = TrainState.from_dict(loaded["train_state"])
-        if not c.no_load_optim:
+        if not c.no_load_optim and not engine_restored:
             if "optimizer" not in payload:
                 raise ckpt.CheckpointError(f"{loaded['path']} has no optimizer state (saved with --no-save-optim); "
                                            "pass --no-load-optim or --finetune")
@@ -144,6 +150,15 @@ class Trainer:
     def save(self) -> None:
         c = self.config.checkpoint
         if not c.save:
+            return
+        if hasattr(self.engine, "save_checkpoint"):  # DeepSpeed: every rank writes its ZeRO partitions
+            extra = {"lr_scheduler": self.scheduler.state_dict()}
+            if not c.no_save_rng:
+                extra["rng_state"] = ckpt.get_rng_state()
+            fp8_state = self.fp8.state()
+            if fp8_state is not None:
+                extra["fp8"] = fp8_state
+            self.engine.save_checkpoint(c.save, self.state.iteration, extra, self.state.to_dict(), self.config.to_dict())
             return
         if self.parallel.is_logging_rank:
             payload = {"model": self.model.state_dict(), "lr_scheduler": self.scheduler.state_dict()}

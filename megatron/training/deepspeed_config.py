@@ -1,0 +1,183 @@
+"""The DeepSpeed JSON of a run: generated from our flags, or a user's file checked against them.
+
+The flags stay the single source of truth. A user JSON (`--deepspeed_config ds.json`) may carry
+DeepSpeed-only settings (bucket sizes, overlap, ...); every key that our flags also decide must agree
+with them, and keys it omits are filled from the flags:
+
+| DeepSpeed key                               | our flag                                         |
+|---------------------------------------------|--------------------------------------------------|
+| `train_batch_size`                          | `--global-batch-size`                            |
+| `train_micro_batch_size_per_gpu`            | `--micro-batch-size`                             |
+| `gradient_accumulation_steps`               | global / (micro x data-parallel size)            |
+| `gradient_clipping`                         | `--clip-grad` (0 = off in both)                  |
+| `zero_optimization.stage`                   | `--zero-stage` (default 0)                       |
+| `torch_autocast.enabled`, `.dtype`          | `--bf16` (BF16 autocast, FP32 master weights)    |
+
+Why `--bf16` is DeepSpeed's `torch_autocast` and not its `bf16` section: our `--bf16` means FP32
+weights with BF16 autocast around the forward (the FP32 weights are the master weights). DeepSpeed's
+`bf16.enabled` instead casts the module to BF16 (the FP32 master copy lives in the optimizer) and,
+without ZeRO, accumulates gradients in BF16. That is another recipe (FP8 linears and Fp8AdamW are
+tested on FP32 weights), so `bf16.enabled: true` is refused with a message saying what to write
+instead. `torch_autocast` (DeepSpeed >= 0.17) keeps the module in FP32 and runs the engine's forward
+under `torch.autocast`, which is exactly our recipe. We generate `lower_precision_safe_modules: []`
+so gradients are communicated in FP32 as with torch DDP; a user JSON may list modules there to
+reduce their gradients in BF16 instead.
+
+Refused because they would silently fight our own components: an `optimizer` or `scheduler` section
+(our AdamW/Fp8AdamW and LR schedule drive the run), `fp16` (use `--bf16`), ZeRO offload (not tested
+with our client optimizers), `zero_optimization.compute_grad_norm: false` (the norm decides whether a
+step is skipped), and `zero_allow_untested_optimizer: false` (our optimizers are not on DeepSpeed's
+list, so ZeRO needs it).
+"""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+from megatron.config import MegatronConfig
+
+# DeepSpeed allocates reduce/all-gather buckets of this many elements per rank. Its default (5e8
+# elements = 2 GB in FP32, twice with overlap_comm) dominates memory and start-up time of small and
+# CPU runs; 5e7 is still large enough to batch the gradients of a 7B model into few collectives, and
+# a run whose model is smaller gets buckets of the model's size.
+DEFAULT_BUCKET_SIZE = 50_000_000
+SUPPORTED_ZERO_STAGES = (0, 1, 2, 3)
+
+
+class DeepSpeedConfigError(ValueError):
+    """A DeepSpeed JSON that disagrees with the flags or asks for something unsupported."""
+
+
+def load_json(path: str) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise DeepSpeedConfigError(f"--deepspeed_config {path}: file not found")
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as exc:
+        raise DeepSpeedConfigError(f"--deepspeed_config {path} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise DeepSpeedConfigError(f"--deepspeed_config {path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _section(ds: dict, key: str, source: str) -> dict:
+    value = ds.setdefault(key, {})
+    if not isinstance(value, dict):
+        raise DeepSpeedConfigError(f"{source}: `{key}` must be an object, got {value!r}")
+    return value
+
+
+def _agree(ds: dict, key: str, expected: Any, flag: str, source: str, label: Optional[str] = None) -> None:
+    """Fill `ds[key]` from the flags, or check that the JSON's value matches them."""
+    if key not in ds:
+        ds[key] = expected
+        return
+    value = ds[key]
+    same = (float(value) == float(expected)) if isinstance(expected, (int, float)) and not isinstance(
+        expected, bool) and isinstance(value, (int, float)) else value == expected
+    if not same:
+        raise DeepSpeedConfigError(f"{source}: `{label or key}` is {value!r} but {flag} gives {expected!r}; "
+                                   f"make them agree (or drop `{label or key}` from the JSON to take it from the flags)")
+
+
+def _is_bf16_dtype(value: Any) -> bool:
+    return str(value).lower() in ("bf16", "bfloat16", "torch.bfloat16")
+
+
+def _check_precision(ds: dict, bf16: bool, source: str) -> None:
+    for key in ("fp16", "float16"):
+        if isinstance(ds.get(key), dict) and ds[key].get("enabled", False):
+            raise DeepSpeedConfigError(f"{source}: `{key}.enabled` is true, but FP16 training is not supported: "
+                                       "remove the section and pass --bf16 for BF16 autocast")
+    for key in ("bf16", "bfloat16"):
+        if isinstance(ds.get(key), dict) and ds[key].get("enabled", False):
+            raise DeepSpeedConfigError(
+                f"{source}: `{key}.enabled` is true, which makes DeepSpeed cast the model to BF16. megatron-fp8's "
+                "--bf16 is BF16 autocast with FP32 weights, i.e. DeepSpeed's `torch_autocast` section: remove "
+                f"`{key}` (or set `enabled` false) and pass --bf16; `torch_autocast` is then filled in for you")
+    autocast = ds.get("torch_autocast")
+    if autocast is None:
+        if bf16:
+            ds["torch_autocast"] = {"enabled": True, "dtype": "bfloat16", "lower_precision_safe_modules": []}
+        return
+    if not isinstance(autocast, dict):
+        raise DeepSpeedConfigError(f"{source}: `torch_autocast` must be an object, got {autocast!r}")
+    enabled = bool(autocast.get("enabled", False))
+    if enabled != bf16:
+        raise DeepSpeedConfigError(f"{source}: `torch_autocast.enabled` is {str(enabled).lower()} but --bf16 is "
+                                   f"{'given' if bf16 else 'not given'}; make them agree")
+    if enabled:
+        dtype = autocast.setdefault("dtype", "bfloat16")
+        if not _is_bf16_dtype(dtype):
+            raise DeepSpeedConfigError(f"{source}: `torch_autocast.dtype` is {dtype!r}; only bfloat16 is supported "
+                                       "(--bf16). FP16 training is not supported")
+        autocast.setdefault("lower_precision_safe_modules", [])
+
+
+def _check_zero(ds: dict, flag_stage: Optional[int], source: str, bucket: int) -> int:
+    zero = _section(ds, "zero_optimization", source)
+    if "stage" in zero and flag_stage is not None and int(zero["stage"]) != flag_stage:
+        raise DeepSpeedConfigError(f"{source}: `zero_optimization.stage` is {zero['stage']} but --zero-stage gives "
+                                   f"{flag_stage}; make them agree (or drop one of them)")
+    stage = int(zero.setdefault("stage", flag_stage if flag_stage is not None else 0))
+    if stage not in SUPPORTED_ZERO_STAGES:
+        raise DeepSpeedConfigError(f"{source}: ZeRO stage {stage} does not exist; use --zero-stage 0, 1, 2 or 3")
+    for key in ("offload_optimizer", "offload_param"):
+        device = (zero.get(key) or {}).get("device", "none") if isinstance(zero.get(key), dict) else "none"
+        if device not in (None, "none"):
+            raise DeepSpeedConfigError(f"{source}: `zero_optimization.{key}` (device {device!r}) is not supported "
+                                       "yet with megatron-fp8's optimizers; remove it")
+    if zero.get("compute_grad_norm", True) is False:
+        raise DeepSpeedConfigError(f"{source}: `zero_optimization.compute_grad_norm` must stay true: the gradient "
+                                   "norm decides whether a step with non-finite gradients is skipped")
+    if stage in (1, 2):
+        zero.setdefault("reduce_bucket_size", bucket)
+        zero.setdefault("allgather_bucket_size", bucket)
+    if stage == 3:
+        zero.setdefault("reduce_bucket_size", bucket)
+    return stage
+
+
+def build_deepspeed_config(config: MegatronConfig, user_json: Optional[dict] = None,
+                           num_parameters: Optional[int] = None) -> dict:
+    """The DeepSpeed config dict for `deepspeed.initialize`, validated against the flags.
+
+    `user_json` defaults to the file named by `--deepspeed_config`; without one, everything comes from
+    the flags. `num_parameters` caps the generated ZeRO bucket sizes (a bucket larger than the model
+    is only memory). Raises `DeepSpeedConfigError` (a ValueError) naming the JSON key and the flag.
+    """
+    p, t = config.parallel, config.training
+    if user_json is None and p.deepspeed_config:
+        user_json = load_json(p.deepspeed_config)
+    source = f"--deepspeed_config {p.deepspeed_config}" if p.deepspeed_config else "DeepSpeed config"
+    ds = copy.deepcopy(user_json) if user_json is not None else {}
+    for key, what in (("optimizer", "--optimizer and the --adam-* flags"),
+                      ("scheduler", "--lr, --lr-decay-style, --lr-warmup-* and friends")):
+        if key in ds:
+            raise DeepSpeedConfigError(f"{source}: remove the `{key}` section; {what} decide it in megatron-fp8")
+    _agree(ds, "train_batch_size", t.global_batch_size, "--global-batch-size", source)
+    _agree(ds, "train_micro_batch_size_per_gpu", t.micro_batch_size, "--micro-batch-size", source)
+    _agree(ds, "gradient_accumulation_steps", t.num_micro_batches,
+           f"--global-batch-size {t.global_batch_size} / (--micro-batch-size {t.micro_batch_size} x "
+           f"data-parallel size {t.data_parallel_size})", source)
+    _agree(ds, "gradient_clipping", config.optimizer.clip_grad, "--clip-grad", source)
+    _check_precision(ds, t.bf16, source)
+    bucket = min(DEFAULT_BUCKET_SIZE, num_parameters) if num_parameters else DEFAULT_BUCKET_SIZE
+    stage = _check_zero(ds, p.zero_stage, source, bucket)
+    if stage == 3 and (config.fp8 is not None or config.optimizer.optimizer == "fp8adam"):
+        raise DeepSpeedConfigError("ZeRO stage 3 (--zero-stage 3 or `zero_optimization.stage` 3) is not supported yet "
+                                   "with FP8 linears (--fp8-format) or Fp8AdamW (--optimizer fp8adam): use "
+                                   "--zero-stage 0, 1 or 2")
+    if ds.setdefault("zero_allow_untested_optimizer", True) is not True:
+        raise DeepSpeedConfigError(f"{source}: `zero_allow_untested_optimizer` must be true: megatron-fp8 passes its "
+                                   "own AdamW/Fp8AdamW to DeepSpeed, which ZeRO calls 'untested'")
+    # Our TrainingLogger reports progress; DeepSpeed's own per-step lines would only duplicate it.
+    ds.setdefault("steps_per_print", 2**31 - 1)
+    return ds
+
+
+def zero_stage(ds: dict) -> int:
+    return int(ds.get("zero_optimization", {}).get("stage", 0))

@@ -1,0 +1,310 @@
+"""DeepSpeed behind the loop's engine seam: ZeRO 0-3 driving our model, optimizer and LR schedule.
+
+`deepspeed.initialize(model, optimizer=<our AdamW or Fp8AdamW>, config=<validated dict>)` wraps the
+model; the loop keeps calling the same small interface as `TorchEngine`:
+
+- `micro_batch_context(is_last)` tells DeepSpeed where the accumulation boundary is
+  (`set_gradient_accumulation_boundary`), so one `step()` per global batch is enough and gradients
+  are reduced only after the last micro-batch, as with DDP's `no_sync`.
+- `backward(loss)` calls DeepSpeed's backward with `scale_wrt_gas=False`: the loop has already divided
+  the loss by the number of micro-batches, so gradients equal the torch path's.
+- `step(iteration, loss_finite)` sets the LR from our scheduler, then lets DeepSpeed clip (its
+  `gradient_clipping` is `--clip-grad`, same formula as torch's) and step. Non-finite steps change
+  nothing: without ZeRO we compute the norm of the all-reduced gradients and skip ourselves; with
+  ZeRO, DeepSpeed computes the norm of the partitioned gradients and, when it is not finite, skips
+  the step and clears its partitions (its own overflow path). A non-finite *loss* with finite
+  gradients (possible when the non-finite token is masked out) must skip too: its last backward is
+  multiplied by NaN instead of 1.0, so the gradients become non-finite and take the same path on
+  every rank (multiplying by 1.0 is exact, and the flag stays a tensor: no host sync per micro-batch).
+- Checkpoints: `save_checkpoint` / `load_checkpoint` at the end of this file.
+
+Fp8AdamW: ZeRO 1-3 hand the optimizer one flattened 1-D FP32 partition per param group, which defeats
+its "matrices get FP8 states" rule, so every group is tagged with `"fp8_states"` before wrapping: our
+groups are all-matrix (weight decay) or all-vector (no decay). Per-tensor scaling then means one
+scale per *partition* (all matrices of a rank's slice share it); use `--fp8-optimizer-block-size`
+(e.g. 128) to keep scales local.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import shutil
+from typing import ContextManager, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron.optimizer.lr_scheduler import LrScheduler
+from megatron.parallel_state import ParallelState
+from megatron.training import checkpointing as ckpt
+from megatron.training.deepspeed_config import build_deepspeed_config, zero_stage
+
+logger = logging.getLogger("megatron")
+
+
+def tag_fp8_state_groups(optimizer: torch.optim.Optimizer, stage: int) -> None:
+    """Give every group of an Fp8AdamW an explicit `fp8_states`, decided on the unflattened shapes."""
+    from megatron.optimizer.fp8_adam import Fp8AdamW
+
+    if not isinstance(optimizer, Fp8AdamW):
+        return
+    for i, group in enumerate(optimizer.param_groups):
+        if group.get("fp8_states") is not None or not group["params"]:
+            continue
+        kinds = {p.ndim >= 2 for p in group["params"]}
+        if len(kinds) > 1:
+            raise ValueError(f"Fp8AdamW param group {i} mixes matrices and vectors; under ZeRO each group is "
+                             "flattened into one tensor, so it needs an explicit 'fp8_states' True/False")
+        group["fp8_states"] = kinds.pop()
+    if stage >= 1 and optimizer.block_size == 0:
+        logger.warning("Fp8AdamW under ZeRO stage %d with per-tensor scaling: each rank's flattened partition of "
+                       "all matrices shares one scale; --fp8-optimizer-block-size 128 keeps scales local", stage)
+
+
+def _ensure_process_group(parallel: ParallelState) -> None:
+    """DeepSpeed needs torch.distributed and LOCAL_RANK even for one process: give it a 1-rank group."""
+    if parallel.is_distributed or dist.is_initialized():
+        return
+    os.environ.setdefault("LOCAL_RANK", "0")
+    # A HashStore lives in this process: no port to pick, nothing to collide with a concurrent run.
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+class DeepSpeedEngine:
+    def __init__(self, config, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: LrScheduler,
+                 parallel: ParallelState) -> None:
+        import deepspeed
+
+        self.ds_config = build_deepspeed_config(config, num_parameters=sum(p.numel() for p in model.parameters()))
+        self.zero_stage = zero_stage(self.ds_config)
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.parallel = parallel
+        self.config = config
+        tag_fp8_state_groups(optimizer, self.zero_stage)
+        _ensure_process_group(parallel)
+        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.ds_config)
+        _use_weights_only_loading(self.engine)
+        # The loop calls `module(...)`, `.train()` and `.eval()`: the DeepSpeed engine is itself an nn.Module
+        # whose forward runs ZeRO-3 gathering and the torch_autocast section around our model.
+        self.module: nn.Module = self.engine
+        self._loss_nonfinite: Optional[torch.Tensor] = None
+        self._is_last = True
+        logger.info("DeepSpeed %s: ZeRO stage %d, %s, optimizer %s wrapped by %s", deepspeed.__version__,
+                    self.zero_stage, "BF16 autocast" if config.training.bf16 else "FP32",
+                    type(optimizer).__name__, type(self.engine.optimizer).__name__)
+        if hasattr(optimizer, "state_summary"):
+            logger.info("%s", optimizer.state_summary())
+
+    def zero_grad(self) -> None:
+        self.engine.zero_grad()
+        self._loss_nonfinite = None
+
+    def micro_batch_context(self, is_last: bool) -> ContextManager:
+        self.engine.set_gradient_accumulation_boundary(is_last)
+        self._is_last = is_last
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        bad = ~torch.isfinite(loss.detach())
+        self._loss_nonfinite = bad if self._loss_nonfinite is None else self._loss_nonfinite | bad
+        if self._is_last:
+            poison = torch.where(self._loss_nonfinite, torch.tensor(float("nan"), device=loss.device),
+                                 torch.tensor(1.0, device=loss.device))
+            loss = loss * poison.to(loss.dtype)
+        self.engine.backward(loss, scale_wrt_gas=False)
+
+    def step(self, iteration: int, loss_finite: bool) -> tuple[float, bool]:
+        """Set the LR, clip, step; (grad norm, stepped). A non-finite step changes neither weights nor state."""
+        self._loss_nonfinite = None
+        if self.zero_stage == 0:
+            # Gradients are full and already all-reduced: check them the way TorchEngine does.
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            grad_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+            if not (loss_finite and math.isfinite(grad_norm)):
+                self.engine.zero_grad()
+                return grad_norm, False
+            self.scheduler.apply(iteration)
+            self.engine.step()
+            return grad_norm, True
+        previous_lrs = [g["lr"] for g in self.optimizer.param_groups]
+        self.scheduler.apply(iteration)
+        self.engine.step()
+        stepped = bool(self.engine.was_step_applied())
+        norm = self.engine.get_global_grad_norm()
+        grad_norm = float(norm) if norm is not None else float("nan")
+        if stepped and not loss_finite:
+            raise RuntimeError("DeepSpeed applied a step whose loss was not finite; the NaN-poisoned gradients "
+                               "should have made it skip. Please report this with the DeepSpeed version.")
+        if not stepped:
+            for group, lr in zip(self.optimizer.param_groups, previous_lrs):
+                group["lr"] = lr  # a skipped step leaves the LR where TorchEngine would
+        return grad_norm, stepped
+
+    @property
+    def learning_rate(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def optimizer_state_dict(self) -> dict:
+        raise NotImplementedError("under DeepSpeed the optimizer state is saved by save_checkpoint (ZeRO partitions)")
+
+    def load_optimizer_state_dict(self, state: dict) -> None:
+        raise NotImplementedError("under DeepSpeed the optimizer state is loaded by load_checkpoint (ZeRO partitions)")
+
+    # ------------------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, save_dir: str, iteration: int, client_state: dict, train_state: dict,
+                        config: dict) -> None:
+        save_checkpoint(self.engine, save_dir, iteration, client_state, train_state, config)
+
+    def load_checkpoint(self, load_dir: str, load_optimizer: bool, module_only: bool) -> Optional[dict]:
+        return load_checkpoint(self.engine, load_dir, load_optimizer=load_optimizer, module_only=module_only)
+
+
+# ------------------------------------------------------------------------------------------ checkpoints
+# Layout under --save (our tracker and folder names, DeepSpeed's files inside):
+#     latest_checkpointed_iteration.txt            our tracker: the newest complete checkpoint
+#     latest                                       DeepSpeed's tracker (same tag), for its tools
+#     iter_0000100/
+#         mp_rank_00_model_states.pt               weights + {"megatron": scheduler, RNG, FP8 state}
+#                                                  (ZeRO-3: zero_pp_rank_<dp>_mp_rank_00_model_states.pt)
+#         zero_pp_rank_<dp>_mp_rank_00_optim_states.pt   one per rank: its ZeRO partition (ZeRO >= 1)
+#         train_state.json, config.json            as in our own layout
+#         zero_to_fp32.py                          DeepSpeed's script to consolidate the partitions
+# Atomicity as in `checkpointing.save_checkpoint`: every rank writes into a hidden temporary tag,
+# rank 0 fsyncs the files, adds our JSON files and renames the folder, then replaces the trackers.
+# A crash before the rename leaves the previous checkpoint and trackers untouched. Assumes a file
+# system shared by all ranks, as DeepSpeed's own loader does (rank r reads the files rank 0 wrote).
+DS_MODEL_FILE = "mp_rank_00_model_states.pt"
+DS_TRACKER_FILE = "latest"
+CLIENT_KEY = "megatron"
+
+
+def _fsync_tree(folder) -> None:
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            ckpt._fsync_path(path)
+    for path in sorted(p for p in folder.rglob("*") if p.is_dir()):
+        ckpt._fsync_path(path)
+    ckpt._fsync_path(folder)
+
+
+def _replace_text(root, name: str, text: str) -> None:
+    tmp = root / f"{name}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, root / name)
+
+
+def save_checkpoint(engine, save_dir: str, iteration: int, client_state: dict, train_state: dict,
+                    config: dict) -> None:
+    """Collective: every rank writes its part; rank 0 commits the folder and the trackers."""
+    from pathlib import Path
+
+    root = Path(save_dir)
+    rank0 = dist.get_rank() == 0
+    tmp_tag = f"{ckpt._TMP_PREFIX}{iteration:07d}"  # same name on every rank (DeepSpeed checks it)
+    if rank0:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob(ckpt._TMP_PREFIX + "*"):  # debris of an earlier crashed save
+            shutil.rmtree(stale, ignore_errors=True)
+    dist.barrier()
+    engine.save_checkpoint(str(root), tag=tmp_tag, client_state={CLIENT_KEY: client_state}, save_latest=False)
+    # DeepSpeed's save ends with a barrier: every rank's files are complete here.
+    if rank0:
+        tmp = root / tmp_tag
+        ckpt._write_json(tmp / "train_state.json", train_state)
+        ckpt._write_json(tmp / "config.json", config)
+        _fsync_tree(tmp)
+        final = ckpt.iteration_dir(root, iteration)
+        if final.exists():  # re-saving the same iteration: move the old one aside, then replace it
+            old = root / f"{ckpt._TMP_PREFIX}old_{iteration:07d}_{os.getpid()}"
+            os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+        ckpt._fsync_path(root)
+        _replace_text(root, ckpt.TRACKER_FILE, str(iteration))
+        _replace_text(root, DS_TRACKER_FILE, final.name)
+        ckpt._fsync_path(root)
+        logger.info("saved DeepSpeed checkpoint at iteration %d to %s", iteration, final)
+    dist.barrier()
+
+
+def load_checkpoint(engine, load_dir: str, load_optimizer: bool, module_only: bool) -> Optional[dict]:
+    """Restore weights (and optimizer partitions) in place; return our part like `load_checkpoint_files`.
+
+    The dict has 'payload' (scheduler, RNG, FP8 state), 'train_state', 'config', 'path' and
+    'engine_restored' = True (weights and optimizer are already in the engine). None: no checkpoint.
+    """
+    from pathlib import Path
+
+    iteration = ckpt.read_tracker(load_dir)
+    if iteration is None:
+        return None
+    folder = ckpt.iteration_dir(load_dir, iteration)
+    if not any(folder.glob("*" + DS_MODEL_FILE)):  # ZeRO-3 writes one zero_pp_rank_<dp>_<name> per rank
+        if ckpt.model_file(folder).exists():
+            raise ckpt.CheckpointError(
+                f"{folder} was written without --deepspeed (it holds mp_rank_00/model_optim_rng.pt); loading it "
+                "into a DeepSpeed run is not supported yet: resume it without --deepspeed")
+        raise ckpt.CheckpointError(f"{Path(load_dir) / ckpt.TRACKER_FILE} points at iteration {iteration} but "
+                                   f"{folder} holds no DeepSpeed *{DS_MODEL_FILE}; restore that folder or fix the tracker")
+    load_path, client = engine.load_checkpoint(str(load_dir), tag=folder.name, load_module_strict=True,
+                                               load_optimizer_states=load_optimizer, load_lr_scheduler_states=False,
+                                               load_module_only=module_only)
+    if load_path is None:
+        raise ckpt.CheckpointError(f"DeepSpeed could not load the checkpoint in {folder}")
+    train_state = json.loads((folder / "train_state.json").read_text())
+    config_path = folder / "config.json"
+    config = json.loads(config_path.read_text()) if config_path.exists() else {}
+    return {"payload": (client or {}).get(CLIENT_KEY, {}), "train_state": train_state, "config": config,
+            "path": folder, "engine_restored": True}
+
+
+def _deepspeed_safe_globals() -> list:
+    """The DeepSpeed classes its checkpoint files pickle besides tensors and plain containers.
+
+    All are data holders: a namedtuple of two ints, an Enum, and the (static) loss scaler, whose
+    state is a dict of numbers. Allowing exactly these keeps `weights_only=True` (no code objects).
+    """
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [fragment_address, ZeroStageEnum, LossScaler, DynamicLossScaler]
+
+
+def _use_weights_only_loading(engine) -> None:
+    """Make DeepSpeed read checkpoints with `torch.load(weights_only=True)`, as our own loader does.
+
+    DeepSpeed's TorchCheckpointEngine loads with `weights_only=False`, i.e. it would run code pickled
+    into a checkpoint. We swap in a subclass that loads with `weights_only=True` and an allowlist of
+    DeepSpeed's few data classes. Other checkpoint engines (fast/decoupled writers, DataStates) are
+    refused rather than left unchecked.
+    """
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    class WeightsOnlyCheckpointEngine(TorchCheckpointEngine):
+        def load(self, path: str, map_location=None):
+            try:
+                with torch.serialization.safe_globals(_deepspeed_safe_globals()):
+                    return torch.load(path, map_location=map_location, weights_only=True)
+            except Exception as exc:  # pickle.UnpicklingError for code objects, RuntimeError for corruption
+                raise ckpt.CheckpointError(f"refusing to load {path}: {exc.__class__.__name__}: {str(exc)[:300]}. "
+                                           "Checkpoints may only hold tensors and plain data.") from exc
+
+    current = engine.checkpoint_engine
+    if type(current) is not TorchCheckpointEngine:
+        raise ValueError(f"DeepSpeed checkpoint engine {type(current).__name__} is not supported: megatron-fp8 loads "
+                         "checkpoints with weights_only=True; remove the `checkpoint.writer` / `datastates` section")
+    safe = WeightsOnlyCheckpointEngine.__new__(WeightsOnlyCheckpointEngine)
+    safe.__dict__.update(current.__dict__)  # same settings (serialization format) as the one DeepSpeed built
+    engine.checkpoint_engine = safe

@@ -1,0 +1,290 @@
+"""DeepSpeed on CPU (gloo, 2 processes): ZeRO equals the torch path, exact resume, Fp8AdamW, BF16, config checks.
+
+Every DeepSpeed run is a subprocess (DeepSpeed keeps process-global state: the process group, its
+communication backend), each on its own free port. Runs shared by several tests are module fixtures.
+"""
+import json
+import math
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron.arguments import parse_config
+from megatron.training import checkpointing as ckpt
+from megatron.training.deepspeed_config import DeepSpeedConfigError, build_deepspeed_config
+from megatron.training.deepspeed_engine import _deepspeed_safe_globals
+from tests.conftest import REPO, tiny_argv
+
+pytest.importorskip("deepspeed")
+
+BASE = dict(micro_batch_size=2, global_batch_size=8, train_iters=4, eval_iters=1, eval_interval=4, lr_warmup_iters=0,
+            log_interval=1)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(nproc: int, *switches, script: str = "pretrain_gpt.py", **overrides) -> str:
+    argv = tiny_argv(*switches, **{**BASE, **overrides})
+    if nproc == 1:
+        cmd = [sys.executable, script, *argv]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+               "--master_port", str(free_port()), script, *argv]
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    return out.stderr
+
+
+def losses(log: str) -> list[float]:
+    return [float(m) for m in re.findall(r"\| lm loss: (\S+) \|", log)]
+
+
+def ds_weights(save_dir) -> dict:
+    """Module weights of a DeepSpeed (ZeRO 0-2) checkpoint; the file holds tensors and plain data only."""
+    folder = ckpt.iteration_dir(save_dir, ckpt.read_tracker(save_dir))
+    return torch.load(folder / "mp_rank_00_model_states.pt", weights_only=True)["module"]
+
+
+def torch_weights(save_dir) -> dict:
+    return ckpt.load_checkpoint_files(save_dir)["payload"]["model"]
+
+
+def assert_same_weights(w1: dict, w2: dict, rtol: float, atol: float) -> None:
+    assert w1.keys() == w2.keys()
+    for key in w1:
+        assert torch.allclose(w1[key].float(), w2[key].float(), rtol=rtol, atol=atol), \
+            (key, (w1[key].float() - w2[key].float()).abs().max())
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The torch path, one process: 4 micro-batches of 2 per step."""
+    save = tmp_path_factory.mktemp("torch")
+    return losses(run(1, save=save)), torch_weights(save)
+
+
+@pytest.fixture(scope="module")
+def zero1(tmp_path_factory):
+    """DeepSpeed ZeRO-1, 2 processes: 2 micro-batches of 2 per rank per step."""
+    save = tmp_path_factory.mktemp("zero1")
+    return losses(run(2, "--deepspeed", "--zero-stage", "1", save=save)), save
+
+
+# ----------------------------------------------------------------------------- equivalence
+# Tolerances: the two paths add the same fp32 gradients in a different order (per-rank halves, then
+# an all-reduce), so gradients agree to fp32 rounding (~1e-7 relative). Losses printed with 7 digits
+# then agree to ~1e-6; Adam divides by sqrt(v), which can turn a 1e-7 gradient difference on an element
+# with tiny v into ~1e-5 of weight difference, hence the weight tolerance (same as tests/test_ddp.py).
+def test_zero1_dp2_equals_single_process_with_double_accumulation(reference, zero1):
+    (l_ref, w_ref), (l_ds, save) = reference, zero1
+    assert len(l_ref) == len(l_ds) == 4
+    for a, b in zip(l_ref, l_ds):
+        assert abs(a - b) / a < 1e-5, (l_ref, l_ds)
+    assert_same_weights(w_ref, ds_weights(save), rtol=1e-3, atol=5e-5)
+
+
+def test_zero2_dp2_equals_single_process_with_double_accumulation(reference, tmp_path):
+    l_ref, w_ref = reference
+    l_ds = losses(run(2, "--deepspeed", "--zero-stage", "2", save=tmp_path / "z2"))
+    for a, b in zip(l_ref, l_ds, strict=True):
+        assert abs(a - b) / a < 1e-5, (l_ref, l_ds)
+    assert_same_weights(w_ref, ds_weights(tmp_path / "z2"), rtol=1e-3, atol=5e-5)
+
+
+def test_zero0_single_process_equals_torch_path(reference, tmp_path):
+    # Same process count, same accumulation order: only the clipping code differs (DeepSpeed's
+    # clip_grad_norm_ sums squared per-tensor norms; same formula max/(norm+1e-6) as torch).
+    l_ref, w_ref = reference
+    l_ds = losses(run(1, "--deepspeed", save=tmp_path / "z0"))
+    for a, b in zip(l_ref, l_ds, strict=True):
+        assert abs(a - b) / a < 1e-6, (l_ref, l_ds)
+    assert_same_weights(w_ref, ds_weights(tmp_path / "z0"), rtol=1e-4, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------- checkpoints
+def test_resume_at_the_same_layout_is_exact(zero1, tmp_path):
+    l_full, full_save = zero1
+    save = tmp_path / "ckpt"
+    first = losses(run(2, "--deepspeed", "--zero-stage", "1", save=save, exit_interval=2))
+    assert (save / "latest_checkpointed_iteration.txt").read_text() == "2"
+    assert (save / "latest").read_text() == "iter_0000002"
+    folder = save / "iter_0000002"
+    names = {p.name for p in folder.iterdir()}
+    assert {"mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+            "zero_pp_rank_1_mp_rank_00_optim_states.pt", "train_state.json", "config.json"} <= names
+    assert not list(save.glob(".tmp_iter_*"))
+    client = torch.load(folder / "mp_rank_00_model_states.pt", weights_only=True)["megatron"]
+    assert {"lr_scheduler", "rng_state"} <= client.keys()
+    assert json.loads((folder / "train_state.json").read_text())["consumed_train_samples"] == 16
+    second = losses(run(2, "--deepspeed", "--zero-stage", "1", save=save, load=save))
+    assert first + second == l_full  # printed values identical, not just close
+    for key, value in ds_weights(full_save).items():
+        assert torch.equal(value, ds_weights(save)[key]), key
+
+
+def test_loading_a_torch_checkpoint_into_deepspeed_says_so(reference, tmp_path):
+    torch_save = tmp_path / "t"
+    run(1, save=torch_save, train_iters=1, eval_iters=0)
+    out = subprocess.run([sys.executable, "pretrain_gpt.py", *tiny_argv(
+        "--deepspeed", **{**BASE, "load": torch_save, "eval_iters": 0})], cwd=REPO, capture_output=True,
+        text=True, timeout=300)
+    assert out.returncode != 0
+    assert "was written without --deepspeed" in out.stderr
+
+
+# ------------------------------------------------------------------------- optimizer, precision
+def test_fp8adam_and_fp8_linears_under_zero1_train(tmp_path):
+    log = run(2, "--deepspeed", "--zero-stage", "1", "--optimizer", "fp8adam", "--fp8-optimizer-block-size", "128",
+              "--fp8-format", "hybrid", save=tmp_path / "c", train_iters=8, eval_iters=0)
+    ls = losses(log)
+    assert len(ls) == 8 and all(math.isfinite(x) for x in ls)
+    assert ls[-1] < ls[0] - 0.4, ls
+    # ZeRO hands Fp8AdamW one flat partition per group: the matrix group keeps FP8 states, the vector one FP32.
+    # Each rank's partition holds half of the matrix elements (90,112 in the unwrapped optimizer).
+    assert re.search(r"Fp8AdamW: m=e4m3/block128 v=e5m2/block128 states for 1 tensors \(45,056 params\); "
+                     r"FP32 states for 1 tensors", log), log[-3000:]
+    client = torch.load(tmp_path / "c" / "iter_0000008" / "mp_rank_00_model_states.pt", weights_only=True)["megatron"]
+    assert "fp8" in client
+    with torch.serialization.safe_globals(_deepspeed_safe_globals()):  # our loader's allowlist suffices
+        optim = torch.load(tmp_path / "c" / "iter_0000008" / "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                           weights_only=True)["optimizer_state_dict"]["base_optimizer_state"]
+    moments = [s["exp_avg"].dtype for s in optim["state"].values()]
+    assert torch.float8_e4m3fn in moments and torch.float32 in moments
+
+
+def test_bf16_user_json_trains_in_autocast(reference):
+    l_ref, _ = reference
+    log = run(2, "--deepspeed", "--deepspeed_config", "examples/ds_config_zero1_bf16.json", "--bf16")
+    ls = losses(log)
+    assert "ZeRO stage 1, BF16 autocast" in log
+    assert ls[-1] < ls[0] - 0.3, ls
+    rel = [abs(a - b) / b for a, b in zip(ls, l_ref, strict=True)]
+    assert max(rel) < 0.02, rel  # tracks the FP32 run ...
+    assert max(rel) > 1e-6, rel  # ... but is not it: autocast is on
+
+
+NAN_SCRIPT = r'''
+import os, sys, json, torch
+sys.path.insert(0, os.getcwd())
+from megatron.arguments import parse_config
+from megatron.training.loop import Trainer
+trainer = Trainer(parse_config(sys.argv[1:]))
+rank = int(os.environ.get("RANK", "0"))
+real_forward, real_step = trainer._forward_loss, trainer.engine.step
+calls, report = {"n": 0}, []
+
+def forward(model, batch):  # iteration 2, last rank only: the loss is NaN but its gradients are finite
+    calls["n"] += 1
+    masked, count = real_forward(model, batch)
+    if (calls["n"] - 1) // trainer.config.training.num_micro_batches + 1 == 2 and rank == int(os.environ.get("WORLD_SIZE", "1")) - 1:
+        masked = masked + (float("nan") - masked.detach())
+    return masked, count
+
+def snapshot():
+    w = [p.detach().clone() for p in trainer.model.parameters()]
+    s = [t.clone() for st in trainer.optimizer.state.values() for t in st.values() if torch.is_tensor(t)]
+    return w + s
+
+def step(iteration, loss_finite):
+    before = snapshot()
+    norm, stepped = real_step(iteration, loss_finite)
+    same = all(torch.equal(a, b) for a, b in zip(before, snapshot()))
+    report.append({"iteration": iteration + 1, "loss_finite": loss_finite, "stepped": stepped, "unchanged": same})
+    return norm, stepped
+
+trainer._forward_loss, trainer.engine.step = forward, step
+result = trainer.train()
+print("REPORT" + json.dumps({"rank": rank, "steps": report, "skipped": result.state.skipped_iterations}), file=sys.stderr)
+'''
+
+
+@pytest.mark.parametrize("nproc, stage", [(1, "0"), (2, "1")])
+def test_non_finite_loss_skips_the_step_without_changing_anything(tmp_path, nproc, stage):
+    script = tmp_path / "nan_run.py"
+    script.write_text(NAN_SCRIPT)
+    log = run(nproc, "--deepspeed", "--zero-stage", stage, script=str(script), train_iters=3, eval_iters=0)
+    reports = [json.loads(line.split("REPORT", 1)[1]) for line in log.splitlines() if "REPORT" in line]
+    assert len(reports) == nproc
+    for r in reports:  # every rank skips, also the one whose own loss was finite
+        assert r["skipped"] == 1
+        assert [(s["stepped"], s["unchanged"]) for s in r["steps"]] == [(True, False), (False, True), (True, False)]
+
+
+# ---------------------------------------------------------------------------- configuration
+def _cfg(*switches, **overrides):
+    return parse_config(tiny_argv("--deepspeed", *switches, **{**BASE, **overrides}), world_size=2)
+
+
+def test_generated_config_comes_from_the_flags():
+    ds = build_deepspeed_config(_cfg("--zero-stage", "2", "--bf16", clip_grad=0.5), num_parameters=1000)
+    assert ds["train_batch_size"] == 8 and ds["train_micro_batch_size_per_gpu"] == 2
+    assert ds["gradient_accumulation_steps"] == 2 and ds["gradient_clipping"] == 0.5
+    assert ds["zero_optimization"]["stage"] == 2 and ds["zero_optimization"]["reduce_bucket_size"] == 1000
+    assert ds["torch_autocast"] == {"enabled": True, "dtype": "bfloat16", "lower_precision_safe_modules": []}
+    assert "bf16" not in ds and "fp16" not in ds and ds["zero_allow_untested_optimizer"] is True
+    assert build_deepspeed_config(_cfg())["zero_optimization"]["stage"] == 0
+    assert "torch_autocast" not in build_deepspeed_config(_cfg())
+
+
+def test_user_json_keys_are_kept_and_missing_ones_filled():
+    user = {"zero_optimization": {"stage": 1, "overlap_comm": True}, "wall_clock_breakdown": True}
+    ds = build_deepspeed_config(_cfg(), user_json=user)
+    assert ds["zero_optimization"]["overlap_comm"] is True and ds["wall_clock_breakdown"] is True
+    assert ds["zero_optimization"]["stage"] == 1 and ds["train_batch_size"] == 8
+    assert "reduce_bucket_size" not in user["zero_optimization"]  # the caller's dict is not modified
+
+
+@pytest.mark.parametrize("user, switches, message", [
+    ({"train_batch_size": 16}, [], "`train_batch_size` is 16 but --global-batch-size gives 8"),
+    ({"train_micro_batch_size_per_gpu": 4}, [], "`train_micro_batch_size_per_gpu` is 4 but --micro-batch-size gives 2"),
+    ({"gradient_accumulation_steps": 4}, [], "`gradient_accumulation_steps` is 4 but --global-batch-size 8 / "),
+    ({"gradient_clipping": 0.0}, [], "`gradient_clipping` is 0.0 but --clip-grad gives 1.0"),
+    ({"zero_optimization": {"stage": 2}}, ["--zero-stage", "1"], "`zero_optimization.stage` is 2 but --zero-stage gives 1"),
+    ({"torch_autocast": {"enabled": True}}, [], "`torch_autocast.enabled` is true but --bf16 is not given"),
+    ({"torch_autocast": {"enabled": False}}, ["--bf16"], "`torch_autocast.enabled` is false but --bf16 is given"),
+    ({"torch_autocast": {"enabled": True, "dtype": "fp16"}}, ["--bf16"], "only bfloat16 is supported"),
+    ({"bf16": {"enabled": True}}, ["--bf16"], "`bf16.enabled` is true, which makes DeepSpeed cast the model"),
+    ({"fp16": {"enabled": True}}, [], "`fp16.enabled` is true, but FP16 training is not supported"),
+    ({"optimizer": {"type": "AdamW"}}, [], "remove the `optimizer` section"),
+    ({"scheduler": {"type": "WarmupLR"}}, [], "remove the `scheduler` section"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, [], "offload_optimizer"),
+    ({"zero_optimization": {"stage": 1, "compute_grad_norm": False}}, [], "compute_grad_norm` must stay true"),
+    ({}, ["--zero-stage", "3", "--optimizer", "fp8adam"], "--zero-stage 3"),
+])
+def test_json_and_flag_mismatches_name_both(user, switches, message):
+    with pytest.raises(DeepSpeedConfigError, match=re.escape(message)):
+        build_deepspeed_config(_cfg(*switches), user_json=user)
+
+
+def test_json_file_errors(tmp_path):
+    bad = tmp_path / "ds.json"
+    bad.write_text("{not json")
+    with pytest.raises(DeepSpeedConfigError, match="is not valid JSON"):
+        build_deepspeed_config(_cfg("--deepspeed_config", str(bad)))
+    with pytest.raises(DeepSpeedConfigError, match="file not found"):
+        build_deepspeed_config(_cfg("--deepspeed_config", str(tmp_path / "missing.json")))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--zero-stage", "1"], "--deepspeed_config and --zero-stage need --deepspeed"),
+    (["--deepspeed", "--zero-stage", "4"], "--zero-stage must be 0, 1, 2 or 3"),
+    (["--deepspeed", "--no-save-optim"], "--no-save-optim is not supported with --deepspeed"),
+    (["--local_rank", "1"], "--local_rank 1 disagrees with the environment's LOCAL_RANK=0"),
+])
+def test_flag_combinations(argv, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_config(tiny_argv(*argv))
+
+
+def test_local_rank_flag_agreeing_with_the_environment_is_accepted(monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    parse_config(tiny_argv("--local_rank", "1"))
+    parse_config(tiny_argv("--local-rank=1"))
