@@ -1,0 +1,104 @@
+"""Whole training step of the demo model: BF16 vs FP8 variants, interleaved, ratios from one run.
+
+Each variant is the same Llama-style model (the README demo's shape by default) with its own optimizer;
+iterations alternate between variants so machine noise hits all of them alike. A step is forward +
+backward over `--micro-batches` micro-batches, gradient clipping, the optimizer step and, for FP8, the
+scaling update. Prints the median step time per variant, its ratio to BF16, and optimizer-state bytes.
+
+    python bench/bench_train_step.py                  # demo shape
+    python bench/bench_train_step.py --iters 10 --threads 2
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron.arguments import parse_config  # noqa: E402
+from megatron.model import GPTModel  # noqa: E402
+from megatron.optimizer import build_optimizer  # noqa: E402
+from megatron.training.fp8_hooks import Fp8Hooks  # noqa: E402
+
+DEMO = ("--num-layers 4 --hidden-size 256 --num-attention-heads 8 --num-key-value-heads 4 --ffn-hidden-size 704 "
+        "--seq-length 128 --swiglu --normalization RMSNorm --use-rotary-position-embeddings "
+        "--untie-embeddings-and-output-weights --disable-bias-linear --hidden-dropout 0 --attention-dropout 0 "
+        "--lr 1e-3 --train-iters 10 --mock-data --vocab-size 4096 --bf16").split()
+FP8 = "--fp8-format hybrid --fp8-amax-history-len 16 --fp8-amax-compute-algo max".split()
+VARIANTS = {
+    "bf16": [],
+    "fp8 linears": FP8,
+    "fp8 linears + Fp8AdamW": FP8 + ["--optimizer", "fp8adam"],
+    "bf16 + Fp8AdamW": ["--optimizer", "fp8adam"],
+}
+
+
+class Variant:
+    def __init__(self, name: str, argv: list[str]) -> None:
+        self.name = name
+        self.config = parse_config(argv)
+        torch.manual_seed(0)
+        self.model = GPTModel(self.config.model)
+        self.fp8 = Fp8Hooks(self.model, self.config.fp8, None, stats=False)
+        self.optimizer = build_optimizer(self.model, self.config.optimizer)
+        self.times: list[float] = []
+
+    def step(self, batches: list[torch.Tensor]) -> None:
+        t0 = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        for tokens in batches:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = self.model(tokens, labels=tokens).mean() / len(batches)
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.optimizer.step()
+        self.fp8.after_optimizer_step()
+        self.times.append(time.perf_counter() - t0)
+
+    def state_bytes(self) -> int:
+        total = 0
+        for state in self.optimizer.state.values():
+            total += sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v) and v.ndim > 0)
+        return total
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--iters", type=int, default=6, help="timed steps per variant (after one warm-up step)")
+    p.add_argument("--micro-batch-size", type=int, default=16)
+    p.add_argument("--micro-batches", type=int, default=2)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--extra", default="", help="extra pretrain_gpt.py flags for every variant, e.g. a model shape")
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    base = DEMO + args.extra.split() + ["--micro-batch-size", str(args.micro_batch_size),
+                                        "--global-batch-size", str(args.micro_batch_size * args.micro_batches)]
+    variants = [Variant(name, base + extra) for name, extra in VARIANTS.items()]
+    m = variants[0].config.model
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 4096, (args.micro_batch_size, m.seq_length), generator=gen)
+               for _ in range(args.micro_batches)]
+    params = sum(p.numel() for p in variants[0].model.parameters())
+    print(f"torch {torch.__version__} threads={torch.get_num_threads()} params={params:,} "
+          f"tokens/step={args.micro_batch_size * args.micro_batches * m.seq_length}")
+    for v in variants:  # warm-up (first FP8 step, allocator)
+        v.step(batches)
+        v.times.clear()
+    for _ in range(args.iters):
+        for v in variants:
+            v.step(batches)
+    ref = statistics.median(variants[0].times)
+    print(f"{'variant':<26} {'median step':>12} {'vs bf16':>8} {'optimizer state':>16}")
+    for v in variants:
+        med = statistics.median(v.times)
+        print(f"{v.name:<26} {med * 1000:>10.1f}ms {med / ref:>7.2f}x {v.state_bytes() / 2**20:>12.2f} MiB")
+
+
+if __name__ == "__main__":
+    main()
