@@ -1,0 +1,58 @@
+"""The same DeepSpeed run started by torchrun, by the deepspeed launcher, and by it with a hostfile: same losses.
+
+All on CPU with gloo, 2 processes on this machine, each run on its own free port. The deepspeed
+launcher counts one CPU "accelerator" per NUMA node, so `--num_gpus 2` (alias `--num_accelerators`)
+or a hostfile's `slots=2` sets the number of processes; it passes `--local_rank=N`, which our
+parser accepts when it agrees with LOCAL_RANK.
+"""
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO, tiny_argv
+
+pytest.importorskip("deepspeed")
+
+ARGV = tiny_argv("--deepspeed", "--zero-stage", "1", micro_batch_size=2, global_batch_size=8, train_iters=3,
+                 eval_iters=0, lr_warmup_iters=0, log_interval=1)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _losses(cmd: list[str]) -> list[str]:
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    # Logged lines reach stderr with torchrun and stdout with the deepspeed launcher (it pipes both).
+    found = re.findall(r"\| lm loss: (\S+) \|", out.stdout + out.stderr)
+    assert len(found) == 3, out.stdout[-2000:] + out.stderr[-2000:]
+    return found
+
+
+@pytest.fixture(scope="module")
+def torchrun_losses() -> list[str]:
+    return _losses([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                    "--master_port", str(free_port()), "pretrain_gpt.py", *ARGV])
+
+
+def test_deepspeed_launcher_equals_torchrun(torchrun_losses):
+    launched = _losses([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2",
+                        "--master_port", str(free_port()), "pretrain_gpt.py", *ARGV])
+    assert launched == torchrun_losses  # the printed values, digit for digit
+
+
+def test_deepspeed_launcher_with_a_hostfile_equals_torchrun(torchrun_losses, tmp_path):
+    # One node: --no_ssh runs the processes of --node_rank 0 locally (on a cluster, run the same
+    # command on every node with its own --node_rank, or drop --no_ssh and let the launcher use ssh).
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=2\n")
+    launched = _losses([sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile), "--no_ssh",
+                        "--node_rank", "0", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+                        "pretrain_gpt.py", *ARGV])
+    assert launched == torchrun_losses
