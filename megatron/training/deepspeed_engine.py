@@ -32,6 +32,7 @@ import logging
 import math
 import os
 import shutil
+from pathlib import Path
 from typing import ContextManager, Optional
 
 import torch
@@ -205,8 +206,6 @@ def _replace_text(root, name: str, text: str) -> None:
 def save_checkpoint(engine, save_dir: str, iteration: int, client_state: dict, train_state: dict,
                     config: dict) -> None:
     """Collective: every rank writes its part; rank 0 commits the folder and the trackers."""
-    from pathlib import Path
-
     root = Path(save_dir)
     rank0 = dist.get_rank() == 0
     tmp_tag = f"{ckpt._TMP_PREFIX}{iteration:07d}"  # same name on every rank (DeepSpeed checks it)
@@ -244,8 +243,6 @@ def load_checkpoint(engine, load_dir: str, load_optimizer: bool, module_only: bo
     The dict has 'payload' (scheduler, RNG, FP8 state), 'train_state', 'config', 'path' and
     'engine_restored' = True (weights and optimizer are already in the engine). None: no checkpoint.
     """
-    from pathlib import Path
-
     iteration = ckpt.read_tracker(load_dir)
     if iteration is None:
         return None
