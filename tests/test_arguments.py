@@ -36,7 +36,7 @@ def test_tiny_config_resolves():
     ({}, ["--fp16"], "--fp16 is not supported: use --bf16"),
     (dict(tensor_model_parallel_size=2), [], "--tensor-model-parallel-size > 1 is not supported yet"),
     ({}, ["--sequence-parallel"], "--sequence-parallel is not supported yet"),
-    ({}, ["--deepspeed"], "--deepspeed is not supported yet"),
+    (dict(zero_stage=1), [], "--deepspeed_config and --zero-stage need --deepspeed"),
     (dict(fp8_optimizer_block_size=128), [], "--fp8-optimizer-* flags need --optimizer fp8adam"),
     ({}, ["--no-fp8-wgrad"], "only apply to FP8 training: add --fp8-format"),
     (dict(fp8_format="hybrid", fp8_first_last_layers_bf16=1), [], "keeps every one of the 2 layers"),
