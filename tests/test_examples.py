@@ -3,6 +3,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO
 
 
@@ -23,3 +25,16 @@ def test_tiny_cpu_example_trains():
                "--eval-iters", "1")
     assert out.returncode == 0, out.stderr
     assert "iteration        6/       6" in out.stderr
+
+
+@pytest.mark.parametrize("precision", ["fp8", "bf16"])
+@pytest.mark.parametrize("platform", ["gaudi2", "cuda"])
+def test_llama2_7b_2t_launch_scripts_resolve(precision, platform):
+    env = dict(os.environ, PYTHON=sys.executable, DRY_RUN="1", PRECISION=precision, PLATFORM=platform)
+    out = subprocess.run(["bash", "examples/llama2_7b_2t.sh"], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "parameters: 6,738,415,616" in out.stdout
+    assert "gradient accumulation steps: 4" in out.stdout  # 1024 / (1 x 256 ranks)
+    assert ('"smooth_swiglu": "channel"' in out.stdout) == (precision == "fp8")
+    assert ('"optimizer": "fp8adam"' in out.stdout) == (precision == "fp8")

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Llama2-7B on 2T tokens: the paper's FP8 reproduction and its BF16 baseline, multi-node.
+#
+#   PRECISION=fp8|bf16  PLATFORM=gaudi2|cuda  bash examples/llama2_7b_2t.sh
+#
+# gaudi2: 32 nodes x 8 Gaudi2 through the deepspeed launcher and a hostfile (the reference setup).
+# cuda:   H100/H200 nodes through torchrun (run this script on every node with NODE_RANK set) or,
+#         with LAUNCHER=deepspeed, through the deepspeed launcher and a hostfile.
+# FP8 = delayed hybrid scaling (E4M3 forward, E5M2 gradients, per-tensor, power-of-two scales, amax over
+# all micro-batches of a step) + Smooth-SwiGLU + Fp8AdamW (m E4M3, v E5M2); FP8_SPEC.md section 5.
+# DRY_RUN=1 resolves and validates the whole configuration for the real world size without launching
+# anything (synthetic data, so no corpus or tokenizer is needed): tests/test_examples.py runs it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source examples/llama2_7b_model.sh
+
+# ---- paths and sizes: edit these ------------------------------------------------------------------
+PRECISION="${PRECISION:-fp8}"                  # fp8 | bf16
+PLATFORM="${PLATFORM:-gaudi2}"                 # gaudi2 | cuda
+LAUNCHER="${LAUNCHER:-$([ "$PLATFORM" = gaudi2 ] && echo deepspeed || echo torchrun)}"
+NNODES="${NNODES:-32}"
+GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
+HOSTFILE="${HOSTFILE:-examples/hostfile.example}"
+MASTER_ADDR="${MASTER_ADDR:-node-0}"
+MASTER_PORT="${MASTER_PORT:-29500}"
+NODE_RANK="${NODE_RANK:-0}"
+DATA_PATH="${DATA_PATH:-/data/redpajama/redpajama_text_document}"
+TOKENIZER_MODEL="${TOKENIZER_MODEL:-/data/llama2/tokenizer.model}"
+RUN_DIR="${RUN_DIR:-runs/llama2_7b_2t_${PRECISION}_${PLATFORM}}"
+# The reference ran ZeRO 0 with DeepSpeed's BF16 weights; we keep FP32 master weights under BF16 autocast,
+# so ZeRO 1 (optimizer states sharded over the data-parallel ranks) is what fits 7B in device memory.
+ZERO_STAGE="${ZERO_STAGE:-1}"
+GLOBAL_BATCH=1024                               # x 4096 tokens = 4.2M tokens per step
+TRAIN_ITERS=476837                              # 2T tokens
+PY="${PYTHON:-python}"
+
+TRAIN_ARGS=(
+  "${LLAMA2_7B_ARGS[@]}"
+  --micro-batch-size 1 --global-batch-size "$GLOBAL_BATCH" --train-iters "$TRAIN_ITERS"
+  --lr-decay-iters "$TRAIN_ITERS" --recompute-activations
+  --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1
+  --deepspeed --zero-stage "$ZERO_STAGE"
+  --save "$RUN_DIR/checkpoints" --load "$RUN_DIR/checkpoints" --save-interval 1000
+  --tensorboard-dir "$RUN_DIR/tensorboard" --log-interval 10 --eval-interval 1000 --eval-iters 10
+  --exit-signal-handler
+)
+if [ "$PRECISION" = fp8 ]; then
+  TRAIN_ARGS+=(--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 16 --fp8-amax-compute-algo max
+               --fp8-power-of-two-scales --smooth-swiglu --smooth-swiglu-granularity channel
+               --optimizer fp8adam --fp8-optimizer-block-size 128 --log-fp8-stats)
+  [ "$PLATFORM" = gaudi2 ] && TRAIN_ARGS+=(--fp8-backend hpu)
+  [ "$PLATFORM" = cuda ] && TRAIN_ARGS+=(--fp8-backend cuda)
+fi
+DEVICE_ARGS=(--device "$([ "$PLATFORM" = gaudi2 ] && echo hpu || echo cuda)")
+DATA_ARGS=(--data-path "$DATA_PATH" --split 969,30,1 --tokenizer-type GPTSentencePieceTokenizer
+           --tokenizer-model "$TOKENIZER_MODEL" --data-cache-path "$RUN_DIR/index-cache")
+
+if [ "${DRY_RUN:-0}" = 1 ]; then
+  # Resolve for the real world size, with synthetic data and no device, so any machine checks the flags.
+  WORLD_SIZE=$((NNODES * GPUS_PER_NODE)) exec "$PY" pretrain_gpt.py "${TRAIN_ARGS[@]}" \
+    --mock-data --vocab-size 32000 --dry-run
+fi
+
+mkdir -p "$RUN_DIR"
+if [ "$LAUNCHER" = deepspeed ]; then
+  exec deepspeed --hostfile "$HOSTFILE" --num_nodes "$NNODES" --num_gpus "$GPUS_PER_NODE" \
+    --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
+    pretrain_gpt.py "${TRAIN_ARGS[@]}" "${DATA_ARGS[@]}" "${DEVICE_ARGS[@]}"
+fi
+exec torchrun --nnodes "$NNODES" --nproc_per_node "$GPUS_PER_NODE" --node_rank "$NODE_RANK" \
+  --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
+  pretrain_gpt.py "${TRAIN_ARGS[@]}" "${DATA_ARGS[@]}" "${DEVICE_ARGS[@]}"
