@@ -133,19 +133,21 @@ def test_rejects_what_llama_cannot_express(tmp_path, change, reason):
     assert not (tmp_path / "hf").exists()
 
 
-def test_smooth_swiglu_hook(tmp_path):
+def test_smooth_swiglu_model_exports_its_plain_weights(tmp_path):
     config = _tiny_config().model
     state = GPTModel(config).state_dict()
     assert fold_smooth_swiglu_scales(state, config) is state
     smooth = dataclasses.replace(config, smooth_swiglu=SmoothSwiGLUGranularity.CHANNEL)
-    with pytest.raises(NotImplementedError, match="--smooth-swiglu"):
-        fold_smooth_swiglu_scales(state, smooth)
-    # A Smooth-SwiGLU checkpoint is refused at export, never written with its scales lost.
+    folded = fold_smooth_swiglu_scales(state, smooth)
+    assert all(torch.equal(folded[k], state[k]) for k in state)
+    # The training-time scales are a per-micro-batch re-parametrisation: the weights export unchanged.
     full = dataclasses.replace(_tiny_config(), model=smooth)
     save_checkpoint(tmp_path / "ckpt", 1, {"model": state}, {}, full.to_dict())
-    with pytest.raises(NotImplementedError, match="--smooth-swiglu"):
-        export_to_hf(tmp_path / "ckpt", tmp_path / "hf", with_tokenizer=False)
-    assert not (tmp_path / "hf").exists()
+    export_to_hf(tmp_path / "ckpt", tmp_path / "hf", with_tokenizer=False)
+    from safetensors.torch import load_file
+
+    exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert torch.equal(exported["model.layers.0.mlp.down_proj.weight"], state["decoder.layers.0.mlp.linear_fc2.weight"])
 
 
 def test_sentencepiece_tokenizer_exported(tmp_path):

@@ -54,18 +54,18 @@ def check_llama_compatible(config: ModelConfig) -> None:
 
 
 def fold_smooth_swiglu_scales(state_dict: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Fold Smooth-SwiGLU's per-channel scales into `linear_fc1`/`linear_fc2` before export.
+    """The weights to export for a (possibly `--smooth-swiglu`) model.
 
-    Smooth-SwiGLU rescales the SwiGLU output channels before the FP8 `linear_fc2` and undoes the
-    scale after it; an exported model must carry the product in plain weights. Today no checkpoint
-    holds such scales, so this is the identity, and a `--smooth-swiglu` model is refused rather than
-    exported with the scales silently lost.
+    Smooth-SwiGLU's scales are recomputed per micro-batch and undone after fc2: an exact
+    re-parametrisation, not parameters, so a smooth model's weights already are plain SwiGLU weights
+    and export unchanged. Folding calibrated per-channel scales into the weights (an FP8-inference
+    optimisation) is `megatron.model.smooth_swiglu.fold_smooth_swiglu_scales(state, config, scales)`.
     """
-    if config.smooth_swiglu is not None:
-        raise NotImplementedError("exporting a --smooth-swiglu model needs its scales folded into "
-                                  "linear_fc1/linear_fc2, which is not implemented yet "
-                                  "(megatron.checkpoint_conversion.llama.fold_smooth_swiglu_scales)")
-    return state_dict
+    if config.smooth_swiglu is None:
+        return state_dict
+    from megatron.model.smooth_swiglu import fold_smooth_swiglu_scales as fold
+
+    return fold(state_dict, config, None)
 
 
 # ------------------------------------------------------------------------------------------ config
