@@ -2,7 +2,7 @@
 
 Steps: prepare the bundled demo corpus (World English Bible, held-out books for validation and
 test), train the same Llama-style model twice on the same tokens (BF16, then FP8: hybrid delayed
-scaling with FP8 Adam moments), compare the runs (table + PNG plots from their TensorBoard logs).
+scaling, Smooth-SwiGLU and FP8 Adam moments), compare the runs (table + PNG plots from their TensorBoard logs).
 
     python tools/demo.py            # the full demo (time stated in the README)
     python tools/demo.py --quick    # a one-minute smoke run
@@ -31,7 +31,7 @@ QUICK_MODEL = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-hea
 OPTIM = ["--lr", "2e-3", "--min-lr", "2e-4", "--lr-decay-style", "cosine", "--adam-beta1", "0.9",
          "--adam-beta2", "0.95", "--adam-eps", "1e-8", "--weight-decay", "0.1", "--clip-grad", "1.0", "--bf16"]
 FP8 = ["--fp8-format", "hybrid", "--fp8-recipe", "delayed", "--fp8-amax-history-len", "16",
-       "--fp8-amax-compute-algo", "max", "--optimizer", "fp8adam", "--log-fp8-stats"]
+       "--fp8-amax-compute-algo", "max", "--smooth-swiglu", "--optimizer", "fp8adam", "--log-fp8-stats"]
 
 
 def _data_flags(data_dir: Path) -> list[str]:
