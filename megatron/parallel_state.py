@@ -1,10 +1,15 @@
 """Process groups of a run, built once at initialization and passed down explicitly.
 
-Today: data parallelism over all ranks (torch.distributed, DDP). Tensor and pipeline parallel
-groups are added here by the distributed work; model code never reads process-group globals.
+Ranks are laid out as Megatron does (pipeline parallelism is not supported yet, so PP = 1): the
+`tp` consecutive ranks [i*tp, ..., i*tp + tp - 1] form tensor-parallel group i (they hold the shards
+of one model replica, so they should share a node), and the ranks with the same TP rank form a
+data-parallel group (they hold the same shard: DDP all-reduces gradients there). The FP8 amax group
+is every rank holding a piece or a replica of the same logical tensors: with PP = 1, the whole
+TP x DP world. Model code never reads process-group globals: these objects are passed down.
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import os
@@ -26,6 +31,9 @@ class ParallelState:
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
     data_parallel_group: Optional[object] = None
+    tensor_parallel_size: int = 1
+    tensor_parallel_rank: int = 0
+    tensor_parallel_group: Optional[object] = None  # None when tensor_parallel_size == 1
     # Every rank that holds a piece or a replica of the same FP8 tensors: the amax reduction group.
     amax_group: Optional[object] = None
 
@@ -38,6 +46,11 @@ class ParallelState:
         return self.rank == 0
 
 
+def _destroy_process_groups() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
@@ -47,13 +60,34 @@ def initialize_parallel_state(cfg: ParallelConfig, accelerator: Accelerator) -> 
     world = world_size_from_env()
     if world == 1 and not dist.is_initialized():
         return ParallelState()
-    if cfg.tensor_model_parallel_size != 1 or cfg.pipeline_model_parallel_size != 1:
-        raise ValueError("--tensor-model-parallel-size / --pipeline-model-parallel-size > 1 are not supported yet")
+    if cfg.pipeline_model_parallel_size != 1:
+        raise ValueError("--pipeline-model-parallel-size > 1 is not supported yet")
     if not dist.is_initialized():
         backend = cfg.distributed_backend or accelerator.distributed_backend
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=10))
+        # Tear the groups down before the interpreter does: gloo's threads otherwise may be destroyed while
+        # still joinable at exit ("terminate called without an active exception", SIGABRT).
+        atexit.register(_destroy_process_groups)
     rank, world = dist.get_rank(), dist.get_world_size()
-    group = dist.new_group(list(range(world)))
-    logger.info("initialized torch.distributed: rank %d of %d", rank, world)
-    return ParallelState(world_size=world, rank=rank, data_parallel_size=world, data_parallel_rank=rank,
-                         data_parallel_group=group, amax_group=group)
+    tp = cfg.tensor_model_parallel_size
+    if world % tp:
+        raise ValueError(f"world size {world} is not divisible by --tensor-model-parallel-size {tp}")
+    dp = world // tp
+    # Every rank must create every group, in the same order (torch.distributed's rule for new_group).
+    world_group = dist.new_group(list(range(world)))
+    tp_group = dp_group = None
+    for i in range(dp):
+        ranks = list(range(i * tp, (i + 1) * tp))
+        group = dist.new_group(ranks) if tp > 1 else None
+        if rank in ranks:
+            tp_group = group
+    for j in range(tp):
+        ranks = list(range(j, world, tp))
+        group = dist.new_group(ranks) if tp > 1 else world_group
+        if rank in ranks:
+            dp_group = group
+    logger.info("initialized torch.distributed: rank %d of %d (tensor parallel %d x data parallel %d)",
+                rank, world, tp, dp)
+    return ParallelState(world_size=world, rank=rank, data_parallel_size=dp, data_parallel_rank=rank // tp,
+                         data_parallel_group=dp_group, tensor_parallel_size=tp, tensor_parallel_rank=rank % tp,
+                         tensor_parallel_group=tp_group, amax_group=world_group)
