@@ -35,6 +35,24 @@ class Embedding(nn.Module):
         return F.dropout(hidden, self.dropout, self.training)
 
 
+class OutputHead(nn.Module):
+    """Logits = hidden @ weight^T, or with `labels` the per-token FP32 cross-entropy [b, s].
+
+    No parameters (the weight is the output layer's or the tied embedding's): a separate module only so
+    that tensor parallelism can swap in its vocab-parallel version, which never gathers full logits.
+    """
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor,
+                labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        logits = F.linear(hidden, weight)
+        if labels is None:
+            return logits
+        b, s = labels.shape
+        # Cross-entropy in FP32 whatever the compute dtype: BF16 logits lose too much for the loss.
+        loss = F.cross_entropy(logits.float().view(b * s, -1), labels.reshape(b * s), reduction="none")
+        return loss.view(b, s)
+
+
 class TransformerBlock(nn.Module):
     """The stack of layers plus the final norm; owns full activation recompute."""
 
@@ -82,6 +100,7 @@ class GPTModel(nn.Module):
         if config.untie_embeddings_and_output_weights:
             self.output_layer = nn.Linear(config.hidden_size, config.padded_vocab_size, bias=False)
             nn.init.normal_(self.output_layer.weight, mean=0.0, std=config.init_method_std)
+        self.output_head = OutputHead()
 
     def forward(self, tokens: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None,
@@ -101,12 +120,7 @@ class GPTModel(nn.Module):
         rotary = self.rotary(position_ids) if self.rotary is not None else None
         hidden = self.decoder(hidden, rotary, attention_mask)
         weight = self.output_layer.weight if self.output_layer is not None else self.embedding.word_embeddings.weight
-        logits = F.linear(hidden, weight)
-        if labels is None:
-            return logits
-        # Cross-entropy in FP32 whatever the compute dtype: BF16 logits lose too much for the loss.
-        loss = F.cross_entropy(logits.float().view(b * s, -1), labels.reshape(b * s), reduction="none")
-        return loss.view(b, s)
+        return self.output_head(hidden, weight, labels)
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         total = sum(p.numel() for p in self.parameters())

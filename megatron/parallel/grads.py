@@ -1,0 +1,63 @@
+"""Gradients under tensor parallelism: sequence-parallel reduction of replicated parameters, global-norm clipping.
+
+- Sequence parallel: a replicated parameter (norm weights, learned position embeddings) sees only this
+  rank's sequence shard, so its gradient is a partial sum: `reduce_sequence_parallel_grads` sums it over
+  the TP group (one flat all-reduce) before clipping and the optimizer step. Without sequence
+  parallel the replicated regions compute identical full gradients on every TP rank: nothing to do.
+- Clipping: the norm must be that of the full logical gradient, the same number on every rank (or ranks
+  would clip differently and their replicas drift apart). Sharded parameters contribute the sum of their
+  shards' squares over the TP group; replicated ones are counted once, not tp times. DDP has already
+  made gradients identical across data-parallel replicas, so no data-parallel reduction is needed.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from megatron.parallel.layers import SEQUENCE_PARALLEL_GRAD, TP_SHARD_DIM
+from megatron.parallel.tensor_parallel import all_reduce_sum, group_rank, group_size
+
+
+@torch.no_grad()
+def reduce_sequence_parallel_grads(model: nn.Module, tp_group: Any) -> None:
+    """Sum the gradients of sequence-parallel replicated parameters over the TP group, in place."""
+    grads = [p.grad for p in model.parameters() if getattr(p, SEQUENCE_PARALLEL_GRAD, False) and p.grad is not None]
+    if not grads or group_size(tp_group) == 1:
+        return
+    flat = torch.cat([g.reshape(-1).float() for g in grads])
+    all_reduce_sum(flat, tp_group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+@torch.no_grad()
+def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float, tp_group: Any) -> torch.Tensor:
+    """`torch.nn.utils.clip_grad_norm_` over the logical (unsharded) model; returns the total L2 norm.
+
+    At TP size 1 it is exactly torch's function.
+    """
+    params = [p for p in params if p.grad is not None]
+    if group_size(tp_group) == 1:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    device = params[0].grad.device if params else torch.device("cpu")
+    sharded = [p.grad for p in params if hasattr(p, TP_SHARD_DIM)]
+    replicated = [p.grad for p in params if not hasattr(p, TP_SHARD_DIM)]
+
+    def sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
+        if not grads:
+            return torch.zeros((), dtype=torch.float32, device=device)
+        return torch.stack([g.float().pow(2).sum().to(device) for g in grads]).sum()
+
+    # One all-reduce: every rank's shards, plus the replicated part from TP rank 0 only.
+    total = sum_of_squares(sharded)
+    if group_rank(tp_group) == 0:
+        total = total + sum_of_squares(replicated)
+    total_norm = all_reduce_sum(total.reshape(1), tp_group)[0].sqrt()
+    clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    for p in params:
+        p.grad.mul_(clip_coef.to(p.grad.device, p.grad.dtype))
+    return total_norm
