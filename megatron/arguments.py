@@ -174,9 +174,8 @@ def _require(value, flag: str, hint: str = "") -> None:
 
 def _not_supported_yet(a: argparse.Namespace) -> None:
     unsupported = {
-        "--tensor-model-parallel-size > 1": a.tensor_model_parallel_size != 1,
         "--pipeline-model-parallel-size > 1": a.pipeline_model_parallel_size != 1,
-        "--sequence-parallel": a.sequence_parallel,
+        "--deepspeed with --tensor-model-parallel-size > 1": a.deepspeed and a.tensor_model_parallel_size > 1,
     }
     for flag, used in unsupported.items():
         if used:
@@ -195,6 +194,26 @@ def _not_supported_yet(a: argparse.Namespace) -> None:
     if a.fp16:
         raise ValueError("--fp16 is not supported: use --bf16 (BF16 autocast with FP32 master weights). "
                          "On CPU, FP16 compute is also about 1000x slower than BF16.")
+
+
+def _tensor_parallel_checks(a: argparse.Namespace, model: ModelConfig) -> None:
+    tp = a.tensor_model_parallel_size
+    if tp < 1:
+        raise ValueError(f"--tensor-model-parallel-size must be >= 1, got {tp}")
+    if tp == 1:
+        return
+    for flag, value in (("--num-attention-heads", model.num_attention_heads),
+                        ("--num-key-value-heads", model.num_key_value_heads),
+                        ("--ffn-hidden-size", model.ffn_hidden_size)):
+        if value % tp:
+            raise ValueError(f"{flag} {value} must be divisible by --tensor-model-parallel-size {tp}: "
+                             "each tensor-parallel rank holds whole heads / FFN channels")
+    if a.sequence_parallel and model.seq_length % tp:
+        raise ValueError(f"--sequence-parallel needs --seq-length ({model.seq_length}) divisible by "
+                         f"--tensor-model-parallel-size {tp}")
+    if model.add_bias_linear:
+        raise ValueError("--tensor-model-parallel-size > 1 needs --disable-bias-linear: biases of row-parallel "
+                         "linears are not supported yet")
 
 
 def _model_config(a: argparse.Namespace, padded_vocab: int) -> ModelConfig:
@@ -357,6 +376,7 @@ def parse_config(argv: Optional[Sequence[str]] = None, world_size: Optional[int]
             raise ValueError("--fp8-optimizer-* flags need --optimizer fp8adam (or --fp8-optimizer)")
     data = _data_config(a)
     model = _model_config(a, _padded_vocab_size(a, data))
+    _tensor_parallel_checks(a, model)
     return MegatronConfig(
         model=model,
         optimizer=OptimizerConfig(
@@ -378,7 +398,9 @@ def parse_config(argv: Optional[Sequence[str]] = None, world_size: Optional[int]
         data=data,
         parallel=ParallelConfig(
             tensor_model_parallel_size=a.tensor_model_parallel_size,
-            pipeline_model_parallel_size=a.pipeline_model_parallel_size, sequence_parallel=a.sequence_parallel,
+            pipeline_model_parallel_size=a.pipeline_model_parallel_size,
+            # Megatron's rule: sequence parallelism is meaningless (and off) without tensor parallelism.
+            sequence_parallel=a.sequence_parallel and a.tensor_model_parallel_size > 1,
             distributed_backend=a.distributed_backend, deepspeed=a.deepspeed, deepspeed_config=a.deepspeed_config,
             zero_stage=a.zero_stage),
         fp8=_fp8_recipe(a),

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from megatron.optimizer.lr_scheduler import LrScheduler
+from megatron.parallel import clip_grad_norm, reduce_sequence_parallel_grads
 from megatron.parallel_state import ParallelState
 
 
@@ -27,7 +28,9 @@ class TorchEngine:
         self.parallel = parallel
         self.clip_grad = clip_grad
         self.module: nn.Module = model
-        if parallel.is_distributed:
+        # DDP over the data-parallel group only: tensor-parallel ranks hold different shards.
+        self.ddp = parallel.data_parallel_size > 1
+        if self.ddp:
             self.module = nn.parallel.DistributedDataParallel(model, process_group=parallel.data_parallel_group)
 
     def zero_grad(self) -> None:
@@ -35,7 +38,7 @@ class TorchEngine:
 
     def micro_batch_context(self, is_last: bool) -> ContextManager:
         """Gradients are all-reduced only on the last micro-batch of the step."""
-        if self.parallel.is_distributed and not is_last:
+        if self.ddp and not is_last:
             return self.module.no_sync()
         return contextlib.nullcontext()
 
@@ -46,7 +49,8 @@ class TorchEngine:
         """Clip, check, step. Returns (grad norm, stepped); a non-finite step changes nothing."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.clip_grad if self.clip_grad > 0 else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        reduce_sequence_parallel_grads(self.model, self.parallel.tensor_parallel_group)
+        grad_norm = float(clip_grad_norm(params, max_norm, self.parallel.tensor_parallel_group))
         if not (loss_finite and math.isfinite(grad_norm)):
             self.zero_grad()
             return grad_norm, False

@@ -27,6 +27,8 @@ from megatron.data.provider import Batch, build_loader, make_batch
 from megatron.model import GPTModel
 from megatron.optimizer import build_optimizer
 from megatron.optimizer.lr_scheduler import LrScheduler
+from megatron.parallel import parallelize_tensor
+from megatron.parallel.checkpoint import check_tensor_parallel_layout, save_tensor_parallel_checkpoint
 from megatron.parallel_state import ParallelState, initialize_parallel_state
 from megatron.training import checkpointing as ckpt
 from megatron.training.datasets import build_datasets
@@ -101,6 +103,8 @@ class Trainer:
                              f"{self.parallel.data_parallel_size} ranks are running; launch with the same WORLD_SIZE")
         seed_everything(t.seed)
         self.model = GPTModel(config.model).to(self.accel.device)
+        # Shard before the FP8 swap, the optimizer and DDP: they must all see this rank's pieces.
+        parallelize_tensor(self.model, self.parallel, config.parallel.sequence_parallel)
         self.fp8 = Fp8Hooks(self.model, config.fp8, self.parallel.amax_group, config.logging.log_fp8_stats)
         self.swiglu = SwiGLUHooks(self.model, config.model,
                                   config.logging.log_swiglu_diagnostics and self.parallel.is_logging_rank)
@@ -123,7 +127,8 @@ class Trainer:
             loaded = self.engine.load_checkpoint(c.load, load_optimizer=not (c.no_load_optim or c.finetune),
                                                  module_only=c.finetune)
         else:
-            loaded = ckpt.load_checkpoint_files(c.load, mp_rank=0)
+            check_tensor_parallel_layout(c.load, self.parallel.tensor_parallel_size)
+            loaded = ckpt.load_checkpoint_files(c.load, mp_rank=self.parallel.tensor_parallel_rank)
         if loaded is None:
             logger.info("no checkpoint found under --load %s: starting from scratch", c.load)
             return
@@ -160,7 +165,9 @@ class Trainer:
                 extra["fp8"] = fp8_state
             self.engine.save_checkpoint(c.save, self.state.iteration, extra, self.state.to_dict(), self.config.to_dict())
             return
-        if self.parallel.is_logging_rank:
+        # The first data-parallel replica writes: one shard per tensor-parallel rank (mp_rank_XX).
+        payload = None
+        if self.parallel.data_parallel_rank == 0:
             payload = {"model": self.model.state_dict(), "lr_scheduler": self.scheduler.state_dict()}
             if not c.no_save_optim:
                 payload["optimizer"] = self.engine.optimizer_state_dict()
@@ -169,6 +176,10 @@ class Trainer:
             fp8_state = self.fp8.state()
             if fp8_state is not None:
                 payload["fp8"] = fp8_state
+        if self.parallel.tensor_parallel_size > 1:
+            save_tensor_parallel_checkpoint(c.save, self.state.iteration, payload, self.state.to_dict(),
+                                            self.config.to_dict(), self.parallel)
+        elif self.parallel.is_logging_rank:
             ckpt.save_checkpoint(c.save, self.state.iteration, payload, self.state.to_dict(), self.config.to_dict())
         if self.parallel.is_distributed:
             dist.barrier()
