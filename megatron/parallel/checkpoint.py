@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 from pathlib import Path
 from typing import Optional
 
@@ -26,15 +25,15 @@ import torch.distributed as dist
 
 from megatron.parallel_state import ParallelState
 from megatron.training.checkpointing import (
-    _TMP_PREFIX,
     CHECKPOINT_VERSION,
-    TRACKER_FILE,
+    TMP_PREFIX,
     CheckpointError,
-    _fsync_path,
-    _write_json,
+    commit_checkpoint,
+    fsync_path,
     iteration_dir,
     model_file,
     read_tracker,
+    sweep_stale_saves,
 )
 
 logger = logging.getLogger(__name__)
@@ -44,11 +43,10 @@ def save_tensor_parallel_checkpoint(save_dir: str | os.PathLike, iteration: int,
                                     train_state: dict, config: dict, parallel: ParallelState) -> None:
     """Collective (every rank calls it); `payload` is this rank's shard, used on data-parallel rank 0 only."""
     root = Path(save_dir)
-    staging = root / f"{_TMP_PREFIX}{iteration:07d}_tp{parallel.tensor_parallel_size}"
+    staging = root / f"{TMP_PREFIX}{iteration:07d}_tp{parallel.tensor_parallel_size}"
     if parallel.rank == 0:
         root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob(_TMP_PREFIX + "*"):  # debris of an earlier crashed save
-            shutil.rmtree(stale, ignore_errors=True)
+        sweep_stale_saves(root)
         staging.mkdir()
     dist.barrier()
     if parallel.data_parallel_rank == 0:
@@ -58,34 +56,11 @@ def save_tensor_parallel_checkpoint(save_dir: str | os.PathLike, iteration: int,
             torch.save(dict(payload, checkpoint_version=CHECKPOINT_VERSION, iteration=iteration), f)
             f.flush()
             os.fsync(f.fileno())
-        _fsync_path(target.parent)
+        fsync_path(target.parent)
     dist.barrier()
     if parallel.rank == 0:
-        _commit(root, staging, iteration, train_state, config)
+        commit_checkpoint(root, staging, iteration, train_state, config)
     dist.barrier()
-
-
-def _commit(root: Path, staging: Path, iteration: int, train_state: dict, config: dict) -> None:
-    _write_json(staging / "train_state.json", train_state)
-    _write_json(staging / "config.json", config)
-    _fsync_path(staging)
-    final = iteration_dir(root, iteration)
-    if final.exists():  # re-saving the same iteration: move the old one aside, then replace it
-        old = root / f"{_TMP_PREFIX}old_{iteration:07d}_{os.getpid()}"
-        os.rename(final, old)
-        os.rename(staging, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(staging, final)
-    _fsync_path(root)
-    tracker_tmp = root / f"{TRACKER_FILE}.tmp{os.getpid()}"
-    with open(tracker_tmp, "w") as f:
-        f.write(str(iteration))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tracker_tmp, root / TRACKER_FILE)
-    _fsync_path(root)
-    logger.info("saved checkpoint at iteration %d to %s", iteration, final)
 
 
 def check_tensor_parallel_layout(load_dir: str | os.PathLike, tensor_parallel_size: int) -> None:

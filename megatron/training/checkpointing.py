@@ -27,7 +27,7 @@ import torch
 
 CHECKPOINT_VERSION = 1
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
-_TMP_PREFIX = ".tmp_iter_"
+TMP_PREFIX = ".tmp_iter_"
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ def model_file(ckpt_dir: Path, mp_rank: int = 0) -> Path:
     return ckpt_dir / f"mp_rank_{mp_rank:02d}" / "model_optim_rng.pt"
 
 
-def _fsync_path(path: Path) -> None:
+def fsync_path(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -52,7 +52,7 @@ def _fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def _write_json(path: Path, data: Any) -> None:
+def write_json(path: Path, data: Any) -> None:
     with open(path, "w") as f:
         json.dump(data, f, indent=2, sort_keys=True)
         f.flush()
@@ -94,10 +94,8 @@ def save_checkpoint(save_dir: str | os.PathLike, iteration: int, payload: dict, 
     """
     root = Path(save_dir)
     root.mkdir(parents=True, exist_ok=True)
-    for stale in root.glob(_TMP_PREFIX + "*"):  # debris of an earlier crashed save
-        shutil.rmtree(stale, ignore_errors=True)
-    final = iteration_dir(root, iteration)
-    tmp = root / f"{_TMP_PREFIX}{iteration:07d}_{os.getpid()}"
+    sweep_stale_saves(root)
+    tmp = root / f"{TMP_PREFIX}{iteration:07d}_{os.getpid()}"
     target = model_file(tmp, mp_rank)
     target.parent.mkdir(parents=True)
     body = dict(payload, checkpoint_version=CHECKPOINT_VERSION, iteration=iteration)
@@ -105,27 +103,47 @@ def save_checkpoint(save_dir: str | os.PathLike, iteration: int, payload: dict, 
         torch.save(body, f)
         f.flush()
         os.fsync(f.fileno())
-    _write_json(tmp / "train_state.json", train_state)
-    _write_json(tmp / "config.json", config)
-    _fsync_path(target.parent)
-    _fsync_path(tmp)
+    fsync_path(target.parent)
+    return commit_checkpoint(root, tmp, iteration, train_state, config, _before_commit=_before_commit)
+
+
+def sweep_stale_saves(root: Path) -> None:
+    """Remove the temporary folders of earlier saves that crashed before their commit."""
+    for stale in root.glob(TMP_PREFIX + "*"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def commit_checkpoint(root: Path, staging: Path, iteration: int, train_state: dict, config: dict,
+                      pointers: Optional[dict[str, str]] = None,
+                      _before_commit: Optional[Callable[[Path], None]] = None) -> Path:
+    """Make a fully written staging folder the checkpoint of `iteration`, then move the pointer(s).
+
+    Every writer (one process, each TP rank, DeepSpeed's ranks) fills `staging` first; one process
+    then calls this: JSON files, fsync, rename to `iter_XXXXXXX`, and only then the tracker file (and
+    any extra `pointers`, file name -> content, such as DeepSpeed's `latest`), each replaced atomically.
+    """
+    write_json(staging / "train_state.json", train_state)
+    write_json(staging / "config.json", config)
+    fsync_path(staging)
     if _before_commit is not None:
-        _before_commit(tmp)
+        _before_commit(staging)
+    final = iteration_dir(root, iteration)
     if final.exists():  # re-saving the same iteration: move the old one aside, then replace it
-        old = root / f"{_TMP_PREFIX}old_{iteration:07d}_{os.getpid()}"
+        old = root / f"{TMP_PREFIX}old_{iteration:07d}_{os.getpid()}"
         os.rename(final, old)
-        os.rename(tmp, final)
+        os.rename(staging, final)
         shutil.rmtree(old, ignore_errors=True)
     else:
-        os.rename(tmp, final)
-    _fsync_path(root)
-    tracker_tmp = root / f"{TRACKER_FILE}.tmp{os.getpid()}"
-    with open(tracker_tmp, "w") as f:
-        f.write(str(iteration))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tracker_tmp, root / TRACKER_FILE)
-    _fsync_path(root)
+        os.rename(staging, final)
+    fsync_path(root)
+    for name, text in {TRACKER_FILE: str(iteration), **(pointers or {})}.items():
+        tmp = root / f"{name}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, root / name)
+    fsync_path(root)
     logger.info("saved checkpoint at iteration %d to %s", iteration, final)
     return final
 

@@ -31,7 +31,6 @@ import json
 import logging
 import math
 import os
-import shutil
 from pathlib import Path
 from typing import ContextManager, Optional
 
@@ -188,19 +187,11 @@ CLIENT_KEY = "megatron"
 def _fsync_tree(folder) -> None:
     for path in sorted(folder.rglob("*")):
         if path.is_file():
-            ckpt._fsync_path(path)
+            ckpt.fsync_path(path)
     for path in sorted(p for p in folder.rglob("*") if p.is_dir()):
-        ckpt._fsync_path(path)
-    ckpt._fsync_path(folder)
+        ckpt.fsync_path(path)
+    ckpt.fsync_path(folder)
 
-
-def _replace_text(root, name: str, text: str) -> None:
-    tmp = root / f"{name}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, root / name)
 
 
 def save_checkpoint(engine, save_dir: str, iteration: int, client_state: dict, train_state: dict,
@@ -208,32 +199,18 @@ def save_checkpoint(engine, save_dir: str, iteration: int, client_state: dict, t
     """Collective: every rank writes its part; rank 0 commits the folder and the trackers."""
     root = Path(save_dir)
     rank0 = dist.get_rank() == 0
-    tmp_tag = f"{ckpt._TMP_PREFIX}{iteration:07d}"  # same name on every rank (DeepSpeed checks it)
+    tmp_tag = f"{ckpt.TMP_PREFIX}{iteration:07d}"  # same name on every rank (DeepSpeed checks it)
     if rank0:
         root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob(ckpt._TMP_PREFIX + "*"):  # debris of an earlier crashed save
-            shutil.rmtree(stale, ignore_errors=True)
+        ckpt.sweep_stale_saves(root)
     dist.barrier()
     engine.save_checkpoint(str(root), tag=tmp_tag, client_state={CLIENT_KEY: client_state}, save_latest=False)
     # DeepSpeed's save ends with a barrier: every rank's files are complete here.
     if rank0:
         tmp = root / tmp_tag
-        ckpt._write_json(tmp / "train_state.json", train_state)
-        ckpt._write_json(tmp / "config.json", config)
         _fsync_tree(tmp)
-        final = ckpt.iteration_dir(root, iteration)
-        if final.exists():  # re-saving the same iteration: move the old one aside, then replace it
-            old = root / f"{ckpt._TMP_PREFIX}old_{iteration:07d}_{os.getpid()}"
-            os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
-        ckpt._fsync_path(root)
-        _replace_text(root, ckpt.TRACKER_FILE, str(iteration))
-        _replace_text(root, DS_TRACKER_FILE, final.name)
-        ckpt._fsync_path(root)
-        logger.info("saved DeepSpeed checkpoint at iteration %d to %s", iteration, final)
+        ckpt.commit_checkpoint(root, tmp, iteration, train_state, config,
+                               pointers={DS_TRACKER_FILE: ckpt.iteration_dir(root, iteration).name})
     dist.barrier()
 
 
