@@ -160,6 +160,16 @@ def test_fp8adam_and_fp8_linears_under_zero1_train(tmp_path):
     assert torch.float8_e4m3fn in moments and torch.float32 in moments
 
 
+@pytest.mark.parametrize("stage", ["0", "2"])
+def test_fp8adam_trains_under_zero_0_and_2(stage):
+    log = run(2, "--deepspeed", "--zero-stage", stage, "--optimizer", "fp8adam", "--fp8-optimizer-block-size", "128",
+              train_iters=8, eval_iters=0)
+    ls = losses(log)
+    assert len(ls) == 8 and all(math.isfinite(x) for x in ls)
+    assert ls[-1] < ls[0] - 0.4, ls
+    assert "Fp8AdamW: m=e4m3/block128 v=e5m2/block128" in log
+
+
 def test_bf16_user_json_trains_in_autocast(reference):
     l_ref, _ = reference
     log = run(2, "--deepspeed", "--deepspeed_config", "examples/ds_config_zero1_bf16.json", "--bf16")
