@@ -212,7 +212,9 @@ def step(iteration, loss_finite):
 
 trainer._forward_loss, trainer.engine.step = forward, step
 result = trainer.train()
-print("REPORT" + json.dumps({"rank": rank, "steps": report, "skipped": result.state.skipped_iterations}), file=sys.stderr)
+# One file per rank next to this script: two ranks printing to one pipe can interleave their lines.
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), f"report_{rank}.json"), "w") as f:
+    json.dump({"rank": rank, "steps": report, "skipped": result.state.skipped_iterations}, f)
 '''
 
 
@@ -220,8 +222,8 @@ print("REPORT" + json.dumps({"rank": rank, "steps": report, "skipped": result.st
 def test_non_finite_loss_skips_the_step_without_changing_anything(tmp_path, nproc, stage):
     script = tmp_path / "nan_run.py"
     script.write_text(NAN_SCRIPT)
-    log = run(nproc, "--deepspeed", "--zero-stage", stage, script=str(script), train_iters=3, eval_iters=0)
-    reports = [json.loads(line.split("REPORT", 1)[1]) for line in log.splitlines() if "REPORT" in line]
+    run(nproc, "--deepspeed", "--zero-stage", stage, script=str(script), train_iters=3, eval_iters=0)
+    reports = [json.loads(path.read_text()) for path in sorted(tmp_path.glob("report_*.json"))]
     assert len(reports) == nproc
     for r in reports:  # every rank skips, also the one whose own loss was finite
         assert r["skipped"] == 1

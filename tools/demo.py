@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     train_minutes: dict[str, float] = {}
     _run([py, "tools/prepare_demo_data.py", "--output-dir", str(data_dir)])
     model = QUICK_MODEL if args.quick else MODEL
-    iters = args.train_iters or (30 if args.quick else 600)
+    iters = args.train_iters or (30 if args.quick else 400)
     batch = ["--micro-batch-size", "16", "--global-batch-size", "32" if not args.quick else "16",
              "--train-iters", str(iters), "--lr-warmup-iters", str(max(1, iters // 20)),
              "--log-interval", str(max(1, iters // 10)), "--eval-interval", str(max(1, iters // 5)),
