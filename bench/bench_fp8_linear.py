@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Callable
 
 import torch
 import torch.nn as nn

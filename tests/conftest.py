@@ -1,6 +1,7 @@
 """Shared helpers for the test suite: tiny configurations (2 layers, hidden 64, vocab 128, seq 32)."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -21,6 +22,14 @@ TINY = {
 }
 TINY_SWITCHES = ["--mock-data", "--swiglu", "--use-rotary-position-embeddings",
                  "--untie-embeddings-and-output-weights", "--disable-bias-linear"]
+
+
+def load_tool(name: str):
+    """Import `tools/<name>.py` as a module (the tools folder is not a package)."""
+    spec = importlib.util.spec_from_file_location(f"tool_{name}", REPO / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def tiny_argv(*switches: str, **overrides) -> list[str]:

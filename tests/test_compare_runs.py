@@ -1,13 +1,12 @@
 """tools/compare_runs.py on two tiny runs: an FP32 baseline and an FP8 run with statistics."""
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import numpy as np
 import pytest
 
-from conftest import REPO, tiny_argv
+from conftest import load_tool, tiny_argv
 from megatron.arguments import parse_config
 from megatron.evaluation.run_compare import compare, relative_gap
 from megatron.training.loop import pretrain
@@ -16,10 +15,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("compare_runs_tool", REPO / "tools" / "compare_runs.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
+    return load_tool("compare_runs").main
 
 
 @pytest.fixture(scope="module")

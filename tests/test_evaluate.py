@@ -1,7 +1,6 @@
 """Evaluation: perplexity equals the training-time validation loss; zero-shot scoring; lm-eval adapter; demo tasks."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -12,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import REPO, tiny_argv
+from conftest import load_tool, tiny_argv
 from megatron.arguments import parse_config
 from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder
 from megatron.evaluation.lm_eval_adapter import LM_EVAL_AVAILABLE, MegatronLM
@@ -22,13 +21,6 @@ from megatron.tokenizer import NullTokenizer
 from megatron.training.loop import pretrain
 
 VOCAB = 127  # NullTokenizer ids 0..126 plus eod 127: 128 ids, no padding
-
-
-def load_tool(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def write_indexed(prefix: Path, num_docs: int, seed: int) -> str:

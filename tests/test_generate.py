@@ -1,13 +1,12 @@
 """Generation: a model trained on the mock "successor" language continues its chain; sampling controls."""
 from __future__ import annotations
 
-import importlib.util
 
 import pytest
 import torch
 from torch import nn
 
-from conftest import REPO, tiny_argv
+from conftest import load_tool, tiny_argv
 from megatron.arguments import parse_config
 from megatron.data.mock import MockGPTDataset
 from megatron.evaluation.generation import SamplingConfig, filter_logits, generate
@@ -17,10 +16,7 @@ NULL_TOKENIZER = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "127"]  #
 
 
 def _generate_tool():
-    spec = importlib.util.spec_from_file_location("generate_tool", REPO / "tools" / "generate.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
+    return load_tool("generate").main
 
 
 @pytest.fixture(scope="module")

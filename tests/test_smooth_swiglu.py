@@ -1,8 +1,6 @@
 """Smooth-SwiGLU: exact re-parametrisation in FP32, FP8 accuracy with an outlier, training, TP scales, export."""
 from __future__ import annotations
 
-import copy
-import importlib.util
 import os
 import socket
 
@@ -12,7 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from conftest import REPO, tiny_argv
+from conftest import load_tool, tiny_argv
 from megatron.arguments import parse_config
 from megatron.config import ModelConfig, SmoothSwiGLUGranularity as G
 from megatron.fp8 import Fp8Linear, Fp8Recipe, Fp8Scaling, fp8_optimizer_step
@@ -152,9 +150,7 @@ def test_channel_form_requantizes_fc2_weight_per_micro_batch_and_reuses_its_amax
 
 
 def test_outlier_collapses_plain_fp8_but_not_smooth_channel():
-    spec = importlib.util.spec_from_file_location("fp8_outlier_demo", REPO / "tools" / "fp8_outlier_demo.py")
-    demo = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(demo)
+    demo = load_tool("fp8_outlier_demo")
     table = demo.sqnr_table(Fp8Scaling.DELAYED, ratio=1000, hidden=256, ffn=512, tokens=1024, rare=8)
     clean, outlier = table["no outlier"], table["outlier"]
     assert clean["plain FP8"] > 20 and abs(clean["smooth channel"] - clean["plain FP8"]) < 1.0, table

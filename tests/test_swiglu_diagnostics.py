@@ -2,14 +2,13 @@
 TensorBoard scalars of a tiny run, and tools/analyze_swiglu.py on its checkpoints."""
 from __future__ import annotations
 
-import importlib.util
 import logging
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import REPO, tiny_argv
+from conftest import load_tool, tiny_argv
 from megatron.arguments import parse_config
 from megatron.config import ModelConfig
 from megatron.model import GPTModel
@@ -118,9 +117,7 @@ def test_no_swiglu_diagnostics_flag_turns_them_off():
 
 def test_analyze_swiglu_tool_reads_a_run(tiny_run, capsys):
     pytest.importorskip("matplotlib", reason="the plot needs matplotlib")
-    spec = importlib.util.spec_from_file_location("analyze_swiglu", REPO / "tools" / "analyze_swiglu.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_tool("analyze_swiglu")
     rows = tool.analyze(tiny_run / "ckpt")
     assert [it for it, _ in rows] == [4, 8, 12] and set(rows[0][1]) == {0, 1}
     assert all(0 < s["align_p99"] <= s["align_max"] <= 1 for _, layers in rows for s in layers.values())

@@ -1,10 +1,8 @@
 """The training loop: learning, gradient accumulation, exact resume, NaN handling, logging, signals."""
 import math
-import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -80,7 +78,6 @@ def test_non_finite_steps_are_skipped_then_training_stops(tmp_path, monkeypatch)
         return masked, count
 
     monkeypatch.setattr(trainer, "_forward_loss", poisoned)
-    before = None
     with pytest.raises(TrainingDiverged, match="3 consecutive non-finite steps, the last at iteration 7"):
         trainer.train()
     s = trainer.state
@@ -88,7 +85,6 @@ def test_non_finite_steps_are_skipped_then_training_stops(tmp_path, monkeypatch)
     # The last good checkpoint (iteration 3) stays the newest one: nothing was saved after the divergence.
     assert (tmp_path / "c" / "latest_checkpointed_iteration.txt").read_text() == "3"
     assert not (tmp_path / "c" / "iter_0000006").exists()
-    del before
 
 
 def test_skipped_step_leaves_weights_unchanged(monkeypatch):

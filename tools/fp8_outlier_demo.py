@@ -31,7 +31,6 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
