@@ -13,6 +13,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -85,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     _run([py, "tools/make_demo_tasks.py", "--input", str(data_dir / "test.jsonl"), "--output", str(task)])
     for name, extra in runs.items():
         run_dir = out / name
+        # A fresh folder: stale event files or checkpoints of an earlier demo would mix into the comparison.
+        shutil.rmtree(run_dir, ignore_errors=True)
         t0 = time.time()
         _run([py, "pretrain_gpt.py", *model, *OPTIM, *batch, *_data_flags(data_dir), *extra,
               "--tensorboard-dir", str(run_dir / "tb"), "--save", str(run_dir / "checkpoints")])
