@@ -97,6 +97,10 @@ def _compare_case(parallel, switches: tuple, overrides: dict, sequence_parallel:
         load_fp8_state_dict(tp, cfg.fp8, fp8_state_dict(ref, cfg.fp8))
     rank, size = parallel.tensor_parallel_rank, parallel.tensor_parallel_size
     out: dict = {"loss": [], "grad_norm": [], "grad": 0.0}
+    tokens, _ = _batch(cfg, 100)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        out["logits_first"] = _rel(tp.eval()(tokens), ref.eval()(tokens))  # same weights: only scales can differ
+    tp.train(), ref.train()
     for step in range(steps):
         tokens, labels = _batch(cfg, step)
         losses, norms, grads = {}, {}, {}
@@ -240,6 +244,7 @@ def _assert_fp8_matches(results: list[dict], case: str) -> None:
         noise = r["fp8_noise"]
         assert noise > 1e-2, noise  # FP8 really quantizes: the bound below is meaningful
         c = r[case]
+        assert c["logits_first"] < 1e-5, (rank, c)  # same weights and histories: same scales
         assert max(c["loss"]) < 1e-4 and c["logits"] < 1e-4, (rank, c)
         assert c["grad"] < 1e-4 and max(c["grad_norm"]) < 1e-4, (rank, c)
         assert c["weights"] < 1e-4, (rank, c)
@@ -250,20 +255,17 @@ def test_tp2_equals_tp1_fp8(tp_results, case):
     _assert_fp8_matches(tp_results, case)
 
 
-def test_tp2_fp8_smooth_swiglu_channel_within_fp8_noise(tp_results):
-    """The channel form quantizes fc2's column-scaled weight with a scale from its own amax at every call
-    (`Fp8Linear._quantized_scaled_weight`): per shard under TP, of the whole weight at TP=1. The runs then
-    differ at the level of FP8 noise, not more."""
+def test_tp2_equals_tp1_fp8_smooth_swiglu_channel(tp_results):
+    """The channel form quantizes fc2's column-scaled weight W diag(1/s) afresh at every call; its amax is
+    max-reduced over the TP group so both shards use the scale of the whole weight. Measured with these
+    batches: logits before any step 8e-8 (6e-3 when each shard used its own amax), losses <= 2e-7 at every
+    step (6e-5). One E5M2 rounding of a layer-0 gradient flips at step 3 (an fp32 summation-order difference
+    on a rounding boundary: 1.5e-2 on that gradient, 6.5e-4 on the weights after it, against 1.2e-1 and 4.5e-2
+    with per-shard scales), so the training bounds sit between the two."""
     for rank, r in enumerate(tp_results):
         c = r["fp8_smooth_channel_sp"]
-        assert max(c["loss"]) < 1e-3 and c["logits"] < 3 * r["fp8_noise"], (rank, c)
-
-
-@pytest.mark.xfail(strict=True, reason="Smooth-SwiGLU channel form: the amax of fc2's column-scaled weight "
-                   "(W3 diag(1/s), quantized per call) is not max-reduced over the TP group "
-                   "(megatron/fp8/linear.py _quantized_scaled_weight / smooth_swiglu._fc2_channel_scaled)")
-def test_tp2_equals_tp1_fp8_smooth_swiglu_channel(tp_results):
-    _assert_fp8_matches(tp_results, "fp8_smooth_channel_sp")
+        assert c["logits_first"] < 1e-5 and max(c["loss"]) < 1e-6, (rank, c)
+        assert c["grad"] < 5e-2 and c["weights"] < 5e-3, (rank, c)
 
 
 def test_fp8_amax_reduced_over_dp_only_lets_tp_ranks_disagree(tp_results):

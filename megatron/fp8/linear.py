@@ -42,7 +42,9 @@ are multiplied by c *before* quantization, so one FP8 GEMM still does the whole 
 tensor whenever c changes (every micro-batch under Smooth-SwiGLU), so such a call bypasses the per-step
 weight cache and quantizes afresh (counted in `fp8_weight_quantizations`), always with a scale from its own
 amax (a history of other tensors' amaxes would lag and clip it); its amax still feeds the weight role's
-statistics and history. Gradients: dx from Q(W diag(c)), dW = (dy^T x) diag(c), none through c.
+statistics and history. Under tensor parallelism W is a shard of the logical weight: `column_scale_group`
+(the TP group) max-reduces that amax so every shard uses the scale the whole W diag(c) would get (one
+scalar all-reduce per call). Gradients: dx from Q(W diag(c)), dW = (dy^T x) diag(c), none through c.
 `input_amax`, when the caller already knows max|x| (Smooth-SwiGLU gets it from its scale reduction), saves
 the reduction over x.
 """
@@ -52,6 +54,7 @@ import dataclasses
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from megatron.fp8 import stats as fp8_stats
@@ -99,7 +102,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 module: "Fp8Linear", out_dtype: torch.dtype, column_scale: torch.Tensor | None = None,
-                input_amax: torch.Tensor | None = None) -> torch.Tensor:
+                input_amax: torch.Tensor | None = None, column_scale_group: Any = None) -> torch.Tensor:
         backend = module.fp8_backend(x.device)
         specs = module.fp8_specs(backend)
         x2d = x.reshape(-1, x.shape[-1])
@@ -113,7 +116,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             if column_scale is None:
                 w = module._quantized_weight(backend, specs[Fp8Role.WEIGHT])
             else:
-                w = module._quantized_scaled_weight(backend, specs[Fp8Role.WEIGHT], column_scale)
+                w = module._quantized_scaled_weight(backend, specs[Fp8Role.WEIGHT], column_scale, column_scale_group)
             module._note_weight_use(w)
             y = backend.gemm_nt(q_x, s_x, w.weight(backend), w.scale, out_dtype)
             if bias is not None:
@@ -151,7 +154,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 dw = dw.to(ctx.w_dtype)
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 db = dy2d.float().sum(dim=0).to(ctx.w_dtype)
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None
 
 
 class Fp8Linear(nn.Linear):
@@ -238,12 +241,14 @@ class Fp8Linear(nn.Linear):
             self.fp8_weight_quantizations += 1
         return self._weight_cache
 
-    def _quantized_scaled_weight(self, backend: Backend, spec: Fp8FormatSpec,
-                                 column_scale: torch.Tensor) -> _QuantizedWeight:
+    def _quantized_scaled_weight(self, backend: Backend, spec: Fp8FormatSpec, column_scale: torch.Tensor,
+                                 group: Any = None) -> _QuantizedWeight:
         """Q(W diag(column_scale)), made for this call only (see "Per-input-channel weight scale")."""
         with torch.no_grad():
             w = self.weight.float() * column_scale.float()
             amax = amax_of(w)
+            if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
             scale = compute_scale(amax, spec.max, self.recipe.margin, self.recipe.power_of_two_scales,
                                   previous=self.fp8_scale[Fp8Role.WEIGHT])
             q = backend.quantize(w, scale, spec)
@@ -266,8 +271,9 @@ class Fp8Linear(nn.Linear):
     # --- nn.Module -------------------------------------------------------------------------------------------
 
     def forward(self, x: torch.Tensor, weight_column_scale: torch.Tensor | None = None,
-                input_amax: torch.Tensor | None = None) -> torch.Tensor:
-        """y = Q(x) Q(W)^T + b; with `weight_column_scale` c, W diag(c) replaces W (see the module docstring)."""
+                input_amax: torch.Tensor | None = None, column_scale_group: Any = None) -> torch.Tensor:
+        """y = Q(x) Q(W)^T + b; with `weight_column_scale` c, W diag(c) replaces W (see the module docstring);
+        `column_scale_group` is the group over which the amax of W diag(c) is max-reduced (TP shards)."""
         device_type = x.device.type
         if torch.is_autocast_enabled(device_type):
             out_dtype = torch.get_autocast_dtype(device_type)
@@ -276,7 +282,7 @@ class Fp8Linear(nn.Linear):
         if weight_column_scale is not None:
             weight_column_scale = weight_column_scale.detach()
         return _Fp8LinearFunction.apply(x, self.weight, self.bias, self, out_dtype, weight_column_scale,
-                                        input_amax)
+                                        input_amax, column_scale_group)
 
     def _apply(self, fn: Any, recurse: bool = True) -> "Fp8Linear":
         # .to()/.cuda() may replace the weight's storage; a cached FP8 copy on the old device must go.

@@ -14,8 +14,9 @@ The two forms (`ModelConfig.smooth_swiglu`)
   `y = Q(h * s) @ Q(W3 * s^-1)^T`. The inverse scale is folded into fc2's weight columns (its input
   channels) *before* the weight is quantized, so fc2 stays one FP8 GEMM. Consequence: fc2's FP8 weight is a
   new tensor at every micro-batch, so `Fp8Linear`'s once-per-step weight cache is bypassed for it (the
-  quantization count shows it, `bench/bench_smooth_swiglu.py` measures it). No communication under tensor
-  parallelism: each rank owns whole channels.
+  quantization count shows it, `bench/bench_smooth_swiglu.py` measures it). Under tensor parallelism each
+  rank owns whole channels, so the scales need no communication; only the amax of the folded weight shard
+  is max-reduced over the TP group (one scalar), so the shards share the FP8 scale of the whole weight.
 - TOKEN (the public reference code): s_t = max_channels |x W1| (the linear branch `up`) per token;
   `h = Swish(x W2) * (up / s_t)`, `y = (h W3) * s_t`. Under tensor parallelism the channels of a token are
   spread over ranks, so s_t must be max-reduced over the TP group (`token_maxima(up, group)`); the
@@ -92,12 +93,12 @@ def token_maxima(up: torch.Tensor, group: Any = None) -> torch.Tensor:
 
 
 def _fc2_channel_scaled(linear_fc2: nn.Linear, h_scaled: torch.Tensor, inverse: torch.Tensor,
-                        input_amax: torch.Tensor) -> torch.Tensor:
+                        input_amax: torch.Tensor, tp_group: Any = None) -> torch.Tensor:
     """fc2 with its weight columns multiplied by `inverse` (folded before any weight quantization)."""
     from megatron.fp8.linear import Fp8Linear  # the model package must not need the FP8 engine to import
 
     if isinstance(linear_fc2, Fp8Linear):
-        return linear_fc2(h_scaled, weight_column_scale=inverse, input_amax=input_amax)
+        return linear_fc2(h_scaled, weight_column_scale=inverse, input_amax=input_amax, column_scale_group=tp_group)
     weight = linear_fc2.weight * inverse.to(linear_fc2.weight.dtype)
     return F.linear(h_scaled, weight, linear_fc2.bias)
 
@@ -108,7 +109,8 @@ class SmoothSwiGLU(nn.Module):
     No parameters or buffers (the scales live for one micro-batch), so state dicts are those of plain
     SwiGLU. `enabled=False` makes the MLP run plain SwiGLU: the training hooks set it on layers whose fc2
     stays in high precision (`--fp8-mlp-fc2-bf16`, `--fp8-first-last-layers-bf16`), where there is no FP8
-    cast to protect. `tp_group` is the tensor-parallel group for the TOKEN form's max (None at TP=1).
+    cast to protect. `tp_group` is the tensor-parallel group (None at TP=1): the TOKEN form's max and the
+    CHANNEL form's folded-weight amax are reduced over it.
     """
 
     def __init__(self, granularity: SmoothSwiGLUGranularity, has_bias: bool = False) -> None:
@@ -128,7 +130,7 @@ class SmoothSwiGLU(nn.Module):
             scale, inverse = pow2_scales(cmax)
             # The one reduction also gives the FP8 cast's amax: max_i cmax_i * s_i (exact, po2 scales).
             input_amax = (cmax * scale).amax()
-            return _fc2_channel_scaled(linear_fc2, h * scale.to(h.dtype), inverse, input_amax)
+            return _fc2_channel_scaled(linear_fc2, h * scale.to(h.dtype), inverse, input_amax, self.tp_group)
         scale, inverse = pow2_scales(token_maxima(up, self.tp_group))
         h = F.silu(gate) * (up * scale.to(up.dtype))
         y = linear_fc2(h)

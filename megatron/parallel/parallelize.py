@@ -15,9 +15,9 @@ Per transformer layer:
 and around them: the vocab-parallel word embedding, the final norm, the vocab-parallel output head.
 Under sequence parallel, the hidden state between regions is [b, s/tp, h] on each rank.
 
-Smooth-SwiGLU's TOKEN form reduces its per-token maxima over the TP group: `mlp.smooth_swiglu.tp_group`
-is set here. The CHANNEL form needs no communication (each rank owns whole channels, and sees every
-token of the micro-batch inside the region).
+Smooth-SwiGLU uses `mlp.smooth_swiglu.tp_group`, set here: the TOKEN form reduces its per-token maxima
+over it; the CHANNEL form's scales need none (each rank owns whole channels and sees every token of the
+micro-batch inside the region), only the amax of fc2's folded weight shard is max-reduced over it.
 """
 from __future__ import annotations
 
