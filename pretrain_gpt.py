@@ -2,6 +2,7 @@
 import sys
 
 from megatron.arguments import parse_config
+from megatron.parallel_state import finish_distributed_run, world_size_from_env
 from megatron.training.dry_run import describe
 from megatron.training.loop import TrainingDiverged, pretrain
 
@@ -24,4 +25,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if world_size_from_env() > 1:
+        finish_distributed_run(code)  # skips interpreter finalization (see its docstring)
+    sys.exit(code)

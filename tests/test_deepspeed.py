@@ -215,6 +215,8 @@ result = trainer.train()
 # One file per rank next to this script: two ranks printing to one pipe can interleave their lines.
 with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), f"report_{rank}.json"), "w") as f:
     json.dump({"rank": rank, "steps": report, "skipped": result.state.skipped_iterations}, f)
+from megatron.parallel_state import finish_distributed_run
+finish_distributed_run(0)  # as pretrain_gpt.py ends a multi-process run
 '''
 
 
