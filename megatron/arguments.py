@@ -174,7 +174,6 @@ def _require(value, flag: str, hint: str = "") -> None:
 
 def _not_supported_yet(a: argparse.Namespace) -> None:
     unsupported = {
-        "--pipeline-model-parallel-size > 1": a.pipeline_model_parallel_size != 1,
         "--deepspeed with --tensor-model-parallel-size > 1": a.deepspeed and a.tensor_model_parallel_size > 1,
     }
     for flag, used in unsupported.items():
@@ -194,6 +193,32 @@ def _not_supported_yet(a: argparse.Namespace) -> None:
     if a.fp16:
         raise ValueError("--fp16 is not supported: use --bf16 (BF16 autocast with FP32 master weights). "
                          "On CPU, FP16 compute is also about 1000x slower than BF16.")
+
+
+def _pipeline_parallel_checks(a: argparse.Namespace, model: ModelConfig) -> None:
+    pp = a.pipeline_model_parallel_size
+    if pp < 1:
+        raise ValueError(f"--pipeline-model-parallel-size must be >= 1, got {pp}")
+    if pp == 1:
+        return
+    unsupported = (
+        (not a.deepspeed, "needs --deepspeed (the stages run under DeepSpeed's PipelineEngine)"),
+        (a.zero_stage not in (None, 1), f"needs --zero-stage 1 (got {a.zero_stage}): DeepSpeed refuses ZeRO 2/3 "
+                                        "with pipelines, and without ZeRO its pipeline engine would apply a step "
+                                        "with non-finite gradients that this trainer must skip"),
+        (a.tensor_model_parallel_size > 1, "with --tensor-model-parallel-size > 1 is not supported yet"),
+        (not model.untie_embeddings_and_output_weights,
+         "needs --untie-embeddings-and-output-weights: a tied embedding would live on the first and the last stage"),
+        (a.reset_position_ids or a.reset_attention_mask,
+         "with --reset-position-ids / --reset-attention-mask is not supported yet (stages exchange hidden states only)"),
+        (model.recompute_granularity is RecomputeGranularity.FULL,
+         "with --recompute-granularity full is not supported yet (selective recompute works)"),
+        (model.num_layers % pp != 0, f"needs --num-layers ({model.num_layers}) divisible by it: each stage gets "
+                                     "the same number of transformer layers"),
+    )
+    for bad, why in unsupported:
+        if bad:
+            raise ValueError(f"--pipeline-model-parallel-size {pp} {why}")
 
 
 def _tensor_parallel_checks(a: argparse.Namespace, model: ModelConfig) -> None:
@@ -377,6 +402,7 @@ def parse_config(argv: Optional[Sequence[str]] = None, world_size: Optional[int]
     data = _data_config(a)
     model = _model_config(a, _padded_vocab_size(a, data))
     _tensor_parallel_checks(a, model)
+    _pipeline_parallel_checks(a, model)
     return MegatronConfig(
         model=model,
         optimizer=OptimizerConfig(

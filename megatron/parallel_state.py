@@ -1,11 +1,12 @@
 """Process groups of a run, built once at initialization and passed down explicitly.
 
-Ranks are laid out as Megatron does (pipeline parallelism is not supported yet, so PP = 1): the
+Ranks are laid out as Megatron does. Without pipeline parallelism: the
 `tp` consecutive ranks [i*tp, ..., i*tp + tp - 1] form tensor-parallel group i (they hold the shards
 of one model replica, so they should share a node), and the ranks with the same TP rank form a
 data-parallel group (they hold the same shard: DDP all-reduces gradients there). The FP8 amax group
 is every rank holding a piece or a replica of the same logical tensors: with PP = 1, the whole
-TP x DP world. Model code never reads process-group globals: these objects are passed down.
+TP x DP world. With pipeline parallelism (DeepSpeed, TP = 1) see `_pipeline_parallel_state`. Model code
+never reads process-group globals: these objects are passed down.
 """
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ class ParallelState:
     tensor_parallel_group: Optional[object] = None  # None when tensor_parallel_size == 1
     # Every rank that holds a piece or a replica of the same FP8 tensors: the amax reduction group.
     amax_group: Optional[object] = None
+    pipeline_parallel_size: int = 1
+    pipeline_parallel_rank: int = 0  # the stage
 
     @property
     def is_distributed(self) -> bool:
@@ -87,8 +90,6 @@ def initialize_parallel_state(cfg: ParallelConfig, accelerator: Accelerator) -> 
     world = world_size_from_env()
     if world == 1 and not dist.is_initialized():
         return ParallelState()
-    if cfg.pipeline_model_parallel_size != 1:
-        raise ValueError("--pipeline-model-parallel-size > 1 is not supported yet")
     if not dist.is_initialized():
         backend = cfg.distributed_backend or accelerator.distributed_backend
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=10))
@@ -96,6 +97,8 @@ def initialize_parallel_state(cfg: ParallelConfig, accelerator: Accelerator) -> 
         # still joinable at exit ("terminate called without an active exception", SIGABRT).
         atexit.register(_destroy_process_groups)
     rank, world = dist.get_rank(), dist.get_world_size()
+    if cfg.pipeline_model_parallel_size > 1:
+        return _pipeline_parallel_state(rank, world, cfg.pipeline_model_parallel_size)
     tp = cfg.tensor_model_parallel_size
     if world % tp:
         raise ValueError(f"world size {world} is not divisible by --tensor-model-parallel-size {tp}")
@@ -118,3 +121,23 @@ def initialize_parallel_state(cfg: ParallelConfig, accelerator: Accelerator) -> 
     return ParallelState(world_size=world, rank=rank, data_parallel_size=dp, data_parallel_rank=rank // tp,
                          data_parallel_group=dp_group, tensor_parallel_size=tp, tensor_parallel_rank=rank % tp,
                          tensor_parallel_group=tp_group, amax_group=world_group)
+
+
+def _pipeline_parallel_state(rank: int, world: int, pp: int) -> ParallelState:
+    """PP stages x DP replicas (TP = 1), laid out as DeepSpeed's PipeModelDataParallelTopology(pp, 1, dp):
+    rank = stage * dp + replica. The ranks of one stage hold the same layers: they form its data-parallel
+    group and its FP8 amax group (other stages hold other tensors)."""
+    if world % pp:
+        raise ValueError(f"world size {world} is not divisible by --pipeline-model-parallel-size {pp}")
+    dp = world // pp
+    stage_group = None
+    for stage in range(pp):  # every rank creates every group, in the same order
+        ranks = list(range(stage * dp, (stage + 1) * dp))
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            stage_group = group
+    logger.info("initialized torch.distributed: rank %d of %d (pipeline stage %d of %d x data parallel %d)",
+                rank, world, rank // dp, pp, dp)
+    return ParallelState(world_size=world, rank=rank, data_parallel_size=dp, data_parallel_rank=rank % dp,
+                         data_parallel_group=stage_group, amax_group=stage_group,
+                         pipeline_parallel_size=pp, pipeline_parallel_rank=rank // dp)

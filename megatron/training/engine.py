@@ -71,6 +71,10 @@ class TorchEngine:
 
 def build_engine(config, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: LrScheduler,
                  parallel: ParallelState):
+    if config.parallel.pipeline_model_parallel_size > 1:
+        from megatron.training.pipeline_engine import PipelineEngine
+
+        return PipelineEngine(config, model, optimizer, scheduler, parallel)
     if config.parallel.deepspeed:
         from megatron.training.deepspeed_engine import DeepSpeedEngine
 

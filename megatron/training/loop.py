@@ -106,9 +106,16 @@ class Trainer:
         # Shard before the FP8 swap, the optimizer and DDP: they must all see this rank's pieces.
         parallelize_tensor(self.model, self.parallel, config.parallel.sequence_parallel)
         self.fp8 = Fp8Hooks(self.model, config.fp8, self.parallel.amax_group, config.logging.log_fp8_stats)
-        self.swiglu = SwiGLUHooks(self.model, config.model,
-                                  config.logging.log_swiglu_diagnostics and self.parallel.is_logging_rank)
         logger.info("> number of parameters: %d", self.model.num_parameters())
+        layers_view = self.model
+        if self.parallel.pipeline_parallel_size > 1:  # keep this rank's stage only (after the FP8 swap)
+            from megatron.training.pipeline_engine import build_pipeline_module, stage_layers_view
+
+            self.model = build_pipeline_module(self.model, self.parallel)
+            self.fp8.model = self.model
+            layers_view = stage_layers_view(self.model)
+        self.swiglu = SwiGLUHooks(layers_view, config.model,
+                                  config.logging.log_swiglu_diagnostics and self.parallel.is_logging_rank)
         self.optimizer = build_optimizer(self.model, config.optimizer)
         self.scheduler = LrScheduler(self.optimizer, config.scheduler)
         self.engine = build_engine(config, self.model, self.optimizer, self.scheduler, self.parallel)
@@ -191,9 +198,20 @@ class Trainer:
         masked = (per_token * batch.loss_mask).sum()
         return masked, batch.loss_mask.sum()
 
+    def _pipeline_batches(self, micro_batches: Iterator) -> Iterator:
+        """Micro-batches as DeepSpeed's pipeline takes them: (inputs, (labels, loss mask))."""
+        while True:
+            batch = make_batch(next(micro_batches), self.eod, self.config.data)
+            yield batch.tokens, (batch.labels, batch.loss_mask)
+
     def train_step(self, micro_batches: Iterator[torch.Tensor]) -> tuple[float, float, bool]:
         """One optimizer step. Returns (loss, grad norm, stepped)."""
         t, device, engine = self.config.training, self.accel.device, self.engine
+        if hasattr(engine, "train_batch"):  # pipeline: DeepSpeed runs the micro-batches and the step
+            loss_value, grad_norm, stepped = engine.train_batch(self.state.iteration,
+                                                                self._pipeline_batches(micro_batches))
+            self.fp8.after_optimizer_step()
+            return loss_value, grad_norm, stepped
         engine.module.train()
         engine.zero_grad()
         n = t.num_micro_batches
@@ -223,6 +241,9 @@ class Trainer:
         loader = build_loader(dataset, 0, t.micro_batch_size, self.parallel.data_parallel_rank,
                               self.parallel.data_parallel_size, self.config.data.num_workers)
         it = iter(loader)
+        if hasattr(self.engine, "eval_batch"):  # pipeline: mean over global batches of DeepSpeed's batch means
+            losses = [self.engine.eval_batch(self._pipeline_batches(it)) for _ in range(t.eval_iters)]
+            return float(sum(losses) / max(len(losses), 1))
         total = torch.zeros(2, dtype=torch.float64)
         for _ in range(t.eval_iters * t.num_micro_batches):
             batch = make_batch(next(it), self.eod, self.config.data).to(self.accel.device)

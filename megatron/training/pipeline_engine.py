@@ -1,0 +1,184 @@
+"""Pipeline parallelism: our GPT cut into DeepSpeed `PipelineModule` stages, run by DeepSpeed's PipelineEngine.
+
+`--pipeline-model-parallel-size P` (with `--deepspeed --zero-stage 1`, TP = 1) splits the model into
+
+    EmbeddingStage | TransformerLayerStage x num_layers | OutputStage (final norm + LM head)
+
+and DeepSpeed partitions it so every stage gets num_layers / P transformer layers (the embedding joins
+the first stage, the head the last). Stages exchange one tensor, the hidden state [b, s, h]: positions
+are the plain 0..s-1 (so `--reset-position-ids`/`--reset-attention-mask` are refused with PP) and each
+layer stage recomputes its rotary table from them. The loss, the same token-weighted mean per
+micro-batch as `Trainer._forward_loss`, is `pipeline_loss` on the last stage.
+
+Every rank builds the whole `GPTModel` (same seed, hence the same weights as PP = 1), converts it to FP8,
+then keeps only its stage's modules: the others are dropped with the full model. FP8 amaxes are reduced
+over the stage's data-parallel group (`ParallelState.amax_group`): the only ranks holding those tensors.
+
+`train_batch(iteration, batches)` runs DeepSpeed's schedule (forward/backward of every micro-batch, the
+pipelined sends, the data-parallel reduction and the ZeRO-1 step) and reports (loss, grad norm, stepped).
+Non-finite steps change nothing: a non-finite loss multiplies itself by NaN, so its gradients become
+non-finite on every stage and ZeRO-1's overflow check (reduced over data and pipeline ranks) skips the
+step. Checkpoints use DeepSpeed's pipeline layout (one `layer_XX-model_states.pt` per layer, one
+`mp_rank_XX_model_states.pt` per stage with our scheduler/RNG/FP8 state) inside our atomic folders.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.optimizer.lr_scheduler import LrScheduler
+from megatron.parallel_state import ParallelState
+from megatron.training.deepspeed_config import build_deepspeed_config, zero_stage
+from megatron.training.deepspeed_engine import (_use_weights_only_loading, load_checkpoint, save_checkpoint,
+                                                tag_fp8_state_groups)
+
+logger = logging.getLogger("megatron")
+
+
+def _positions(x: torch.Tensor) -> torch.Tensor:
+    b, s = x.shape[:2]
+    return torch.arange(s, device=x.device).unsqueeze(0).expand(b, s)
+
+
+class EmbeddingStage(nn.Module):
+    def __init__(self, embedding: nn.Module) -> None:
+        super().__init__()
+        self.embedding = embedding
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embedding(tokens, _positions(tokens))
+
+
+class TransformerLayerStage(nn.Module):
+    def __init__(self, layer: nn.Module, rotary: Optional[nn.Module]) -> None:
+        super().__init__()
+        self.layer = layer
+        # Shared by every layer stage and parameter-free (its tables are non-persistent buffers): kept out of
+        # the module tree so that no stage's state dict or parameter list repeats it.
+        self.__dict__["rotary"] = rotary
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        rotary = self.rotary(_positions(hidden)) if self.rotary is not None else None
+        return self.layer(hidden, rotary, None)
+
+
+class OutputStage(nn.Module):
+    """Final norm and LM head: logits [b, s, vocab]."""
+
+    def __init__(self, final_layernorm: nn.Module, output_layer: nn.Linear, output_head: nn.Module) -> None:
+        super().__init__()
+        self.final_layernorm = final_layernorm
+        self.output_layer = output_layer
+        self.output_head = output_head
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.output_head(self.final_layernorm(hidden), self.output_layer.weight)
+
+
+def pipeline_loss(logits: torch.Tensor, target: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Token-weighted mean FP32 cross-entropy of one micro-batch; NaN-poisoned when not finite."""
+    labels, loss_mask = target
+    b, s = labels.shape
+    per_token = F.cross_entropy(logits.float().reshape(b * s, -1), labels.reshape(b * s), reduction="none")
+    loss = (per_token.view(b, s) * loss_mask).sum() / loss_mask.sum().clamp(min=1.0)
+    # A non-finite token masked out of the loss leaves finite gradients; multiplying by NaN (or exactly 1.0)
+    # makes every gradient non-finite instead, so the step is skipped on all stages.
+    ok = torch.isfinite(loss.detach())
+    return loss * torch.where(ok, torch.ones_like(loss), torch.full_like(loss, float("nan")))
+
+
+def build_pipeline_module(model: nn.Module, parallel: ParallelState) -> nn.Module:
+    """This rank's stage of `model` (a `GPTModel`, already FP8-converted) as a DeepSpeed PipelineModule."""
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.pipe import PipelineModule
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    deepspeed.init_distributed(dist_backend=dist.get_backend())  # adopts our process group (before initialize)
+
+    if model.output_layer is None:
+        raise ValueError("pipeline parallelism needs --untie-embeddings-and-output-weights")
+    topology = PipeModelDataParallelTopology(num_pp=parallel.pipeline_parallel_size, num_mp=1,
+                                             num_dp=parallel.data_parallel_size)
+    layers = [EmbeddingStage(model.embedding),
+              *(TransformerLayerStage(layer, model.rotary) for layer in model.decoder.layers),
+              OutputStage(model.decoder.final_layernorm, model.output_layer, model.output_head)]
+    pipe = PipelineModule(layers=layers, loss_fn=pipeline_loss, topology=topology,
+                          partition_method="type:TransformerLayerStage")
+    local = [i for i, f in enumerate(layers) if any(f is g for g in pipe.forward_funcs)]
+    logger.info("pipeline stage %d of %d: layers %d..%d of %d (embedding = 0, transformer layers 1..%d, head = %d)",
+                parallel.pipeline_parallel_rank, parallel.pipeline_parallel_size, local[0], local[-1],
+                len(layers) - 1, len(layers) - 2, len(layers) - 1)
+    return pipe
+
+
+class _StageLayers:
+    """`.decoder.layers` over this stage's transformer layers: what the SwiGLU hooks walk."""
+
+    def __init__(self, pipe: nn.Module) -> None:
+        layers = [f.layer for f in pipe.forward_funcs if isinstance(f, TransformerLayerStage)]
+        self.decoder = type("StageDecoder", (), {"layers": layers})()
+
+
+def stage_layers_view(pipe: nn.Module) -> _StageLayers:
+    return _StageLayers(pipe)
+
+
+class PipelineEngine:
+    """The loop's engine for pipeline runs: `train_batch` / `eval_batch` instead of per-micro-batch calls."""
+
+    def __init__(self, config, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: LrScheduler,
+                 parallel: ParallelState) -> None:
+        import deepspeed
+
+        self.ds_config = build_deepspeed_config(config, num_parameters=sum(p.numel() for p in model.parameters()))
+        self.zero_stage = zero_stage(self.ds_config)
+        if self.zero_stage != 1:
+            raise ValueError(f"--pipeline-model-parallel-size needs ZeRO stage 1, but the DeepSpeed config gives "
+                             f"stage {self.zero_stage}: set zero_optimization.stage to 1 (or pass --zero-stage 1)")
+        self.model, self.optimizer, self.scheduler, self.parallel = model, optimizer, scheduler, parallel
+        tag_fp8_state_groups(optimizer, self.zero_stage)
+        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.ds_config)
+        _use_weights_only_loading(self.engine)
+        self.module: nn.Module = self.engine
+        logger.info("DeepSpeed %s pipeline: %d stages x %d data-parallel, ZeRO stage 1, %s, optimizer %s",
+                    deepspeed.__version__, parallel.pipeline_parallel_size, parallel.data_parallel_size,
+                    "BF16 autocast" if config.training.bf16 else "FP32", type(optimizer).__name__)
+
+    def train_batch(self, iteration: int, batches: Iterator) -> tuple[float, float, bool]:
+        """One optimizer step over `batches` (each item: tokens, (labels, loss_mask)): (loss, grad norm, stepped)."""
+        previous_lrs = [g["lr"] for g in self.optimizer.param_groups]
+        self.scheduler.apply(iteration)
+        loss = float(self.engine.train_batch(batches))  # averaged over micro-batches and replicas, on every stage
+        stepped = bool(self.engine.was_step_applied())
+        norm = self.engine.get_global_grad_norm()
+        grad_norm = float(norm) if norm is not None else float("nan")
+        if not stepped:
+            for group, lr in zip(self.optimizer.param_groups, previous_lrs):
+                group["lr"] = lr  # a skipped step leaves the LR where the other engines would
+            if grad_norm < 0:
+                grad_norm = float("nan")  # DeepSpeed reports a non-finite norm as -1
+        elif loss != loss or abs(loss) == float("inf"):
+            raise RuntimeError("DeepSpeed's pipeline applied a step whose loss was not finite; the NaN-poisoned "
+                               "gradients should have made it skip. Please report this with the DeepSpeed version.")
+        return loss, grad_norm, stepped
+
+    @torch.no_grad()
+    def eval_batch(self, batches: Iterator) -> float:
+        """Mean loss of one global batch's micro-batches (each a token-weighted mean), on every stage."""
+        return float(self.engine.eval_batch(batches))
+
+    @property
+    def learning_rate(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def save_checkpoint(self, save_dir: str, iteration: int, client_state: dict, train_state: dict,
+                        config: dict) -> None:
+        save_checkpoint(self.engine, save_dir, iteration, client_state, train_state, config)
+
+    def load_checkpoint(self, load_dir: str, load_optimizer: bool, module_only: bool) -> Optional[dict]:
+        return load_checkpoint(self.engine, load_dir, load_optimizer=load_optimizer, module_only=module_only)
