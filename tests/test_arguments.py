@@ -35,7 +35,7 @@ def test_tiny_config_resolves():
     (dict(min_lr=1.0), [], "--min-lr 1.0 is larger than --lr"),
     ({}, ["--fp16"], "--fp16 is not supported: use --bf16"),
     (dict(zero_stage=1), [], "--deepspeed_config and --zero-stage need --deepspeed"),
-    (dict(pipeline_model_parallel_size=2), [], "--pipeline-model-parallel-size > 1 is not supported yet"),
+    (dict(pipeline_model_parallel_size=2), [], "world size 1 is not divisible by tensor x pipeline parallel size 2"),
     (dict(tensor_model_parallel_size=2), [], "world size 1 is not divisible by tensor x pipeline parallel size 2"),
     (dict(fp8_optimizer_block_size=128), [], "--fp8-optimizer-* flags need --optimizer fp8adam"),
     ({}, ["--no-fp8-wgrad"], "only apply to FP8 training: add --fp8-format"),

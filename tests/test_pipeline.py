@@ -1,0 +1,148 @@
+"""Pipeline parallelism (DeepSpeed PipelineModule, 2 stages x 1 replica, gloo on CPU): PP=2 equals PP=1.
+
+PP=1 is the same DeepSpeed ZeRO-1 run in one process (4 micro-batches of 2 per step, as the pipeline's).
+Without dropout the two compute the same sums in the same order, so FP32 and FP8 (delayed hybrid +
+Smooth-SwiGLU) losses agree to print precision; BF16 autocast with Fp8AdamW agrees to BF16 noise (the
+ZeRO-1 partition, hence Fp8AdamW's per-partition moment scale, is per stage under PP).
+"""
+import re
+
+import pytest
+
+from megatron.arguments import parse_config
+from tests.conftest import tiny_argv
+from tests.test_deepspeed import losses, run
+
+pytest.importorskip("deepspeed")
+
+PP = ("--deepspeed", "--zero-stage", "1")
+FP8 = ("--smooth-swiglu",)
+FP8_OVERRIDES = dict(fp8_format="hybrid", eval_interval=2)
+
+
+def values(log: str) -> list[float]:
+    """Training losses, then validation and test losses, in log order."""
+    return losses(log) + [float(v) for v in re.findall(r"lm loss value: (\S+) \|", log)]
+
+
+def assert_close(a: list[float], b: list[float], rel: float) -> None:
+    assert len(a) == len(b) and len(a) > 0, (a, b)
+    for x, y in zip(a, b):
+        assert abs(x - y) <= rel * abs(y), (a, b)
+
+
+@pytest.fixture(scope="module")
+def fp8_pp1():
+    return values(run(1, *PP, *FP8, **FP8_OVERRIDES))
+
+
+@pytest.fixture(scope="module")
+def fp8_pp2(tmp_path_factory):
+    save = tmp_path_factory.mktemp("pp2")
+    log = run(2, *PP, *FP8, "--pipeline-model-parallel-size", "2", save=save, **FP8_OVERRIDES)
+    return values(log), save, log
+
+
+def test_pp2_equals_pp1_fp32():
+    one = values(run(1, *PP, eval_interval=2))
+    two = values(run(2, *PP, "--pipeline-model-parallel-size", "2", eval_interval=2))
+    assert_close(two, one, 1e-6)
+
+
+def test_pp2_equals_pp1_fp8_smooth_swiglu(fp8_pp1, fp8_pp2):
+    assert_close(fp8_pp2[0], fp8_pp1, 1e-6)
+    assert fp8_pp2[0][3] < fp8_pp2[0][0]  # it trains
+
+
+def test_pp2_stages_hold_their_layers(fp8_pp2):
+    _, save, log = fp8_pp2
+    assert "pipeline stage 0 of 2: layers 0..1 of 3" in log  # the embedding and the first transformer layer
+    folder = next(save.glob("iter_*"))
+    names = sorted(p.name for p in folder.iterdir())
+    # one file per pipeline layer (embedding, 2 transformer layers, head), one model-states file per stage
+    assert [n for n in names if n.startswith("layer_")] == [f"layer_{i:02d}-model_00-model_states.pt" for i in range(4)]
+    assert "mp_rank_00_model_states.pt" in names and "mp_rank_01_model_states.pt" in names
+
+
+def test_pp2_resume_at_the_same_layout_continues_the_run(tmp_path, fp8_pp2):
+    save = tmp_path / "ckpt"
+    argv = (*PP, *FP8, "--pipeline-model-parallel-size", "2")
+    first = values(run(2, *argv, save=save, exit_interval=2, **FP8_OVERRIDES))
+    second = values(run(2, *argv, save=save, load=save, **FP8_OVERRIDES))
+    full = fp8_pp2[0]  # train 1-4, then valid@2, valid@4, test
+    assert_close(first, full[:2] + full[4:5], 1e-6)  # train 1-2, valid@2, then the exit (no test)
+    assert_close(second, full[2:4] + full[5:], 1e-6)  # weights, optimizer, FP8 scales and data position restored
+
+
+def test_pp2_bf16_fp8adam_tracks_pp1():
+    argv = (*PP, *FP8, "--bf16", "--optimizer", "fp8adam")
+    one = values(run(1, *argv, **FP8_OVERRIDES))
+    two = values(run(2, *argv, "--pipeline-model-parallel-size", "2", **FP8_OVERRIDES))
+    assert_close(two, one, 1e-3)
+
+
+@pytest.mark.parametrize("switches, overrides, message", [
+    ((), {}, "needs --deepspeed"),
+    (("--deepspeed",), dict(zero_stage=2), "needs --zero-stage 1 (got 2)"),
+    (("--deepspeed",), dict(zero_stage=0), "needs --zero-stage 1 (got 0)"),
+    (("--deepspeed", "--sequence-parallel"), dict(tensor_model_parallel_size=2), "--tensor-model-parallel-size > 1"),
+    (("--deepspeed", "--reset-position-ids"), {}, "--reset-position-ids / --reset-attention-mask"),
+    (("--deepspeed",), dict(recompute_granularity="full"), "--recompute-granularity full"),
+    (("--deepspeed",), dict(num_layers=3), "needs --num-layers (3) divisible by it"),
+])
+def test_unsupported_pipeline_combinations_are_rejected(switches, overrides, message):
+    argv = tiny_argv(*switches, pipeline_model_parallel_size=2, **overrides)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_config(argv, world_size=4)
+
+
+def test_pipeline_needs_untied_embeddings():
+    argv = [a for a in tiny_argv("--deepspeed", pipeline_model_parallel_size=2)
+            if a != "--untie-embeddings-and-output-weights"]
+    with pytest.raises(ValueError, match="needs --untie-embeddings-and-output-weights"):
+        parse_config(argv, world_size=2)
+
+
+PP_NAN_SCRIPT = r'''
+import os, sys, json, torch
+sys.path.insert(0, os.getcwd())
+import megatron.training.pipeline_engine as pe
+from megatron.arguments import parse_config
+from megatron.training.loop import Trainer
+real_loss, calls = pe.pipeline_loss, {"n": 0}
+
+def loss_fn(logits, target):  # the last stage's 6th micro-batch (iteration 2 of 4 micro-batches) is NaN
+    calls["n"] += 1
+    loss = real_loss(logits, target)
+    return loss * float("nan") if calls["n"] == 6 else loss
+
+pe.pipeline_loss = loss_fn
+trainer = Trainer(parse_config(sys.argv[1:]))
+real_batch, report = trainer.engine.train_batch, []
+
+def train_batch(iteration, batches):
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    loss, norm, stepped = real_batch(iteration, batches)
+    same = all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+    report.append([stepped, same])
+    return loss, norm, stepped
+
+trainer.engine.train_batch = train_batch
+result = trainer.train()
+rank = int(os.environ["RANK"])
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), f"report_{rank}.json"), "w") as f:
+    json.dump({"steps": report, "skipped": result.state.skipped_iterations, "losses": result.losses}, f)
+from megatron.parallel_state import finish_distributed_run
+finish_distributed_run(0)
+'''
+
+
+def test_pp2_non_finite_loss_skips_the_step_on_every_stage(tmp_path):
+    import json
+
+    script = tmp_path / "pp_nan.py"
+    script.write_text(PP_NAN_SCRIPT)
+    run(2, *PP, "--pipeline-model-parallel-size", "2", script=str(script), train_iters=3, eval_iters=0)
+    for rank in range(2):  # stage 0 never sees the loss: it must skip all the same
+        r = json.loads((tmp_path / f"report_{rank}.json").read_text())
+        assert r["skipped"] == 1 and r["steps"] == [[True, False], [False, True], [True, False]], r
