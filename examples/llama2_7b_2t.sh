@@ -30,6 +30,8 @@ RUN_DIR="${RUN_DIR:-runs/llama2_7b_2t_${PRECISION}_${PLATFORM}}"
 # The reference ran ZeRO 0 with DeepSpeed's BF16 weights; we keep FP32 master weights under BF16 autocast,
 # so ZeRO 1 (optimizer states sharded over the data-parallel ranks) is what fits 7B in device memory.
 ZERO_STAGE="${ZERO_STAGE:-1}"
+# Pipeline stages (DeepSpeed PipelineModule; needs ZeRO 1 and divides the 32 layers). 1 = the reference setup.
+PP="${PP:-1}"
 GLOBAL_BATCH=1024                               # x 4096 tokens = 4.2M tokens per step
 TRAIN_ITERS=476837                              # 2T tokens
 PY="${PYTHON:-python}"
@@ -38,7 +40,7 @@ TRAIN_ARGS=(
   "${LLAMA2_7B_ARGS[@]}"
   --micro-batch-size 1 --global-batch-size "$GLOBAL_BATCH" --train-iters "$TRAIN_ITERS"
   --lr-decay-iters "$TRAIN_ITERS" --recompute-activations
-  --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1
+  --tensor-model-parallel-size 1 --pipeline-model-parallel-size "$PP"
   --deepspeed --zero-stage "$ZERO_STAGE"
   --save "$RUN_DIR/checkpoints" --load "$RUN_DIR/checkpoints" --save-interval 1000
   --tensorboard-dir "$RUN_DIR/tensorboard" --log-interval 10 --eval-interval 1000 --eval-iters 10
