@@ -195,10 +195,14 @@ def _not_supported_yet(a: argparse.Namespace) -> None:
                          "On CPU, FP16 compute is also about 1000x slower than BF16.")
 
 
+def _parallel_size(flag: str, value: int) -> int:
+    if value < 1:
+        raise ValueError(f"{flag} must be >= 1, got {value}")
+    return value
+
+
 def _pipeline_parallel_checks(a: argparse.Namespace, model: ModelConfig) -> None:
-    pp = a.pipeline_model_parallel_size
-    if pp < 1:
-        raise ValueError(f"--pipeline-model-parallel-size must be >= 1, got {pp}")
+    pp = _parallel_size("--pipeline-model-parallel-size", a.pipeline_model_parallel_size)
     if pp == 1:
         return
     unsupported = (
@@ -222,9 +226,7 @@ def _pipeline_parallel_checks(a: argparse.Namespace, model: ModelConfig) -> None
 
 
 def _tensor_parallel_checks(a: argparse.Namespace, model: ModelConfig) -> None:
-    tp = a.tensor_model_parallel_size
-    if tp < 1:
-        raise ValueError(f"--tensor-model-parallel-size must be >= 1, got {tp}")
+    tp = _parallel_size("--tensor-model-parallel-size", a.tensor_model_parallel_size)
     if tp == 1:
         return
     for flag, value in (("--num-attention-heads", model.num_attention_heads),
@@ -377,7 +379,8 @@ def parse_config(argv: Optional[Sequence[str]] = None, world_size: Optional[int]
     a = build_parser().parse_args(argv)
     _not_supported_yet(a)
     world = world_size if world_size is not None else world_size_from_env()
-    model_parallel = a.tensor_model_parallel_size * a.pipeline_model_parallel_size
+    model_parallel = (_parallel_size("--tensor-model-parallel-size", a.tensor_model_parallel_size)
+                      * _parallel_size("--pipeline-model-parallel-size", a.pipeline_model_parallel_size))
     if world % model_parallel:
         raise ValueError(f"world size {world} is not divisible by tensor x pipeline parallel size {model_parallel}")
     dp = world // model_parallel

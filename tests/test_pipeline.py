@@ -96,6 +96,12 @@ def test_unsupported_pipeline_combinations_are_rejected(switches, overrides, mes
         parse_config(argv, world_size=4)
 
 
+@pytest.mark.parametrize("flag", ["tensor_model_parallel_size", "pipeline_model_parallel_size"])
+def test_parallel_sizes_below_one_are_rejected(flag):
+    with pytest.raises(ValueError, match=f"--{flag.replace('_', '-')} must be >= 1, got 0"):
+        parse_config(tiny_argv(**{flag: 0}))
+
+
 def test_pipeline_needs_untied_embeddings():
     argv = [a for a in tiny_argv("--deepspeed", pipeline_model_parallel_size=2)
             if a != "--untie-embeddings-and-output-weights"]
