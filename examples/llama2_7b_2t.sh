@@ -30,7 +30,7 @@ RUN_DIR="${RUN_DIR:-runs/llama2_7b_2t_${PRECISION}_${PLATFORM}}"
 # The reference ran ZeRO 0 with DeepSpeed's BF16 weights; we keep FP32 master weights under BF16 autocast,
 # so ZeRO 1 (optimizer states sharded over the data-parallel ranks) is what fits 7B in device memory.
 ZERO_STAGE="${ZERO_STAGE:-1}"
-# Pipeline stages (DeepSpeed PipelineModule; needs ZeRO 1 and divides the 32 layers). 1 = the reference setup.
+# Pipeline stages (DeepSpeed PipelineModule; ZeRO 0/1, must divide the 32 layers). 1 = the reference setup.
 PP="${PP:-1}"
 GLOBAL_BATCH=1024                               # x 4096 tokens = 4.2M tokens per step
 TRAIN_ITERS=476837                              # 2T tokens

@@ -207,9 +207,8 @@ def _pipeline_parallel_checks(a: argparse.Namespace, model: ModelConfig) -> None
         return
     unsupported = (
         (not a.deepspeed, "needs --deepspeed (the stages run under DeepSpeed's PipelineEngine)"),
-        (a.zero_stage not in (None, 1), f"needs --zero-stage 1 (got {a.zero_stage}): DeepSpeed refuses ZeRO 2/3 "
-                                        "with pipelines, and without ZeRO its pipeline engine would apply a step "
-                                        "with non-finite gradients that this trainer must skip"),
+        (a.zero_stage not in (None, 0, 1), f"needs --zero-stage 0 or 1 (got {a.zero_stage}): DeepSpeed's pipeline "
+                                           "engine refuses ZeRO 2/3"),
         (a.tensor_model_parallel_size > 1, "with --tensor-model-parallel-size > 1 is not supported yet"),
         (not model.untie_embeddings_and_output_weights,
          "needs --untie-embeddings-and-output-weights: a tied embedding would live on the first and the last stage"),

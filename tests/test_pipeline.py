@@ -1,6 +1,6 @@
 """Pipeline parallelism (DeepSpeed PipelineModule, 2 stages x 1 replica, gloo on CPU): PP=2 equals PP=1.
 
-PP=1 is the same DeepSpeed ZeRO-1 run in one process (4 micro-batches of 2 per step, as the pipeline's).
+PP=1 is the same DeepSpeed ZeRO-1 (or ZeRO-0) run in one process (4 micro-batches of 2 per step, as the pipeline's).
 Without dropout the two compute the same sums in the same order, so FP32 and FP8 (delayed hybrid +
 Smooth-SwiGLU) losses agree to print precision; BF16 autocast with Fp8AdamW agrees to BF16 noise (the
 ZeRO-1 partition, hence Fp8AdamW's per-partition moment scale, is per stage under PP).
@@ -43,9 +43,12 @@ def fp8_pp2(tmp_path_factory):
     return values(log), save, log
 
 
-def test_pp2_equals_pp1_fp32():
-    one = values(run(1, *PP, eval_interval=2))
-    two = values(run(2, *PP, "--pipeline-model-parallel-size", "2", eval_interval=2))
+@pytest.mark.parametrize("stage", ["0", "1"])
+def test_pp2_equals_pp1_fp32(stage):
+    """ZeRO 0: our step guard clips and checks (clip 0.05 is active); ZeRO 1: DeepSpeed's optimizer does."""
+    zero = ("--deepspeed", "--zero-stage", stage)
+    one = values(run(1, *zero, eval_interval=2, clip_grad=0.05))
+    two = values(run(2, *zero, "--pipeline-model-parallel-size", "2", eval_interval=2, clip_grad=0.05))
     assert_close(two, one, 1e-6)
 
 
@@ -83,8 +86,8 @@ def test_pp2_bf16_fp8adam_tracks_pp1():
 
 @pytest.mark.parametrize("switches, overrides, message", [
     ((), {}, "needs --deepspeed"),
-    (("--deepspeed",), dict(zero_stage=2), "needs --zero-stage 1 (got 2)"),
-    (("--deepspeed",), dict(zero_stage=0), "needs --zero-stage 1 (got 0)"),
+    (("--deepspeed",), dict(zero_stage=2), "needs --zero-stage 0 or 1 (got 2)"),
+    (("--deepspeed",), dict(zero_stage=3), "needs --zero-stage 0 or 1 (got 3)"),
     (("--deepspeed", "--sequence-parallel"), dict(tensor_model_parallel_size=2), "--tensor-model-parallel-size > 1"),
     (("--deepspeed", "--reset-position-ids"), {}, "--reset-position-ids / --reset-attention-mask"),
     (("--deepspeed",), dict(recompute_granularity="full"), "--recompute-granularity full"),
@@ -143,12 +146,14 @@ finish_distributed_run(0)
 '''
 
 
-def test_pp2_non_finite_loss_skips_the_step_on_every_stage(tmp_path):
+@pytest.mark.parametrize("stage", ["0", "1"])
+def test_pp2_non_finite_loss_skips_the_step_on_every_stage(tmp_path, stage):
     import json
 
     script = tmp_path / "pp_nan.py"
     script.write_text(PP_NAN_SCRIPT)
-    run(2, *PP, "--pipeline-model-parallel-size", "2", script=str(script), train_iters=3, eval_iters=0)
+    run(2, "--deepspeed", "--zero-stage", stage, "--pipeline-model-parallel-size", "2", script=str(script),
+        train_iters=3, eval_iters=0)
     for rank in range(2):  # stage 0 never sees the loss: it must skip all the same
         r = json.loads((tmp_path / f"report_{rank}.json").read_text())
         assert r["skipped"] == 1 and r["steps"] == [[True, False], [False, True], [True, False]], r

@@ -1,6 +1,6 @@
 """Pipeline parallelism: our GPT cut into DeepSpeed `PipelineModule` stages, run by DeepSpeed's PipelineEngine.
 
-`--pipeline-model-parallel-size P` (with `--deepspeed --zero-stage 1`, TP = 1) splits the model into
+`--pipeline-model-parallel-size P` (with `--deepspeed`, ZeRO 0 or 1, TP = 1) splits the model into
 
     EmbeddingStage | TransformerLayerStage x num_layers | OutputStage (final norm + LM head)
 
@@ -15,15 +15,17 @@ then keeps only its stage's modules: the others are dropped with the full model.
 over the stage's data-parallel group (`ParallelState.amax_group`): the only ranks holding those tensors.
 
 `train_batch(iteration, batches)` runs DeepSpeed's schedule (forward/backward of every micro-batch, the
-pipelined sends, the data-parallel reduction and the ZeRO-1 step) and reports (loss, grad norm, stepped).
+pipelined sends, the data-parallel reduction and the ZeRO 0/1 step) and reports (loss, grad norm, stepped).
 Non-finite steps change nothing: a non-finite loss multiplies itself by NaN, so its gradients become
-non-finite on every stage and ZeRO-1's overflow check (reduced over data and pipeline ranks) skips the
-step. Checkpoints use DeepSpeed's pipeline layout (one `layer_XX-model_states.pt` per layer, one
+non-finite on every stage; ZeRO-1's overflow check (reduced over data and pipeline ranks) skips the step,
+and without ZeRO `_guard_non_finite_steps` does the same (and the clipping) around our optimizer.
+Checkpoints use DeepSpeed's pipeline layout (one `layer_XX-model_states.pt` per layer, one
 `mp_rank_XX_model_states.pt` per stage with our scheduler/RNG/FP8 state) inside our atomic folders.
 """
 from __future__ import annotations
 
 import logging
+import math
 from typing import Iterator, Optional
 
 import torch
@@ -128,6 +130,39 @@ def stage_layers_view(pipe: nn.Module) -> _StageLayers:
     return _StageLayers(pipe)
 
 
+def _guard_non_finite_steps(optimizer: torch.optim.Optimizer, clip_grad: float, data_parallel_size: int) -> None:
+    """ZeRO-0 pipelines: make `optimizer.step()` clip by the global norm and skip when it is not finite.
+
+    DeepSpeed's pipeline calls `optimizer.step()` once per batch on every rank, after the data-parallel
+    gradient reduction, then reads `optimizer.overflow` (a skipped step: `was_step_applied()` is False) and
+    `optimizer._global_grad_norm` (`get_global_grad_norm()`). The norm is summed over all ranks: every stage
+    contributes its layers, and each of the DP replicas holds the same reduced gradients, hence the division.
+    """
+    import torch.distributed as dist
+
+    real_step = optimizer.step
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+
+    def step(closure=None):
+        grads = [p.grad for p in params if p.grad is not None]
+        squares = torch.zeros((), dtype=torch.float32, device=params[0].device)
+        for g in grads:
+            squares += g.detach().float().pow(2).sum()
+        dist.all_reduce(squares)
+        norm = float((squares / data_parallel_size).sqrt())
+        optimizer._global_grad_norm = norm
+        optimizer.overflow = not math.isfinite(norm)
+        if optimizer.overflow:
+            return None
+        if clip_grad > 0:
+            coef = clip_grad / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s formula
+            if coef < 1.0:
+                torch._foreach_mul_(grads, coef)
+        return real_step(closure)
+
+    optimizer.step = step
+
+
 class PipelineEngine:
     """The loop's engine for pipeline runs: `train_batch` / `eval_batch` instead of per-micro-batch calls."""
 
@@ -137,16 +172,21 @@ class PipelineEngine:
 
         self.ds_config = build_deepspeed_config(config, num_parameters=sum(p.numel() for p in model.parameters()))
         self.zero_stage = zero_stage(self.ds_config)
-        if self.zero_stage != 1:
-            raise ValueError(f"--pipeline-model-parallel-size needs ZeRO stage 1, but the DeepSpeed config gives "
-                             f"stage {self.zero_stage}: set zero_optimization.stage to 1 (or pass --zero-stage 1)")
+        if self.zero_stage not in (0, 1):
+            raise ValueError(f"--pipeline-model-parallel-size needs ZeRO stage 0 or 1, but the DeepSpeed config gives "
+                             f"stage {self.zero_stage}: set zero_optimization.stage to 0 or 1 (or pass --zero-stage)")
         self.model, self.optimizer, self.scheduler, self.parallel = model, optimizer, scheduler, parallel
         tag_fp8_state_groups(optimizer, self.zero_stage)
+        if self.zero_stage == 0:
+            # Without ZeRO, DeepSpeed's pipeline clips and steps whatever the gradients hold: the guard does both.
+            _guard_non_finite_steps(optimizer, self.ds_config.get("gradient_clipping", 0.0),
+                                    parallel.data_parallel_size)
+            self.ds_config = {**self.ds_config, "gradient_clipping": 0.0}
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.ds_config)
         _use_weights_only_loading(self.engine)
         self.module: nn.Module = self.engine
-        logger.info("DeepSpeed %s pipeline: %d stages x %d data-parallel, ZeRO stage 1, %s, optimizer %s",
-                    deepspeed.__version__, parallel.pipeline_parallel_size, parallel.data_parallel_size,
+        logger.info("DeepSpeed %s pipeline: %d stages x %d data-parallel, ZeRO stage %d, %s, optimizer %s",
+                    deepspeed.__version__, parallel.pipeline_parallel_size, parallel.data_parallel_size, self.zero_stage,
                     "BF16 autocast" if config.training.bf16 else "FP32", type(optimizer).__name__)
 
     def train_batch(self, iteration: int, batches: Iterator) -> tuple[float, float, bool]:
