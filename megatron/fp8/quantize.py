@@ -1,7 +1,9 @@
-"""Per-tensor FP8 quantization: scales, saturating casts, stochastic rounding, inf/NaN counting.
+"""FP8 quantization, the one numerics core: scales, saturating casts, stochastic rounding, inf/NaN counting.
 
 Everything here is a small pure function of tensors; the modules that keep state (amax histories,
-cached weights) live in `scaling.py` and `linear.py`.
+cached weights) live in `scaling.py` and `linear.py`. The FP8 layers and the optimizer's FP8 moments
+(`megatron/optimizer/fp8_state_quant.py`) both quantize through `compute_scale` + `quantize`; the
+optimizer applies them per block and stores `1 / scale` (its `scale_inv`) next to the data.
 
 Conventions (the same as Transformer Engine and torchao):
 - `scale` multiplies: `q = cast(clamp(x * scale, -max, max))`, and dequantization divides: `x ~ q / scale`.
@@ -21,9 +23,10 @@ Conventions (the same as Transformer Engine and torchao):
 """
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
-from megatron.fp8.formats import Fp8FormatSpec
 
 # Largest power of two representable in fp32; used when fp8_max / amax overflows.
 _FP32_MAX_POW2 = 2.0**127
@@ -65,48 +68,57 @@ def count_nonfinite(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.isnan(x).sum(), torch.isinf(x).sum()
 
 
-def _stochastic_round(y: torch.Tensor, spec: Fp8FormatSpec, generator: torch.Generator | None) -> torch.Tensor:
-    """Round fp32 `y` (already within +-spec.max) onto the FP8 grid of `spec`, stochastically and unbiasedly.
+class RoundingGrid(Protocol):
+    """What quantizing needs of a number format: `Fp8FormatSpec`, or a moment format of the optimizer."""
 
-    Normal range: fp32 has 23 mantissa bits, the FP8 format `m`. Adding a uniform random integer in
-    [0, 2**(23-m)) to the fp32 bit pattern and then clearing the low 23-m bits rounds the magnitude up with
-    probability equal to the distance from the lower grid point divided by the grid spacing, i.e.
-    E[round(y)] = y. A carry out of the mantissa increments the exponent, which is exactly the next grid point.
-    Subnormal range (|y| < min_normal): the FP8 grid is uniform with step min_subnormal while fp32 is still
-    normal there, so the bit trick would use the wrong spacing; we use floor(|y|/step + u) * step instead.
-    The result is exactly representable, so the following cast does not round again.
+    torch_dtype: torch.dtype
+    max: float  # largest finite magnitude
+    min_subnormal: float  # grid spacing below the smallest normal
+    mantissa_bits: int
+
+
+def stochastic_round(y: torch.Tensor, grid: RoundingGrid, noise: torch.Tensor) -> torch.Tensor:
+    """Round fp32 `y` (already scaled into the format's range) onto `grid`, stochastically and unbiasedly.
+
+    A value between two neighbours a < |y| < b becomes b with probability (|y| - a) / (b - a), so
+    E[round(y)] = y. The spacing (ulp) at |y| is 2**(floor(log2|y|) - mantissa_bits) in the normal range
+    and min_subnormal below it: one formula, `ulp = max(2**(exponent - mantissa_bits), min_subnormal)`,
+    covers both. floor(log2|y|) is read from the fp32 exponent bits (exact, no log2/frexp, friendly to
+    torch.compile). `noise` is uniform in [0, 1) with y's shape; taking it as an argument lets callers
+    draw it from their own generator, outside a compiled region. The result lies exactly on the grid,
+    so the later cast does not round again. NaN stays NaN; values beyond `grid.max` saturate.
     """
-    drop = 23 - spec.mantissa_bits
-    bits = y.contiguous().view(torch.int32)
-    noise = torch.randint(0, 2**drop, y.shape, dtype=torch.int32, device=y.device, generator=generator)
-    # Adding to the magnitude bits is sign-agnostic: fp32 is sign-magnitude, and |y| <= 57344 cannot carry
-    # into the sign bit.
-    rounded = ((bits + noise) & ~(2**drop - 1)).view(torch.float32)
-    step = spec.min_subnormal
-    uniform = torch.rand(y.shape, dtype=torch.float32, device=y.device, generator=generator)
-    sub = torch.floor(y.abs() / step + uniform) * step * torch.sign(y)
-    out = torch.where(y.abs() < spec.min_normal, sub, rounded)
-    # Rounding up can never pass fp8_max (max is on the grid), but keep the clamp as a cheap guarantee;
-    # NaN stays NaN through both branches only if we restore it explicitly.
-    out = torch.clamp(out, -spec.max, spec.max)
-    return torch.where(torch.isnan(y), y, out)
+    a = y.abs()
+    ulp_exp = ((a.view(torch.int32) >> 23) & 0xFF) - grid.mantissa_bits
+    # An fp32 with exponent field ulp_exp and mantissa 0 is 2**(ulp_exp - 127); below field 1 it would be
+    # subnormal, but there the clamp to min_subnormal (far larger) takes over anyway.
+    ulp = torch.where(ulp_exp >= 1, ulp_exp.clamp_min(1) << 23, torch.zeros_like(ulp_exp)).view(torch.float32)
+    ulp = ulp.clamp_min(grid.min_subnormal)
+    rounded = torch.floor(a / ulp + noise) * ulp
+    return torch.copysign(rounded.clamp_max(grid.max), y)
 
 
 def quantize(
     x: torch.Tensor,
     scale: torch.Tensor,
-    spec: Fp8FormatSpec,
+    spec: RoundingGrid,
     stochastic_rounding: bool = False,
     generator: torch.Generator | None = None,
+    noise: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """FP8 tensor `cast(clamp(x * scale, -max, max))` in `spec.torch_dtype` (same shape as x).
 
-    Rounding is round-to-nearest-even (the cast's), or stochastic when asked (used for gradients).
+    `scale` broadcasts against `x`: a 0-d tensor for per-tensor scaling, or one scale per row of a
+    (blocks, block_len) view for blockwise scaling (the optimizer's moments).
+    Rounding is round-to-nearest-even (the cast's), or stochastic when asked: with uniform `noise` of x's
+    shape if given, else with noise drawn from `generator` (torch's default generator when None).
     """
     y = x.float() * scale.float()
     y = torch.clamp(y, -spec.max, spec.max)
-    if stochastic_rounding:
-        y = _stochastic_round(y, spec, generator)
+    if stochastic_rounding or noise is not None:
+        if noise is None:
+            noise = torch.rand(y.shape, dtype=torch.float32, device=y.device, generator=generator)
+        y = stochastic_round(y, spec, noise.view(y.shape))
     return y.to(spec.torch_dtype)
 
 

@@ -17,6 +17,10 @@ BF16/FP32 moments keep the parameter's shape and have no scale.
 Scales come from the *current* amax of each block (just-in-time scaling): the optimizer requantizes
 every moment once per step from FP32 values it already holds, so there is no reason to use a delayed
 amax history, and a fresh amax can never clip.
+
+There is one FP8 numerics core: the scale (`compute_scale`), the saturating cast and the stochastic
+rounding are `megatron.fp8.quantize`'s, the same functions the FP8 layers use; this module only adds
+the block layout and stores `scale_inv = 1 / scale`.
 """
 from __future__ import annotations
 
@@ -27,10 +31,7 @@ from typing import Optional, Tuple
 import torch
 
 from megatron.fp8.formats import Fp8Dtype, format_spec
-
-# Below this amax a block is treated as if its amax were this value: keeps `fp8_max / amax` finite in
-# fp32 (it overflows below ~1e-34 for E5M2). Moments this small are irrelevant next to eps = 1e-8.
-_TINY_AMAX = 1e-30
+from megatron.fp8.quantize import compute_scale, quantize as fp8_quantize, stochastic_round
 
 
 class MomentDtype(str, enum.Enum):
@@ -89,33 +90,13 @@ def storage_numel(numel: int, fmt: MomentFormat) -> int:
     return n_blocks * block_len
 
 
-def stochastic_round(y: torch.Tensor, fmt: MomentFormat, noise: torch.Tensor) -> torch.Tensor:
-    """Round fp32 `y` (already scaled into the format's range) to the format's grid, stochastically.
-
-    Unbiased: a value between two neighbours a < y < b becomes b with probability (y - a) / (b - a).
-    The grid spacing (ulp) of |y| in a format with `mantissa_bits` is 2**(floor(log2|y|) - mantissa_bits),
-    but never below the smallest subnormal. floor(log2|y|) is read from the fp32 exponent bits, which
-    keeps the function free of log2/frexp (exact, and friendly to torch.compile).
-    `noise` is uniform in [0, 1) with y's shape; the result lies exactly on the grid, so the later cast
-    is exact.
-    """
-    a = y.abs()
-    biased_exp = (a.view(torch.int32) >> 23) & 0xFF
-    ulp_exp = biased_exp - fmt.mantissa_bits
-    # An fp32 whose exponent field is ulp_exp (mantissa 0) is 2**(ulp_exp - 127); below 1 it would be
-    # subnormal/zero, and the clamp to the format's smallest subnormal takes over there anyway.
-    ulp = torch.where(ulp_exp >= 1, ulp_exp.clamp_min(1) << 23, torch.zeros_like(ulp_exp)).view(torch.float32)
-    ulp = ulp.clamp_min(fmt.min_subnormal)
-    rounded = torch.floor(a / ulp + noise) * ulp
-    return torch.copysign(rounded.clamp_max(fmt.max), y)
-
-
 def quantize(x: torch.Tensor, fmt: MomentFormat, noise: Optional[torch.Tensor] = None,
              amax: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Store fp32 `x` (any shape) in `fmt`: returns (data, scale_inv); scale_inv is None unless FP8.
 
     `noise` (uniform [0, 1), `storage_numel` elements) selects stochastic rounding; None = nearest.
     `amax` (0-d) overrides the per-block amax: a per-tensor scale for a tensor quantized in chunks.
+    The scale and the rounding are the layers' (`megatron.fp8.quantize`), applied per block.
     """
     if fmt.dtype is MomentDtype.FP32:
         return x.float().clone(), None
@@ -132,14 +113,10 @@ def quantize(x: torch.Tensor, fmt: MomentFormat, noise: Optional[torch.Tensor] =
         flat = torch.nn.functional.pad(flat, (0, pad))
     blocks = flat.view(n_blocks, block_len)
     amax = blocks.abs().amax(dim=1, keepdim=True) if amax is None else amax.view(1, 1).float()
-    amax_safe = amax.clamp_min(_TINY_AMAX)
-    # Clamp before the cast: float8_e5m2 overflows to inf, and a backend maximum (Gaudi2 E4M3 = 240)
-    # may lie below the dtype's own maximum.
-    y = (blocks * (fmt.max / amax_safe)).clamp(-fmt.max, fmt.max)
-    if noise is not None:
-        y = stochastic_round(y, fmt, noise.view(n_blocks, block_len))
-    scale_inv = torch.where(amax > 0, amax_safe / fmt.max, torch.zeros_like(amax))
-    return y.to(fmt.torch_dtype).view(-1), scale_inv.view(-1)
+    scale = compute_scale(amax, fmt.max)  # 1.0 for an all-zero block; finite for a tiny amax
+    data = fp8_quantize(blocks, scale, fmt, noise=None if noise is None else noise.view(n_blocks, block_len))
+    scale_inv = torch.where(amax > 0, scale.reciprocal(), torch.zeros_like(scale))
+    return data.view(-1), scale_inv.view(-1)
 
 
 def dequantize(data: torch.Tensor, scale_inv: Optional[torch.Tensor], numel: int) -> torch.Tensor:
