@@ -19,8 +19,9 @@ backend decides whether it needs a copy:
   `torch.ops.hpu.fp8_gemm_v2(A, trans_A, B, trans_B, D, out_dtype, A_scale_inv, B_scale_inv, bias,
   accumulate)`, whose transpose flags make every layout free. Gaudi2's E4M3 maximum is 240. This backend
   cannot be exercised on this project's CI (no Gaudi); it is written against the documented op signatures.
-- `EmulatedBackend`: real FP8 values (the same casts), GEMM on the FP8 values in bf16 (exact inputs, fp32
-  accumulation) when the output is bf16, else in fp32; the scales are applied to the result. Used on CPU
+- `EmulatedBackend`: real FP8 values (the same casts), GEMM on the FP8 values (exact inputs, fp32
+  accumulation); the scales are applied to the result, which is rounded to the output dtype once (a bf16
+  GEMM only where that is exact: power-of-two scales, see `gemm_nt`). Used on CPU
   and on GPUs without FP8 tensor cores (sm < 89). Numerically it matches the hardware up to accumulation
   order; it is slower than a plain BF16 matmul by design (it does strictly more work).
 
@@ -55,12 +56,15 @@ class EmulatedBackend:
         return quantize(x, scale, spec, stochastic_rounding)
 
     def gemm_nt(self, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
-                out_dtype: torch.dtype) -> torch.Tensor:
-        # a and b hold FP8 values (as FP8 tensors, or exactly in bf16 for the cached weight); bf16 holds every
-        # FP8 value exactly, and CPU bf16 GEMMs accumulate in fp32 like the tensor cores, at ~3x the speed of
-        # an fp32 GEMM. So: bf16 GEMM when the result is wanted in bf16 anyway, fp32 otherwise (e.g. wgrad
-        # into fp32 master weights). The two scales are divided out of the result once, in fp32.
-        if out_dtype == torch.bfloat16:
+                out_dtype: torch.dtype, pow2_scales: bool = False) -> torch.Tensor:
+        # a and b hold FP8 values (as FP8 tensors, or exactly in bf16/fp32 for the cached weight); bf16 holds
+        # every FP8 value exactly and CPU bf16 GEMMs accumulate in fp32 like the tensor cores, but they *round
+        # their output to bf16*. The hardware rounds once: fp32 accumulator * dequantization factors -> bf16.
+        # A bf16 GEMM followed by the division and a second cast rounds twice (~25% of outputs off by one bf16
+        # ulp at arbitrary scales). Dividing by a power of two is exact, so with power-of-two scales the bf16
+        # GEMM's single rounding is the hardware's; otherwise the GEMM runs in fp32 (exact operands, one fp32
+        # rounding per accumulation step as on the tensor cores) and the result is rounded once at the end.
+        if out_dtype == torch.bfloat16 and pow2_scales:
             out = (a.to(torch.bfloat16) @ b.to(torch.bfloat16).t()).float()
         else:
             out = a.float() @ b.float().t()
@@ -84,7 +88,8 @@ class CudaScaledMmBackend:
         return quantize(x, scale, spec, stochastic_rounding)
 
     def gemm_nt(self, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
-                out_dtype: torch.dtype) -> torch.Tensor:
+                out_dtype: torch.dtype, pow2_scales: bool = False) -> torch.Tensor:
+        # The kernel applies both scales to the fp32 accumulator and rounds once: `pow2_scales` is not needed.
         m, k = a.shape
         n = b.shape[0]
         # Row-major A and row-major b (so that b.t() is the column-major B the kernel wants).
@@ -126,7 +131,8 @@ class HpuBackend:
         return q
 
     def gemm_nt(self, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
-                out_dtype: torch.dtype) -> torch.Tensor:
+                out_dtype: torch.dtype, pow2_scales: bool = False) -> torch.Tensor:
+        # The kernel applies both scales to the fp32 accumulator and rounds once: `pow2_scales` is not needed.
         # Express transposed views through the flags instead of copying.
         trans_a = not a.is_contiguous() and a.t().is_contiguous()
         a_arg = a.t() if trans_a else a.contiguous()

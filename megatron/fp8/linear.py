@@ -65,6 +65,17 @@ from megatron.fp8.recipe import Fp8Recipe, Fp8Scaling
 from megatron.fp8.scaling import Fp8Role, new_scaling_buffers, role_dtypes
 
 
+def nonfinite_guard(scale: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """`scale`, or NaN when `amax` is not finite (the quantized tensor held an inf or NaN).
+
+    Quantization clamps before casting, so an inf becomes +-fp8_max and a GEMM on it returns finite values
+    where nn.Linear returns inf. Passing the GEMM a NaN scale for such an operand makes its whole output NaN,
+    so the overflow reaches the loss or the gradient norm and the step is skipped, not silently taken.
+    A 0-d `where`: no host synchronisation, no pass over the tensor (its amax is computed anyway).
+    """
+    return torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
+
+
 @dataclasses.dataclass
 class _QuantizedWeight:
     """The FP8 weight of one optimizer step (and its transpose, made on first need)."""
@@ -74,23 +85,23 @@ class _QuantizedWeight:
     scale: torch.Tensor
     amax: torch.Tensor
     transposed: torch.Tensor | None = None  # [K, N] FP8, row-major; only for backends that want copies
-    values: torch.Tensor | None = None  # the FP8 values in bf16 (exact); only for the emulated backend
+    values: torch.Tensor | None = None  # the FP8 values in bf16/fp32 (exact); only for the emulated backend
 
-    def weight(self, backend: Backend) -> torch.Tensor:
+    def weight(self, backend: Backend, pow2_scales: bool = False) -> torch.Tensor:
         """Operand for fprop, [N, K]."""
         if backend.name != "emulated":
             return self.data
         # The emulated GEMM upcasts its operands; CPU fp8->float casts are slow, so convert the weight once
-        # per step, not twice per micro-batch. bf16 holds every E4M3/E5M2 value exactly (the scale is applied
-        # after the GEMM), at 2 bytes per weight.
+        # per step, not twice per micro-batch, into the dtype its GEMM runs in (bf16 only with power-of-two
+        # scales, see EmulatedBackend.gemm_nt). Both hold every E4M3/E5M2 value exactly.
         if self.values is None:
-            self.values = self.data.to(torch.bfloat16)
+            self.values = self.data.to(torch.bfloat16 if pow2_scales else torch.float32)
         return self.values
 
-    def weight_t(self, backend: Backend) -> torch.Tensor:
+    def weight_t(self, backend: Backend, pow2_scales: bool = False) -> torch.Tensor:
         """Operand for dgrad, W^T as [K, N]: a view, or a row-major copy for backends that need one."""
         if not backend.wants_contiguous_operands:
-            return self.weight(backend).t()
+            return self.weight(backend, pow2_scales).t()
         if self.transposed is None:
             self.transposed = self.data.t().contiguous()
         return self.transposed
@@ -118,7 +129,12 @@ class _Fp8LinearFunction(torch.autograd.Function):
             else:
                 w = module._quantized_scaled_weight(backend, specs[Fp8Role.WEIGHT], column_scale, column_scale_group)
             module._note_weight_use(w)
-            y = backend.gemm_nt(q_x, s_x, w.weight(backend), w.scale, out_dtype)
+            # Quantized with the real scales (the clamp saturates inf), multiplied out with guarded ones: an
+            # inf/NaN operand makes the whole output NaN, as nn.Linear's would be non-finite.
+            s_x = nonfinite_guard(s_x, x_amax)
+            pow2 = module.recipe.power_of_two_scales
+            y = backend.gemm_nt(q_x, s_x, w.weight(backend, pow2), nonfinite_guard(w.scale, w.amax), out_dtype,
+                                pow2)
             if bias is not None:
                 y = y + bias.to(out_dtype)
         saved_x = q_x if module.recipe.fp8_wgrad else x2d
@@ -135,18 +151,24 @@ class _Fp8LinearFunction(torch.autograd.Function):
         dy2d = dy.reshape(-1, dy.shape[-1])
         dx = dw = db = None
         with torch.autocast(dy.device.type, enabled=False):
-            s_g = module._scale_for(Fp8Role.GRAD_OUTPUT, amax_of(dy2d), grad_spec)
+            g_amax = amax_of(dy2d)
+            s_g = module._scale_for(Fp8Role.GRAD_OUTPUT, g_amax, grad_spec)
             q_g = backend.quantize(dy2d, s_g, grad_spec, module.recipe.grad_stochastic_rounding)
             if module.fp8_stats_enabled:
                 fp8_stats.record(module, Fp8Role.GRAD_OUTPUT, dy2d, q_g, s_g, grad_spec)
+            # An inf/NaN in dy must reach dx and dW (the clamp would turn inf into +-max and hide the overflow
+            # from the loop's non-finite guard); s_x already carries the guard of the forward input.
+            s_g = nonfinite_guard(s_g, g_amax)
+            pow2 = module.recipe.power_of_two_scales
             if ctx.needs_input_grad[0]:
                 # dx = dy W  ==  gemm_nt(dy, W^T)
-                dx = backend.gemm_nt(q_g, s_g, w.weight_t(backend), w.scale, ctx.x_dtype)
+                dx = backend.gemm_nt(q_g, s_g, w.weight_t(backend, pow2), nonfinite_guard(w.scale, w.amax),
+                                     ctx.x_dtype, pow2)
                 dx = dx.reshape(ctx.x_shape)
             if ctx.needs_input_grad[1]:
                 if module.recipe.fp8_wgrad:
                     # dW = dy^T x  ==  gemm_nt(dy^T, x^T)
-                    dw = backend.gemm_nt(q_g.t(), s_g, saved_x.t(), s_x, torch.float32)
+                    dw = backend.gemm_nt(q_g.t(), s_g, saved_x.t(), s_x, torch.float32, pow2)
                 else:
                     dw = dy2d.float().t() @ saved_x.float()
                 if column_scale is not None:

@@ -7,6 +7,8 @@ and the output gradient. Their state lives in small buffers on the module, one r
     fp8_scale        [3]                    scale used by the next step (delayed scaling)
     fp8_scale_valid  [3]                    False until the history has seen a usable (finite, > 0) amax
     fp8_step_amax    [3]                    running max |x| over every micro-batch of the current step
+    fp8_nonfinite_steps [3]                 steps in which the role's tensor held an inf/NaN (cumulative)
+    fp8_step_nonfinite  [3]                 whether it did in the step just finished (read after a skip)
 
 Delayed scaling (the recipe of the paper and of Transformer Engine): during an optimizer step every
 forward/backward only *accumulates* its amax into `fp8_step_amax` and quantizes with the scale computed at the
@@ -62,6 +64,7 @@ def new_scaling_buffers(history_len: int, device: torch.device | str | None) -> 
         "fp8_scale_valid": torch.zeros(n, dtype=torch.bool, device=device),
         "fp8_step_amax": torch.zeros(n, dtype=torch.float32, device=device),
         "fp8_nonfinite_steps": torch.zeros(n, dtype=torch.int64, device=device),
+        "fp8_step_nonfinite": torch.zeros(n, dtype=torch.bool, device=device),
     }
 
 

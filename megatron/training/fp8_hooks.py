@@ -20,6 +20,7 @@ class Fp8Hooks:
         self.recipe = recipe
         self.stats = stats and recipe is not None
         self.converted: list[str] = []
+        self.nonfinite_iterations = 0  # skipped steps in which an FP8 layer quantized an inf/NaN (this process)
         if recipe is None:
             return
         from megatron.fp8 import convert_to_fp8, enable_fp8_stats
@@ -38,15 +39,43 @@ class Fp8Hooks:
 
             fp8_optimizer_step(self.model)
 
+    def nonfinite_layers(self) -> list[str]:
+        """After a skipped step: the FP8 tensors (`layer.role`) that held an inf/NaN in that step, in the order
+        the step computed them (forward operands in module order, then output gradients in reverse), so the
+        first one named is where the non-finite values appeared; the later ones inherited them.
+
+        Reads one small flag per layer from the device: called only when a step was skipped, never per step.
+        """
+        if not self.enabled:
+            return []
+        from megatron.fp8 import Fp8Linear
+        from megatron.fp8.scaling import ROLE_NAMES, Fp8Role
+
+        forward, backward = [], []
+        for name, module in self.model.named_modules():
+            if isinstance(module, Fp8Linear):
+                flags = module.fp8_step_nonfinite.tolist()
+                for role, bad in enumerate(flags):
+                    if bad:
+                        (backward if role == Fp8Role.GRAD_OUTPUT else forward).append(f"{name}.{ROLE_NAMES[role]}")
+        hits = forward + backward[::-1]
+        if hits:
+            self.nonfinite_iterations += 1
+        return hits
+
     def log_values(self, iteration: int, log_interval: int) -> tuple[dict, str]:
         """FP8 statistics for TensorBoard and the worst layer for the log line, every log interval."""
-        if not self.stats or iteration % log_interval != 0:
+        if not self.enabled or iteration % log_interval != 0:
             return {}, ""
+        values: dict = {"fp8/nonfinite-iterations": self.nonfinite_iterations}
+        text = f" fp8 non-finite iterations: {self.nonfinite_iterations:3d} |" if self.nonfinite_iterations else ""
+        if not self.stats:
+            return values, text
         from megatron.fp8 import collect_fp8_stats, worst_fp8_layer
 
-        values = collect_fp8_stats(self.model, reset=True)
+        values.update(collect_fp8_stats(self.model, reset=True))
         worst = worst_fp8_layer(values)
-        text = f" fp8 worst clipping: {worst[0]} {worst[1]:.2e} |" if worst else ""
+        text += f" fp8 worst clipping: {worst[0]} {worst[1]:.2e} |" if worst else ""
         return values, text
 
     def state(self) -> Optional[dict]:

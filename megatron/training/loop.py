@@ -283,8 +283,11 @@ class Trainer:
                     s.skipped_iterations += 1
                     s.nan_iterations += 1
                     s.consecutive_nan_iterations += 1
-                    logger.warning("iteration %d: non-finite loss (%s) or grad norm (%s): step skipped (%d in a row)",
-                                   s.iteration, loss, grad_norm, s.consecutive_nan_iterations)
+                    fp8_bad = self.fp8.nonfinite_layers()
+                    logger.warning("iteration %d: non-finite loss or grad norm (loss %s, grad norm %s): step skipped "
+                                   "(%d in a row)%s", s.iteration, loss, grad_norm, s.consecutive_nan_iterations,
+                                   f"; inf/NaN in FP8 tensors, first seen in: {', '.join(fp8_bad[:4])}"
+                                   f"{' ...' if len(fp8_bad) > 4 else ''}" if fp8_bad else "")
                     if s.consecutive_nan_iterations >= t.max_consecutive_nan_steps:
                         result.exit_reason = "diverged"
                         raise TrainingDiverged(
