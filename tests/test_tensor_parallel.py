@@ -5,18 +5,18 @@ cases together): each rank builds the full TP=1 model and its TP=2 copy from the
 and measures the relative error of its shard against the same slice of the TP=1 tensors. The tests then
 assert on those numbers. Launcher-level tests (`pretrain_gpt.py` under torchrun) follow at the end.
 
-Tolerances:
-- FP32: the only differences are the order of fp32 sums (row-parallel partial sums, all-reduces), ~1e-7
-  relative; Adam's division by sqrt(v) amplifies them on near-zero gradients: 1e-4 after 3 steps.
-- BF16 (autocast): row-parallel partial sums are rounded to bf16 before the all-reduce (as in Megatron),
-  an extra rounding of ~2^-8 relative on a few tensors: 2e-2.
-- FP8 (hybrid, delayed scaling): both runs start from the same amax histories (the first delayed step has
-  no history and scales each shard by its own amax, see docs/tensor_parallel.md). After that, with amaxes
-  max-reduced over the TP x DP group, both quantize every tensor with the same scale, so the quantized values
-  are identical except where an fp32 summation-order difference moves a value across an FP8 rounding
-  boundary: measured ~3e-7. The bound, 1e-4, is two orders of magnitude below the FP8 quantization noise of
-  the same model (FP8 vs FP32 logits, ~2e-2, asserted > 1e-2 so that the bound means something): scales
-  that drifted apart by even one rounding would show at the noise level.
+Tolerances come from the noise of the same run, never from constants measured on one CPU (summation
+orders differ between ISAs: AVX-512 and AVX2 kernels block their sums differently). Each case trains a third
+model next to TP=1 and TP=2 that shows the size of its rounding noise, and the TP error is bounded by it:
+- "FP32" cases run in float64. The model still computes its norms, RoPE, cross-entropy and gradient norm
+  in fp32 (`.float()`), so TP's other summation order shows up as fp32 rounding differences there; the
+  control is TP=1 with every weight moved by up to one fp32 ulp, i.e. such a difference from the start.
+- BF16 (autocast): the control is the float64 run; TP's extra bf16 roundings (partial sums before the
+  all-reduce) are of the same kind as BF16's own, so the TP error stays within a few times BF16's error.
+- FP8 (hybrid, delayed scaling): the control is TP=2 with each shard scaled by its own amax (amaxes reduced
+  over DP only: a TP scale bug). The correct run starts from the TP=1 histories and, with amaxes reduced
+  over TP x DP, quantizes every tensor with the TP=1 scales: its values differ only where an fp32
+  summation-order difference crosses an FP8 rounding boundary, far fewer than the control's.
 """
 from __future__ import annotations
 
@@ -50,6 +50,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp(min=1e-30))
 
 
+def _rel_all(a: dict, b: dict) -> float:
+    """Relative error of all tensors of `a` together (one vector) against those of `b`."""
+    return _rel(torch.cat([a[n].reshape(-1).double() for n in b]), torch.cat([b[n].reshape(-1).double() for n in b]))
+
+
 # ------------------------------------------------------------------------------------------------- workers
 def _make_engine(model, cfg, parallel):
     from megatron.optimizer import build_optimizer
@@ -67,64 +72,121 @@ def _batch(cfg, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens, labels
 
 
-def _compare_case(parallel, switches: tuple, overrides: dict, sequence_parallel: bool, bf16: bool,
+def _train_side_by_side(parallel, cfg, models: dict, sharded: set, bf16: dict, steps: int) -> dict:
+    """Train `models` (name -> model; those named in `sharded` are TP=2) on the same batches; per model: its
+    losses, grad norms, gradients of every step, weights and logits, the TP=1 ones cut to this rank's shard."""
+    from megatron.fp8 import Fp8Linear, fp8_optimizer_step
+    from megatron.parallel import shard_state_dict
+    from megatron.parallel_state import ParallelState
+
+    rank, size = parallel.tensor_parallel_rank, parallel.tensor_parallel_size
+
+    def local(name: str, tensors: dict) -> dict:
+        return dict(tensors) if name in sharded else shard_state_dict(tensors, cfg.model, rank, size)
+
+    def logits(name: str, model) -> torch.Tensor:
+        tokens, _ = _batch(cfg, 100)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16[name]):
+            return model.eval()(tokens).detach().clone()
+
+    engines = {name: _make_engine(m, cfg, parallel if name in sharded else ParallelState())
+               for name, m in models.items()}
+    traces = {name: {"loss": [], "grad_norm": [], "grads": [], "logits_first": logits(name, m)}
+              for name, m in models.items()}
+    for step in range(steps):
+        tokens, labels = _batch(cfg, step)
+        for name, engine in engines.items():
+            model = engine.model
+            model.train()
+            engine.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16[name]):
+                loss = engine.module(tokens, labels=labels).mean()
+            engine.backward(loss)
+            norm, _ = engine.step(step, True)
+            trace = traces[name]
+            trace["loss"].append(loss.detach().clone())
+            trace["grad_norm"].append(norm)
+            trace["grads"].append(local(name, {n: p.grad.clone() for n, p in model.named_parameters()}))
+            if any(isinstance(m, Fp8Linear) for m in model.modules()):
+                fp8_optimizer_step(model)
+    for name, model in models.items():
+        traces[name]["weights"] = local(name, model.state_dict())
+        traces[name]["logits"] = logits(name, model)
+    return traces
+
+
+def _errors(a: dict, b: dict) -> dict:
+    """Relative errors of trace `a` against trace `b`: per step (loss, grad norm), max over tensors and steps
+    (gradients), max over tensors (weights), and of the logits before and after training."""
+    return {
+        "loss": [_rel(x, y) for x, y in zip(a["loss"], b["loss"])],
+        "grad_norm": [abs(x - y) / y for x, y in zip(a["grad_norm"], b["grad_norm"])],
+        "grad": max(_rel(ga[n], gb[n]) for ga, gb in zip(a["grads"], b["grads"]) for n in gb),
+        "grad_all": max(_rel_all(ga, gb) for ga, gb in zip(a["grads"], b["grads"])),
+        "weights": max(_rel(a["weights"][n], b["weights"][n]) for n in b["weights"]),
+        "weights_all": _rel_all(a["weights"], b["weights"]),
+        "logits_first": _rel(a["logits_first"], b["logits_first"]),
+        "logits": _rel(a["logits"], b["logits"]),
+        "logits_shape_equal": a["logits"].shape == b["logits"].shape,
+    }
+
+
+def _compare_case(parallel, switches: tuple, overrides: dict, sequence_parallel: bool, precision: str,
                   steps: int = 3) -> dict:
-    """Train a TP=1 model and its TP=2 copy side by side; relative errors of this rank's shards."""
+    """Train a TP=1 model and its TP=2 copy side by side (plus the case's noise reference, see the module
+    docstring); the relative errors of this rank's shards."""
     from megatron.fp8 import convert_to_fp8, fp8_optimizer_step, fp8_state_dict, load_fp8_state_dict
     from megatron.model import GPTModel
-    from megatron.parallel import parallelize_tensor, shard_state_dict
-    from megatron.parallel_state import ParallelState
+    from megatron.parallel import parallelize_tensor
 
     sp = ("--sequence-parallel",) if sequence_parallel else ()
     drop = set(overrides.pop("drop", ()))
     argv = tiny_argv(*switches, *sp, tensor_model_parallel_size=2, clip_grad=0.05, **overrides)
     cfg = parse_config([a for a in argv if a not in drop], world_size=WORLD)
     torch.manual_seed(1234)
-    ref = GPTModel(cfg.model)
-    tp = copy.deepcopy(ref)
-    parallelize_tensor(tp, parallel, sequence_parallel)
-    if cfg.fp8 is not None:
+    base = GPTModel(cfg.model)
+
+    def tp_copy(model):
+        return parallelize_tensor(copy.deepcopy(model), parallel, sequence_parallel)
+
+    if precision == "fp64":
+        ref = base.double()
+        # The noise reference: TP=1 again, every weight moved by up to one fp32 ulp (2^-23 relative), the size
+        # of the differences the model's fp32 sections (norms, RoPE, cross-entropy, grad norm) give when TP
+        # sums in another order; what follows shows how far such differences grow in this run.
+        control = copy.deepcopy(ref)
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in control.parameters():
+                p.mul_(1 + (torch.rand(p.shape, generator=g, dtype=p.dtype) * 2 - 1) * 2.0**-23)
+        models, bf16 = {"ref": ref, "tp": tp_copy(ref), "control": control}, {n: False for n in ("ref", "tp", "control")}
+    elif precision == "bf16":
+        models = {"ref": base, "tp": tp_copy(base), "exact": copy.deepcopy(base).double()}
+        bf16 = {"ref": True, "tp": True, "exact": False}
+    else:  # fp8
+        ref, tp, control = base, tp_copy(base), tp_copy(base)
         convert_to_fp8(ref, cfg.fp8, amax_group=parallel.data_parallel_group)  # this rank alone
         convert_to_fp8(tp, cfg.fp8, amax_group=parallel.amax_group)
-    engines = {"ref": _make_engine(ref, cfg, ParallelState()), "tp": _make_engine(tp, cfg, parallel)}
-    if cfg.fp8 is not None:
-        # Start both from the same amax histories (those of one TP=1 pass): the first delayed-scaling step
-        # has no history and scales each shard by its own amax, which would make the runs differ at the
-        # level of FP8 noise from the start. From here on, scales agree only if amaxes are reduced right.
-        ref(*_batch(cfg, -1)[:1], labels=_batch(cfg, -1)[1]).mean().backward()
+        # The noise reference: each shard scaled by its own amax (the DP-only group, no TP reduction) and
+        # no shared start; a TP scale bug would look like this.
+        convert_to_fp8(control, cfg.fp8, amax_group=parallel.data_parallel_group)
+        # Start the TP model from the histories of one TP=1 pass: the first delayed-scaling step has no
+        # history and scales each shard by its own amax. From here on, scales agree only if amaxes are
+        # reduced over the TP group.
+        tokens, labels = _batch(cfg, -1)
+        ref(tokens, labels=labels).mean().backward()
         fp8_optimizer_step(ref)
-        engines["ref"].zero_grad()
+        for p in ref.parameters():
+            p.grad = None
         load_fp8_state_dict(tp, cfg.fp8, fp8_state_dict(ref, cfg.fp8))
-    rank, size = parallel.tensor_parallel_rank, parallel.tensor_parallel_size
-    out: dict = {"loss": [], "grad_norm": [], "grad": 0.0}
-    tokens, _ = _batch(cfg, 100)
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-        out["logits_first"] = _rel(tp.eval()(tokens), ref.eval()(tokens))  # same weights: only scales can differ
-    tp.train(), ref.train()
-    for step in range(steps):
-        tokens, labels = _batch(cfg, step)
-        losses, norms, grads = {}, {}, {}
-        for name, engine in engines.items():
-            engine.zero_grad()
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                loss = engine.module(tokens, labels=labels).mean()
-            engine.backward(loss)
-            norms[name], _ = engine.step(step, True)
-            losses[name] = loss.detach()
-            grads[name] = {n: p.grad for n, p in engine.model.named_parameters()}
-            if cfg.fp8 is not None:
-                fp8_optimizer_step(engine.model)
-        out["loss"].append(_rel(losses["tp"], losses["ref"]))
-        out["grad_norm"].append(abs(norms["tp"] - norms["ref"]) / norms["ref"])
-        ref_grads = shard_state_dict(grads["ref"], cfg.model, rank, size)
-        out["grad"] = max(out["grad"], max(_rel(grads["tp"][n], ref_grads[n]) for n in ref_grads))
-    ref_weights = shard_state_dict(ref.state_dict(), cfg.model, rank, size)
-    out["weights"] = max(_rel(tp.state_dict()[n], ref_weights[n]) for n in ref_weights)
-    tokens, _ = _batch(cfg, 100)
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-        logits_ref, logits_tp = ref(tokens), tp(tokens)
-    out["logits"] = _rel(logits_tp, logits_ref)
-    out["logits_shape_equal"] = logits_tp.shape == logits_ref.shape
+        models, bf16 = {"ref": ref, "tp": tp, "control": control}, {n: False for n in ("ref", "tp", "control")}
+    traces = _train_side_by_side(parallel, cfg, models, {"tp"} | ({"control"} if precision == "fp8" else set()),
+                                 bf16, steps)
+    out = {"tp": _errors(traces["tp"], traces["ref"])}
+    if "exact" in traces:
+        out["noise"] = _errors(traces["ref"], traces["exact"])
+    if "control" in traces:
+        out["noise"] = _errors(traces["control"], traces["ref"])
     return out
 
 
@@ -152,9 +214,9 @@ def _cross_entropy_case(parallel) -> dict:
     from megatron.parallel import vocab_parallel_cross_entropy
 
     g = torch.Generator().manual_seed(7)
-    logits = torch.randn(64, 256, generator=g) * 4
+    logits = torch.randn(64, 256, generator=g, dtype=torch.float64) * 4
     target = torch.randint(0, 256, (64,), generator=g)
-    weight = torch.rand(64, generator=g)
+    weight = torch.rand(64, generator=g, dtype=torch.float64)
     full = logits.clone().requires_grad_()
     ref = F.cross_entropy(full, target, reduction="none")
     (ref * weight).sum().backward()
@@ -166,34 +228,19 @@ def _cross_entropy_case(parallel) -> dict:
 
 
 CASES = {
-    # name: (switches, overrides, sequence_parallel, bf16)
-    "fp32": ((), {}, False, False),
-    "fp32_sp": ((), {}, True, False),
+    # name: (switches, overrides, sequence_parallel, precision)
+    "fp32": ((), {}, False, "fp64"),
+    "fp32_sp": ((), {}, True, "fp64"),
     "fp32_tied_learned_layernorm_sp": ((), {"normalization": "LayerNorm", "drop": (
-        "--use-rotary-position-embeddings", "--untie-embeddings-and-output-weights")}, True, False),
-    "bf16": (("--bf16",), {}, False, True),
-    "fp8": ((), {"fp8_format": "hybrid"}, False, False),
-    "fp8_sp": ((), {"fp8_format": "hybrid"}, True, False),
+        "--use-rotary-position-embeddings", "--untie-embeddings-and-output-weights")}, True, "fp64"),
+    "bf16": (("--bf16",), {}, False, "bf16"),
+    "fp8": ((), {"fp8_format": "hybrid"}, False, "fp8"),
+    "fp8_sp": ((), {"fp8_format": "hybrid"}, True, "fp8"),
     "fp8_smooth_channel_sp": (("--smooth-swiglu",), {"fp8_format": "hybrid", "smooth_swiglu_granularity": "channel"},
-                           True, False),
+                              True, "fp8"),
     "fp8_smooth_token_sp": (("--smooth-swiglu",), {"fp8_format": "hybrid", "smooth_swiglu_granularity": "token"},
-                            True, False),
+                            True, "fp8"),
 }
-
-
-def _fp8_vs_fp32_noise(parallel) -> float:
-    """Relative logits error of FP8 vs FP32 on the TP=1 model: the FP8 quantization noise to compare against."""
-    from megatron.fp8 import convert_to_fp8
-    from megatron.model import GPTModel
-
-    cfg = parse_config(tiny_argv(tensor_model_parallel_size=2, fp8_format="hybrid"), world_size=WORLD)
-    torch.manual_seed(1234)
-    fp32 = GPTModel(cfg.model)
-    fp8 = copy.deepcopy(fp32)
-    convert_to_fp8(fp8, cfg.fp8, amax_group=parallel.data_parallel_group)
-    tokens, _ = _batch(cfg, 100)
-    with torch.no_grad():
-        return _rel(fp8(tokens), fp32(tokens))
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
@@ -203,9 +250,9 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     parallel = initialize_parallel_state(ParallelConfig(tensor_model_parallel_size=2), get_accelerator("cpu"))
-    results = {name: _compare_case(parallel, sw, dict(ov), sp, bf16) for name, (sw, ov, sp, bf16) in CASES.items()}
+    results = {name: _compare_case(parallel, sw, dict(ov), sp, precision)
+               for name, (sw, ov, sp, precision) in CASES.items()}
     results["cross_entropy"] = _cross_entropy_case(parallel)
-    results["fp8_noise"] = _fp8_vs_fp32_noise(parallel)
     # Collective calls in the same order on both ranks: the DP group of a TP=2 x DP=1 world is one rank.
     results["scales_agree_tp_x_dp_group"] = _fp8_scale_agreement(parallel, parallel.amax_group)
     results["scales_agree_dp_group_only"] = _fp8_scale_agreement(parallel, parallel.data_parallel_group)
@@ -221,51 +268,57 @@ def tp_results(tmp_path_factory) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------------------- model tests
+_QUANTITIES = ("loss", "grad_norm", "grad", "grad_all", "weights", "weights_all", "logits_first", "logits")
+
+
+def _worst(value) -> float:
+    return max(value) if isinstance(value, list) else value
+
+
+def _assert_within(results: list[dict], case: str, bound) -> None:
+    """Every quantity of the TP=2 run against TP=1 stays within `bound(quantity, noise)`."""
+    for rank, results_of_rank in enumerate(results):
+        r = results_of_rank[case]
+        assert r["tp"]["logits_shape_equal"]
+        for q in _QUANTITIES:
+            err, noise = _worst(r["tp"][q]), _worst(r["noise"][q])
+            assert err <= bound(q, noise), (rank, q, err, noise)
+
+
+@pytest.mark.isa_sensitive
 @pytest.mark.parametrize("case", ["fp32", "fp32_sp", "fp32_tied_learned_layernorm_sp"])
 def test_tp2_equals_tp1_fp32(tp_results, case):
-    for rank, results in enumerate(tp_results):
-        r = results[case]
-        assert r["logits_shape_equal"]
-        assert max(r["loss"]) < 1e-6 and r["logits"] < 1e-5, (rank, r)
-        assert r["grad"] < 1e-5 and max(r["grad_norm"]) < 1e-6, (rank, r)  # clipping active (clip 0.05)
-        assert r["weights"] < 1e-4, (rank, r)
+    # Twice the one-ulp control (two runs' rounding differences add up), plus 8 fp32 ulps for the loss and
+    # grad norm, which are computed in fp32 and can differ by their own final roundings whatever the inputs.
+    _assert_within(tp_results, case, lambda q, noise: 2 * noise + 8 * 2.0**-24)
 
 
+@pytest.mark.isa_sensitive
 def test_tp2_equals_tp1_bf16(tp_results):
-    for rank, results in enumerate(tp_results):
-        r = results["bf16"]
-        assert max(r["loss"]) < 2e-3 and r["logits"] < 2e-2, (rank, r)
-        assert r["grad"] < 2e-2 and max(r["grad_norm"]) < 1e-2, (rank, r)
-        assert r["weights"] < 2e-2, (rank, r)
+    # TP rounds each row-parallel partial sum to bf16 before the all-reduce and the sum after it: up to three
+    # bf16 roundings where TP=1 has one, so |tp - ref| <= |tp - exact| + |ref - exact| is about 4 x noise.
+    _assert_within(tp_results, "bf16", lambda q, noise: 4 * noise)
 
 
-def _assert_fp8_matches(results: list[dict], case: str) -> None:
-    for rank, r in enumerate(results):
-        noise = r["fp8_noise"]
-        assert noise > 1e-2, noise  # FP8 really quantizes: the bound below is meaningful
-        c = r[case]
-        assert c["logits_first"] < 1e-5, (rank, c)  # same weights and histories: same scales
-        assert max(c["loss"]) < 1e-4 and c["logits"] < 1e-4, (rank, c)
-        assert c["grad"] < 1e-4 and max(c["grad_norm"]) < 1e-4, (rank, c)
-        assert c["weights"] < 1e-4, (rank, c)
+def _fp8_bound(q: str, noise: float) -> float:
+    if q == "logits_first":
+        # Same weights and scales, no step yet: only where an fp32 summation-order difference crosses an FP8
+        # rounding boundary can a value differ. k such flips among N values give ~sqrt(k/N) x the error of
+        # re-rounding all N (the control); 1/32 allows one value in a thousand.
+        return noise / 32
+    # After steps, Adam can amplify an isolated flip for the rest of the run; a scale bug re-rounds everything
+    # at every step, which is the control's error (ratio 1). Half of it separates the two.
+    return noise / 2
 
 
-@pytest.mark.parametrize("case", ["fp8", "fp8_sp", "fp8_smooth_token_sp"])
+@pytest.mark.isa_sensitive
+@pytest.mark.parametrize("case", ["fp8", "fp8_sp", "fp8_smooth_token_sp", "fp8_smooth_channel_sp"])
 def test_tp2_equals_tp1_fp8(tp_results, case):
-    _assert_fp8_matches(tp_results, case)
-
-
-def test_tp2_equals_tp1_fp8_smooth_swiglu_channel(tp_results):
-    """The channel form quantizes fc2's column-scaled weight W diag(1/s) afresh at every call; its amax is
-    max-reduced over the TP group so both shards use the scale of the whole weight. Measured with these
-    batches: logits before any step 8e-8 (6e-3 when each shard used its own amax), losses <= 2e-7 at every
-    step (6e-5). One E5M2 rounding of a layer-0 gradient flips at step 3 (an fp32 summation-order difference
-    on a rounding boundary: 1.5e-2 on that gradient, 6.5e-4 on the weights after it, against 1.2e-1 and 4.5e-2
-    with per-shard scales), so the training bounds sit between the two."""
-    for rank, r in enumerate(tp_results):
-        c = r["fp8_smooth_channel_sp"]
-        assert c["logits_first"] < 1e-5 and max(c["loss"]) < 1e-6, (rank, c)
-        assert c["grad"] < 5e-2 and c["weights"] < 5e-3, (rank, c)
+    """The channel form of Smooth-SwiGLU quantizes fc2's column-scaled weight W diag(1/s) afresh at every call;
+    its amax is max-reduced over the TP group so both shards use the scale of the whole weight."""
+    for results in tp_results:
+        assert results[case]["noise"]["logits_first"] > 1e-3  # FP8 really quantizes: the control is noise
+    _assert_within(tp_results, case, _fp8_bound)
 
 
 def test_fp8_amax_reduced_over_dp_only_lets_tp_ranks_disagree(tp_results):
@@ -275,9 +328,11 @@ def test_fp8_amax_reduced_over_dp_only_lets_tp_ranks_disagree(tp_results):
 
 
 def test_vocab_parallel_cross_entropy_equals_f_cross_entropy(tp_results):
+    # float64 logits, but both implementations compute in fp32 (`.float()`): a few fp32 roundings (2^-24) of
+    # a log-sum-exp and a softmax; 64 ulps is far below any real error (a wrong max or sum is O(1)).
     for results in tp_results:
-        assert results["cross_entropy"]["loss"] < 1e-6
-        assert results["cross_entropy"]["grad"] < 1e-6
+        assert results["cross_entropy"]["loss"] < 64 * 2.0**-24
+        assert results["cross_entropy"]["grad"] < 64 * 2.0**-24
 
 
 # ---------------------------------------------------------------------------------------- launcher tests
