@@ -112,8 +112,8 @@ def test_fp8_training_tracks_fp32_training() -> None:
 
 
 def test_gpt_model_conversion() -> None:
-    gpt = pytest.importorskip("megatron.model.gpt")
     from megatron.config import ModelConfig
+    from megatron.model import gpt
 
     config = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
                          ffn_hidden_size=128, seq_length=32, max_position_embeddings=32,

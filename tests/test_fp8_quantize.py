@@ -86,12 +86,20 @@ def test_compute_scale_margin_power_of_two_and_safe_cases() -> None:
     assert torch.isfinite(tiny) and tiny > 0
 
 
-def test_count_nonfinite_before_the_cast_hides_infinities() -> None:
-    x = torch.tensor([1.0, float("inf"), -float("inf"), float("nan"), 2.0])
+@pytest.mark.parametrize("fmt, backend", [("e4m3", "cpu"), ("e5m2", "cpu"), ("e4m3", "gaudi2")])
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_count_nonfinite_before_the_cast_hides_infinities(fmt: str, backend: str, stochastic: bool) -> None:
+    x = torch.tensor([1.0, float("inf"), -float("inf"), float("nan"), 2.0, 1e6, -1e6])
     nan, inf = count_nonfinite(x)
     assert (nan.item(), inf.item()) == (1, 2)
-    q = quantize(x, torch.tensor(1.0), format_spec("e4m3")).float()
-    assert torch.isinf(q).sum() == 0  # after the cast the infinities are gone: only the count remembers
+    spec = format_spec(fmt, backend)
+    q = quantize(x, torch.tensor(1.0), spec, stochastic_rounding=stochastic).float()
+    # Both formats saturate (E5M2's own cast would overflow to inf): +-inf and out-of-range values land
+    # exactly on +-max, so after the cast only the count remembers the infinities; NaN stays NaN.
+    m = spec.max
+    assert q[[0, 4]].tolist() == [1.0, 2.0]
+    assert q[[1, 2, 5, 6]].tolist() == [m, -m, m, -m], q
+    assert torch.isnan(q[3])
 
 
 @pytest.mark.parametrize("fmt", ["e5m2", "e4m3"])
