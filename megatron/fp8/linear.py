@@ -45,8 +45,10 @@ amax (a history of other tensors' amaxes would lag and clip it); its amax still 
 statistics and history. Under tensor parallelism W is a shard of the logical weight: `column_scale_group`
 (the TP group) max-reduces that amax so every shard uses the scale the whole W diag(c) would get (one
 scalar all-reduce per call). Gradients: dx from Q(W diag(c)), dW = (dy^T x) diag(c), none through c.
-`input_amax`, when the caller already knows max|x| (Smooth-SwiGLU gets it from its scale reduction), saves
-the reduction over x.
+`input_amax`, when the caller already knows max|x| exactly (Smooth-SwiGLU gets it from its channel maxima),
+saves the reduction over x and, being this tensor's own amax, sets x's scale just in time under delayed
+scaling too (its amax still feeds the input role's history): current scaling for free. Smooth-SwiGLU needs
+it because its split leaves part of an outlier in x, which a scale from earlier steps would clip.
 """
 from __future__ import annotations
 
@@ -121,6 +123,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False):
             x_amax = amax_of(x2d) if input_amax is None else input_amax.float()
             s_x = module._scale_for(Fp8Role.INPUT, x_amax, specs[Fp8Role.INPUT])
+            if input_amax is not None:  # the exact amax of this very x: current scaling for free
+                s_x = module._own_amax_scale(Fp8Role.INPUT, x_amax, specs[Fp8Role.INPUT])
             q_x = backend.quantize(x2d, s_x, specs[Fp8Role.INPUT])
             if module.fp8_stats_enabled:
                 fp8_stats.record(module, Fp8Role.INPUT, x2d, q_x, s_x, specs[Fp8Role.INPUT])
@@ -263,6 +267,11 @@ class Fp8Linear(nn.Linear):
             self.fp8_weight_quantizations += 1
         return self._weight_cache
 
+    def _own_amax_scale(self, role: Fp8Role, amax: torch.Tensor, spec: Fp8FormatSpec) -> torch.Tensor:
+        """The just-in-time scale of a tensor whose exact amax is known, under every scaling recipe."""
+        return compute_scale(amax, spec.max, self.recipe.margin, self.recipe.power_of_two_scales,
+                             previous=self.fp8_scale[role])
+
     def _quantized_scaled_weight(self, backend: Backend, spec: Fp8FormatSpec, column_scale: torch.Tensor,
                                  group: Any = None) -> _QuantizedWeight:
         """Q(W diag(column_scale)), made for this call only (see "Per-input-channel weight scale")."""
@@ -271,8 +280,7 @@ class Fp8Linear(nn.Linear):
             amax = amax_of(w)
             if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
                 dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-            scale = compute_scale(amax, spec.max, self.recipe.margin, self.recipe.power_of_two_scales,
-                                  previous=self.fp8_scale[Fp8Role.WEIGHT])
+            scale = self._own_amax_scale(Fp8Role.WEIGHT, amax, spec)
             q = backend.quantize(w, scale, spec)
             if self.fp8_stats_enabled:
                 fp8_stats.record(self, Fp8Role.WEIGHT, w, q, scale, spec)

@@ -10,29 +10,38 @@ all other channels. Smooth-SwiGLU normalises h before the cast and restores the 
 
 The two forms (`ModelConfig.smooth_swiglu`)
 -------------------------------------------
-- CHANNEL (the paper): s_i = 1 / max_tokens |h_i| per FFN channel i over the micro-batch; fc2 computes
-  `y = Q(h * s) @ Q(W3 * s^-1)^T`. The inverse scale is folded into fc2's weight columns (its input
-  channels) *before* the weight is quantized, so fc2 stays one FP8 GEMM. Consequence: fc2's FP8 weight is a
-  new tensor at every micro-batch, so `Fp8Linear`'s once-per-step weight cache is bypassed for it (the
-  quantization count shows it, `bench/bench_smooth_swiglu.py` measures it). Under tensor parallelism each
-  rank owns whole channels, so the scales need no communication; only the amax of the folded weight shard
-  is max-reduced over the TP group (one scalar), so the shards share the FP8 scale of the whole weight.
+- CHANNEL (the paper's per-channel scales): m_i = max_tokens |h_i| per FFN channel i over the micro-batch;
+  fc2 computes `y = Q(h * a) @ Q(W3 * a^-1)^T` with a_i ~ m_i^-1/2 (`ChannelSplit`, `channel_split_scales`).
+  The paper folds the whole m_i into W3's columns (a_i = 1/m_i) before W3 is quantized per tensor; that only
+  moves the outlier from the input into the weight: at a 1e5x outlier the other weight columns fall out
+  of E4M3's range and the other channels' output and fc1's weight gradient drop to ~1 dB SQNR. Splitting
+  the range (SmoothQuant's alpha = 1/2) leaves each operand the square root of the ratio, which E4M3
+  holds (measured per part in docs/smooth_swiglu.md, 1e3..1e7). The part left in the input is no longer
+  bounded by construction, so fc2's input is scaled from its exact amax, which the channel maxima give for
+  free (`Fp8Linear(input_amax=)`): current scaling without a second reduction, under delayed scaling too.
+  fc2 stays one tensorwise FP8 GEMM. Its FP8 weight is a new tensor at every micro-batch, so `Fp8Linear`'s
+  once-per-step weight cache is bypassed for it (the quantization count shows it,
+  `bench/bench_smooth_swiglu.py` measures it). Under tensor parallelism each rank owns whole channels; the
+  split's two scalars (the max of h * 2^-shift, and the clamp's top exponent if used) and the amax of the
+  folded weight shard are max-reduced over the TP group, so every shard uses the scales of the whole layer.
 - TOKEN (the public reference code): s_t = max_channels |x W1| (the linear branch `up`) per token;
   `h = Swish(x W2) * (up / s_t)`, `y = (h W3) * s_t`. Under tensor parallelism the channels of a token are
   spread over ranks, so s_t must be max-reduced over the TP group (`token_maxima(up, group)`); the
-  reference code skipped that and was only correct at TP=1.
+  reference code skipped that and was only correct at TP=1. It does not remove a quadratic outlier: for an
+  aligned channel Swish(g) * g / max|g| is still linear in g, so a sudden outlier under delayed scaling is
+  clipped as in plain FP8 (measured: ~2 dB at 1000x, channel form ~32 dB). Prefer CHANNEL.
 
 Numerics
 --------
 - Scales are detached (no gradient through them) and computed per micro-batch with ONE max reduction.
-  For CHANNEL that reduction also yields the amax of the FP8 cast of h * s (max_i of cmax_i * s_i, an
-  [F]-sized op), which is handed to `Fp8Linear` so it does not reduce h*s again. For TOKEN the scale is a
+  For CHANNEL that reduction also yields the exact amax of the FP8 cast of h * a (max_i of m_i * a_i, an
+  [F]-sized op), which is handed to `Fp8Linear` as the input's amax and scale. For TOKEN the scale is a
   max over `up` while the cast needs the max of `Swish(gate) * up / s_t`, a different tensor, so the cast
   keeps its own amax.
 - Scales are powers of two (s = 2^-e with max = m * 2^e, m in [0.5, 1)): multiplying by them is exact in
   fp32 and bf16, so the re-parametrisation adds no rounding of its own (the FP32 output of a smooth MLP
-  equals plain SwiGLU's bitwise in practice) and folding for export is exact. The normalised channel max
-  lands in [0.5, 1) instead of exactly 1: one binade, irrelevant to FP8's relative precision.
+  equals plain SwiGLU's bitwise in practice) and folding for export is exact. The largest scaled channel
+  max lands in [0.5, 1) instead of exactly 1: one binade, irrelevant to FP8's relative precision.
 - A zero, non-finite or denormal max never divides by zero: the scale is 1 for 0/inf/NaN (a NaN then
   reaches the loss as in plain SwiGLU, where the loop skips the step) and the exponent is clamped so
   neither the scale nor its inverse overflows.
@@ -46,6 +55,7 @@ the fc2 input is then already normalised with no extra op.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
 import torch
@@ -72,9 +82,34 @@ def pow2_scales(maxima: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.ldexp(one, -exponent), torch.ldexp(one, exponent)
 
 
+def swiglu_product(fc1_out: torch.Tensor) -> torch.Tensor:
+    """h = Swish(gate) * up of `linear_fc1`'s output, laid out [gate | up] on the last dim."""
+    gate, up = fc1_out.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def channel_maxima(h: torch.Tensor) -> torch.Tensor:
-    """max over all tokens (every dim but the last) of |h|, per channel: fp32 [F], detached."""
+    """max over all tokens (every dim but the last) of |h|, per channel: fp32 [F], detached.
+
+    The one implementation of the SwiGLU channel max: the channel form's scales, the export calibration and
+    the outlier diagnostics (`swiglu_diagnostics.ActivationRecorder`) all call it.
+    """
     return h.detach().abs().reshape(-1, h.shape[-1]).amax(dim=0).float()
+
+
+def swiglu_channel_maxima(fc1_out: torch.Tensor) -> torch.Tensor:
+    """`channel_maxima` of the SwiGLU product of `linear_fc1`'s output (hooks and calibration use this)."""
+    with torch.no_grad():
+        return channel_maxima(swiglu_product(fc1_out.detach()))
+
+
+def _max_over_group(values: torch.Tensor, group: Any) -> torch.Tensor:
+    """`values` max-reduced over `group` (a no-op without one); NaN is sent as inf, since NaN is not
+    ordered under MAX on every backend (a non-finite max keeps the previous FP8 scale either way)."""
+    if group is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        values = torch.nan_to_num(values, nan=float("inf"))
+        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+    return values
 
 
 def token_maxima(up: torch.Tensor, group: Any = None) -> torch.Tensor:
@@ -84,12 +119,62 @@ def token_maxima(up: torch.Tensor, group: Any = None) -> torch.Tensor:
     holds a slice of each token's channels and must use the max over all of them, or ranks disagree on
     the scale of the same token.
     """
-    maxima = up.detach().abs().amax(dim=-1, keepdim=True).float()
-    if group is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        # NaN is not ordered under MAX on every backend; send it as inf (then the scale is 1 everywhere).
-        maxima = torch.nan_to_num(maxima, nan=float("inf"))
-        dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
-    return maxima
+    return _max_over_group(up.detach().abs().amax(dim=-1, keepdim=True).float(), group)
+
+
+@dataclass(frozen=True)
+class ChannelSplit:
+    """How the channel form shares each channel's dynamic range between fc2's input and fc2's weight.
+
+    Channel i's max m_i = 2^e_i (to a power of two) is divided out of the input column h_i and multiplied
+    into the weight column w3_i. `weight_share` alpha moves m_i^alpha into the weight and leaves
+    m_i^(1 - alpha) in the input (SmoothQuant's split): alpha = 1 is the paper's full fold, which makes the
+    input perfectly flat but puts the whole outlier ratio into ONE per-tensor weight scale, so at a 1e5x
+    outlier every other weight column falls below E4M3's range (measured: ~0.6 dB on the non-outlier
+    channels). alpha = 0.5 gives each operand the square root of the ratio (316x at 1e5x), which E4M3's
+    ~18 binades hold with the ordinary channels still in the normal range. `max_weight_binades` C, if set,
+    additionally caps the weight's column spread at 2^C (the rest stays in the input): a fold clamped to
+    what E4M3 can carry. The default is the measured choice (docs/smooth_swiglu.md).
+    """
+
+    weight_share: float = 0.5
+    max_weight_binades: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.weight_share <= 1.0:
+            raise ValueError(f"ChannelSplit.weight_share must be in [0, 1], got {self.weight_share}")
+        if self.max_weight_binades is not None and self.max_weight_binades < 0:
+            raise ValueError(f"ChannelSplit.max_weight_binades must be >= 0, got {self.max_weight_binades}")
+
+
+def channel_split_scales(maxima: torch.Tensor, split: ChannelSplit = ChannelSplit(), group: Any = None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input scale a, weight column scale 1/a, input amax max_i maxima_i * a_i) for per-channel `maxima`.
+
+    All powers of two (exact multiplies, so the re-parametrisation rounds nothing). One global power of two
+    puts the scaled input's largest channel max in [0.5, 1): the returned amax is exactly that of h * a,
+    which is fc2's FP8 input scale for free (current scaling without a second reduction over h * a).
+    `group` (the TP group, each rank owning whole channels) max-reduces the scalars the split depends on,
+    so every rank uses the scales and amax that one rank holding all channels would.
+    With `ChannelSplit(1.0)` the scales equal `pow2_scales(maxima)`.
+    """
+    maxima = maxima.float()
+    usable = torch.isfinite(maxima) & (maxima > 0)
+    _, exponent = torch.frexp(torch.where(usable, maxima, torch.ones_like(maxima)))
+    exponent = torch.where(usable, exponent, torch.zeros_like(exponent))
+    # Exponent moved into the weight, per channel (unusable channels: 0).
+    shift = torch.floor(exponent.float() * split.weight_share)
+    if split.max_weight_binades is not None and bool(usable.any()):
+        top_shift = _max_over_group(shift[usable].amax(), group)
+        shift = torch.where(usable, torch.maximum(shift, top_shift - split.max_weight_binades), shift)
+    shift = shift.to(torch.int32)
+    top = _max_over_group(torch.ldexp(maxima, -shift).amax(), group)  # max of h * 2^-shift: NaN/inf propagate
+    top_usable = torch.isfinite(top) & (top > 0)
+    _, top_exponent = torch.frexp(torch.where(top_usable, top, torch.ones_like(top)))
+    top_exponent = torch.where(top_usable, top_exponent, torch.zeros_like(top_exponent))
+    shift = (shift + top_exponent).clamp(-_MAX_EXPONENT, _MAX_EXPONENT)
+    one = torch.ones_like(maxima)
+    return torch.ldexp(one, -shift), torch.ldexp(one, shift), torch.ldexp(top, -top_exponent)
 
 
 def _fc2_channel_scaled(linear_fc2: nn.Linear, h_scaled: torch.Tensor, inverse: torch.Tensor,
@@ -110,34 +195,40 @@ class SmoothSwiGLU(nn.Module):
     SwiGLU. `enabled=False` makes the MLP run plain SwiGLU: the training hooks set it on layers whose fc2
     stays in high precision (`--fp8-mlp-fc2-bf16`, `--fp8-first-last-layers-bf16`), where there is no FP8
     cast to protect. `tp_group` is the tensor-parallel group (None at TP=1): the TOKEN form's max and the
-    CHANNEL form's folded-weight amax are reduced over it.
+    CHANNEL form's split scalars and folded-weight amax are reduced over it. `split` is the CHANNEL form's
+    `ChannelSplit` (the measured default; other values are for experiments).
     """
 
-    def __init__(self, granularity: SmoothSwiGLUGranularity, has_bias: bool = False) -> None:
+    def __init__(self, granularity: SmoothSwiGLUGranularity, has_bias: bool = False,
+                 split: ChannelSplit = ChannelSplit()) -> None:
         super().__init__()
         self.granularity = SmoothSwiGLUGranularity(granularity)
         if self.granularity is SmoothSwiGLUGranularity.TOKEN and has_bias:
             raise ValueError("--smooth-swiglu-granularity token rescales fc2's output rows, which would also "
                              "scale fc2's bias: use --disable-bias-linear or --smooth-swiglu-granularity channel")
         self.enabled = True
+        self.split = split
         self.tp_group: Any = None
 
     def forward(self, fc1_out: torch.Tensor, linear_fc2: nn.Linear) -> torch.Tensor:
-        gate, up = fc1_out.chunk(2, dim=-1)
         if self.granularity is SmoothSwiGLUGranularity.CHANNEL:
-            h = F.silu(gate) * up
-            cmax = channel_maxima(h)
-            scale, inverse = pow2_scales(cmax)
-            # The one reduction also gives the FP8 cast's amax: max_i cmax_i * s_i (exact, po2 scales).
-            input_amax = (cmax * scale).amax()
+            h = swiglu_product(fc1_out)
+            # One reduction (the channel maxima) gives the scales and the exact amax of h * scale.
+            scale, inverse, input_amax = channel_split_scales(channel_maxima(h), self.split, self.tp_group)
             return _fc2_channel_scaled(linear_fc2, h * scale.to(h.dtype), inverse, input_amax, self.tp_group)
+        gate, up = fc1_out.chunk(2, dim=-1)
         scale, inverse = pow2_scales(token_maxima(up, self.tp_group))
         h = F.silu(gate) * (up * scale.to(up.dtype))
         y = linear_fc2(h)
         return y * inverse.to(y.dtype)
 
     def extra_repr(self) -> str:
-        return f"granularity={self.granularity.value}, enabled={self.enabled}"
+        split = ""
+        if self.granularity is SmoothSwiGLUGranularity.CHANNEL:
+            split = f", weight_share={self.split.weight_share}"
+            if self.split.max_weight_binades is not None:
+                split += f", max_weight_binades={self.split.max_weight_binades}"
+        return f"granularity={self.granularity.value}{split}, enabled={self.enabled}"
 
 
 # ------------------------------------------------------------------------------------------------ export
@@ -161,8 +252,7 @@ def calibrate_smooth_swiglu_scales(model: nn.Module, batches: Iterable[torch.Ten
 
     def make_hook(index: int):
         def hook(_module: nn.Module, _inputs: Any, out: torch.Tensor) -> None:
-            gate, up = out.chunk(2, dim=-1)
-            cmax = channel_maxima(F.silu(gate) * up)
+            cmax = swiglu_channel_maxima(out)
             running[index] = cmax if running[index] is None else torch.maximum(running[index], cmax)
         return hook
 

@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron.model.smooth_swiglu import swiglu_channel_maxima
+
 ALIGNMENT_THRESHOLD = 0.5
 
 
@@ -72,11 +74,9 @@ class ActivationRecorder:
 
     def _hook(self, index: int):
         def hook(_module: nn.Module, _inputs: Any, out: torch.Tensor) -> None:
-            with torch.no_grad():
-                gate, up = out.detach().chunk(2, dim=-1)
-                cmax = (F.silu(gate) * up).abs().reshape(-1, up.shape[-1]).amax(dim=0).float()
-                prev = self._maxima[index]
-                self._maxima[index] = cmax if prev is None else torch.maximum(prev, cmax)
+            cmax = swiglu_channel_maxima(out)
+            prev = self._maxima[index]
+            self._maxima[index] = cmax if prev is None else torch.maximum(prev, cmax)
         return hook
 
     def arm(self) -> None:
