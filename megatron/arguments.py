@@ -105,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fp8-amax-compute-algo", choices=["max", "most_recent"], default="most_recent")
     g.add_argument("--no-fp8-wgrad", action="store_true", help="run the weight-gradient GEMM in high precision")
     g.add_argument("--fp8-power-of-two-scales", action="store_true")
-    g.add_argument("--fp8-backend", choices=["auto", "cuda", "hpu", "emulated"], default="auto")
+    g.add_argument("--fp8-backend", choices=["auto", "scaled_mm", "cuda", "hpu", "emulated"], default="auto",
+                   help="scaled_mm (alias cuda): torch._scaled_mm, on sm89+ GPUs and on the CPU")
     g.add_argument("--fp8-first-last-layers-bf16", type=int, default=0, help="keep N blocks at each end in BF16")
     g.add_argument("--fp8-mlp-fc2-bf16", action="store_true", help="keep only the fc2 GEMM in BF16 (ablation)")
     g.add_argument("--fp8-grad-stochastic-rounding", action="store_true")

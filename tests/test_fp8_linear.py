@@ -154,16 +154,19 @@ def test_print_shows_fp8_and_state_dict_keys_unchanged() -> None:
     assert list(fp8.state_dict()) == list(ref.state_dict()) == ["weight", "bias"]
 
 
-def test_forced_cuda_backend_on_cpu_is_a_value_error_naming_the_flag() -> None:
-    with pytest.raises(ValueError, match="--fp8-backend"):
-        select_backend("cuda", "cpu")
+def test_forced_backend_the_device_cannot_run_is_a_value_error_naming_the_flag() -> None:
     with pytest.raises(ValueError, match="--fp8-backend"):
         select_backend("hpu", "cpu")
-    _, fp8 = _pair(Fp8Recipe(backend="cuda"))
+    with pytest.raises(ValueError, match="--fp8-backend scaled_mm"):
+        select_backend("scaled_mm", "meta")  # neither an sm89+ GPU nor the CPU
+    _, fp8 = _pair(Fp8Recipe(backend="hpu"))
     with pytest.raises(ValueError, match="--fp8-backend"):
         fp8(torch.randn(2, 256))
     assert isinstance(select_backend("auto", "cpu"), EmulatedBackend)
     assert isinstance(select_backend("emulated", "cpu"), EmulatedBackend)
+    # torch._scaled_mm runs on the CPU, so the CUDA backend (and its old name) is accepted there.
+    assert isinstance(select_backend("scaled_mm", "cpu"), CudaScaledMmBackend)
+    assert select_backend("cuda", "cpu") is select_backend("scaled_mm", "cpu")
 
 
 @pytest.mark.parametrize("shape", [(32, 64, 48), (30, 60, 20), (7, 33, 100)])
@@ -193,5 +196,5 @@ def test_fp8_linear_with_scaled_mm_backend_matches_emulation(monkeypatch: pytest
         y = fp8(xa)
         y.backward(dy[..., :200])
         results[backend.name] = (y, xa.grad, fp8.weight.grad)
-    for got, want in zip(results["cuda"], results["emulated"]):
+    for got, want in zip(results["scaled_mm"], results["emulated"]):
         assert torch.allclose(got, want, rtol=1e-4, atol=1e-4)

@@ -1,6 +1,6 @@
 """GPU checks (CUDA with FP8 tensor cores, sm89+): skipped with the reason on machines without one.
 
-They compare the `cuda` backend (torch._scaled_mm) with the emulated one on the same device, and run a
+They compare the `scaled_mm` backend (torch._scaled_mm) with the emulated one on the same device, and run a
 tiny FP8 training step end to end on the GPU. Run them in a session that has a GPU: `pytest -m gpu`.
 """
 import pytest
@@ -27,14 +27,14 @@ def test_scaled_mm_backend_matches_emulation_on_gpu():
     weight = torch.randn(512, 256, device="cuda") * 0.02
     x = torch.randn(4, 64, 256, device="cuda", requires_grad=True)
     outs = {}
-    for backend in (Fp8Backend.CUDA, Fp8Backend.EMULATED):
+    for backend in (Fp8Backend.SCALED_MM, Fp8Backend.EMULATED):
         layer = _linear(backend, weight)
         xi = x.detach().clone().requires_grad_(True)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             y = layer(xi)
         y.float().pow(2).sum().backward()
         outs[backend] = (y.float(), xi.grad.float(), layer.weight.grad.float())
-    for got, ref in zip(outs[Fp8Backend.CUDA], outs[Fp8Backend.EMULATED]):
+    for got, ref in zip(outs[Fp8Backend.SCALED_MM], outs[Fp8Backend.EMULATED]):
         assert sqnr_db(got, ref) > 35.0  # same FP8 inputs; only accumulation order and bf16 output differ
 
 
@@ -44,5 +44,5 @@ def test_tiny_fp8_gpt_trains_on_gpu():
     from tests.conftest import tiny_argv
 
     result = pretrain(parse_config(tiny_argv("--bf16", "--fp8-format", "hybrid", "--device", "cuda",
-                                             "--fp8-backend", "cuda", train_iters=30, eval_iters=0)))
+                                             "--fp8-backend", "scaled_mm", train_iters=30, eval_iters=0)))
     assert result.losses[-1] < result.losses[0] - 1.0

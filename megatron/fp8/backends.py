@@ -25,7 +25,8 @@ backend decides whether it needs a copy:
   and on GPUs without FP8 tensor cores (sm < 89). Numerically it matches the hardware up to accumulation
   order; it is slower than a plain BF16 matmul by design (it does strictly more work).
 
-`select_backend(choice, device)` picks one from the device, or validates a forced `--fp8-backend`.
+`select_backend(choice, device)` picks one from the device, or validates a forced `--fp8-backend`
+(`auto`, `scaled_mm` = its alias `cuda`, `hpu`, `emulated`).
 """
 from __future__ import annotations
 
@@ -77,9 +78,9 @@ def _round_up(n: int, multiple: int = 16) -> int:
 
 
 class CudaScaledMmBackend:
-    """`torch._scaled_mm`: FP8 x FP8 on sm89+ tensor cores, FP32 accumulation."""
+    """`torch._scaled_mm`: FP8 x FP8 on sm89+ tensor cores, FP32 accumulation; also runs on CPU (2-D)."""
 
-    name = "cuda"
+    name = "scaled_mm"
     format_backend = "cuda"
     wants_contiguous_operands = True  # b must be row-major [N, K]; the linear caches W^T once per step
 
@@ -156,27 +157,29 @@ def _cuda_has_fp8(device: torch.device) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _make(name: str) -> Backend:
-    return {"emulated": EmulatedBackend, "cuda": CudaScaledMmBackend, "hpu": HpuBackend}[name]()
+    return {"emulated": EmulatedBackend, "scaled_mm": CudaScaledMmBackend, "hpu": HpuBackend}[name]()
 
 
 def select_backend(choice: Fp8Backend | str, device: torch.device | str) -> Backend:
     """The backend for tensors on `device`; `choice` is the recipe's `--fp8-backend`.
 
-    auto: cuda on sm89+, hpu on Gaudi, emulated otherwise (CPU, older GPUs). A forced choice the device
-    cannot run raises ValueError naming the flag.
+    auto: scaled_mm on sm89+ GPUs, hpu on Gaudi, emulated otherwise (CPU, older GPUs). A forced `scaled_mm`
+    (alias `cuda`) runs wherever `torch._scaled_mm` does: sm89+ GPUs and the CPU, which is how the CUDA
+    backend's layouts, padding and operand order are trained end to end without a GPU. A forced choice the
+    device cannot run raises ValueError naming the flag.
     """
     choice = Fp8Backend(choice)
     device = torch.device(device)
     if choice is Fp8Backend.AUTO:
         if _cuda_has_fp8(device):
-            return _make("cuda")
+            return _make("scaled_mm")
         if device.type == "hpu":
             return _make("hpu")
         return _make("emulated")
-    if choice is Fp8Backend.CUDA and not _cuda_has_fp8(device):
+    if choice is Fp8Backend.SCALED_MM and not (_cuda_has_fp8(device) or device.type == "cpu"):
         raise ValueError(
-            f"--fp8-backend cuda needs a CUDA device with compute capability >= 8.9 (FP8 tensor cores), "
-            f"but the model is on {device}; use --fp8-backend auto or emulated")
+            f"--fp8-backend scaled_mm (alias cuda) needs a CUDA device with compute capability >= 8.9 (FP8 "
+            f"tensor cores) or the CPU, but the model is on {device}; use --fp8-backend auto or emulated")
     if choice is Fp8Backend.HPU:
         if device.type != "hpu" or importlib.util.find_spec("habana_frameworks") is None:
             raise ValueError(

@@ -28,9 +28,15 @@ class AmaxComputeAlgo(str, enum.Enum):
 
 class Fp8Backend(str, enum.Enum):
     AUTO = "auto"
-    CUDA = "cuda"  # torch._scaled_mm
+    SCALED_MM = "scaled_mm"  # torch._scaled_mm: sm89+ GPUs, and CPU (where it runs too, for end-to-end tests)
+    CUDA = "scaled_mm"  # the earlier name: an alias of SCALED_MM (Fp8Backend("cuda") is SCALED_MM too)
     HPU = "hpu"  # habana_frameworks FP8 ops
     EMULATED = "emulated"  # real FP8 casts, GEMM on the dequantized values
+
+    @classmethod
+    def _missing_(cls, value: object) -> "Fp8Backend | None":
+        # `--fp8-backend cuda` and recipes saved before the rename.
+        return cls.SCALED_MM if value == "cuda" else None
 
 
 @dataclass(frozen=True)
