@@ -3,6 +3,7 @@ import socket
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from megatron.training import checkpointing as ckpt
@@ -32,6 +33,7 @@ def _losses(log: str) -> list[float]:
     return [float(line.split("lm loss: ")[1].split(" ")[0]) for line in log.splitlines() if "lm loss: " in line]
 
 
+@pytest.mark.isa_sensitive
 def test_dp2_equals_single_process_with_double_accumulation(tmp_path):
     single = _run(1, tmp_path / "single")
     ddp = _run(2, tmp_path / "ddp")

@@ -43,6 +43,7 @@ def fp8_pp2(tmp_path_factory):
     return values(log), save, log
 
 
+@pytest.mark.isa_sensitive
 @pytest.mark.parametrize("stage", ["0", "1"])
 def test_pp2_equals_pp1_fp32(stage):
     """ZeRO 0: our step guard clips and checks (clip 0.05 is active); ZeRO 1: DeepSpeed's optimizer does."""
@@ -52,6 +53,7 @@ def test_pp2_equals_pp1_fp32(stage):
     assert_close(two, one, 1e-6)
 
 
+@pytest.mark.isa_sensitive
 def test_pp2_equals_pp1_fp8_smooth_swiglu(fp8_pp1, fp8_pp2):
     assert_close(fp8_pp2[0], fp8_pp1, 1e-6)
     assert fp8_pp2[0][3] < fp8_pp2[0][0]  # it trains
@@ -77,6 +79,7 @@ def test_pp2_resume_at_the_same_layout_continues_the_run(tmp_path, fp8_pp2):
     assert_close(second, full[2:4] + full[5:], 1e-6)  # weights, optimizer, FP8 scales and data position restored
 
 
+@pytest.mark.isa_sensitive
 def test_pp2_bf16_fp8adam_tracks_pp1():
     argv = (*PP, *FP8, "--bf16", "--optimizer", "fp8adam")
     one = values(run(1, *argv, **FP8_OVERRIDES))

@@ -354,6 +354,7 @@ def _losses(log: str) -> list[str]:
     return [line.split("lm loss: ")[1].split(" ")[0] for line in log.splitlines() if "lm loss: " in line]
 
 
+@pytest.mark.isa_sensitive
 def test_pretrain_gpt_tp2_matches_tp1(tmp_path):
     from megatron.parallel import merge_state_dicts
     from megatron.training import checkpointing as ckpt
