@@ -16,9 +16,9 @@ import torch
 
 
 def _hpu_available() -> bool:
-    if importlib.util.find_spec("habana_frameworks") is None:
-        return False
     try:
+        if importlib.util.find_spec("habana_frameworks") is None:
+            return False
         import habana_frameworks.torch.core  # noqa: F401  (registers the hpu device)
         import habana_frameworks.torch.hpu as hthpu
 
@@ -57,6 +57,22 @@ class Accelerator:
             import habana_frameworks.torch.hpu as hthpu
 
             hthpu.synchronize()
+
+    @property
+    def lazy_mode(self) -> bool:
+        """Gaudi's lazy mode (PT_HPU_LAZY_MODE unset or not "0"): ops accumulate into a graph until mark_step."""
+        return self.device_type == "hpu" and os.environ.get("PT_HPU_LAZY_MODE", "1") != "0"
+
+    def mark_step(self) -> None:
+        """Cut and launch the accumulated graph in Gaudi's lazy mode; a no-op elsewhere (CUDA, CPU, HPU eager).
+
+        The training loop calls it where Habana's Megatron-DeepSpeed does: after each backward, after the
+        optimizer step, and after each evaluation forward, so no graph spans more than one of them.
+        """
+        if self.lazy_mode:
+            import habana_frameworks.torch.core as htcore
+
+            htcore.mark_step()
 
     def set_device(self) -> None:
         if self.device_type == "cuda":

@@ -222,6 +222,7 @@ class Trainer:
                 masked, count = self._forward_loss(engine.module, batch)
                 loss = masked / count.clamp(min=1.0)
                 engine.backward(loss / n)
+                self.accel.mark_step()
             loss_sum += loss.detach().float()
         loss_avg = loss_sum / n
         if self.parallel.is_distributed:
@@ -230,6 +231,7 @@ class Trainer:
         loss_value = float(loss_avg)
         grad_norm, stepped = engine.step(self.state.iteration, math.isfinite(loss_value))
         self.fp8.after_optimizer_step()
+        self.accel.mark_step()
         return loss_value, grad_norm, stepped
 
     # ------------------------------------------------------------------------------- evaluation
@@ -248,6 +250,7 @@ class Trainer:
         for _ in range(t.eval_iters * t.num_micro_batches):
             batch = make_batch(next(it), self.eod, self.config.data).to(self.accel.device)
             masked, count = self._forward_loss(self.model, batch)
+            self.accel.mark_step()
             total += torch.stack([masked.double().cpu(), count.double().cpu()])
         if self.parallel.is_distributed:
             dist.all_reduce(total, group=self.parallel.data_parallel_group)
