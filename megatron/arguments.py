@@ -61,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fp8-optimizer-m-dtype", choices=["e4m3", "e5m2", "bf16", "fp32"], default="e4m3")
     g.add_argument("--fp8-optimizer-v-dtype", choices=["e4m3", "e5m2", "bf16", "fp32"], default="e5m2")
     g.add_argument("--fp8-optimizer-block-size", type=int, default=0, help="0 = one scale per tensor")
-    g.add_argument("--fp8-optimizer-stochastic-rounding", action="store_true")
+    g.add_argument("--fp8-optimizer-stochastic-rounding", action=argparse.BooleanOptionalAction, default=True,
+                   help="requantize Adam's v with stochastic rounding (default; unbiased, see docs/fp8_adam.md)")
 
     g = p.add_argument_group("batch, schedule and training")
     g.add_argument("--micro-batch-size", type=int, default=None)
@@ -400,7 +401,7 @@ def parse_config(argv: Optional[Sequence[str]] = None, world_size: Optional[int]
     if a.optimizer != "fp8adam":
         opt_defaults = (a.fp8_optimizer_m_dtype, a.fp8_optimizer_v_dtype, a.fp8_optimizer_block_size,
                         a.fp8_optimizer_stochastic_rounding)
-        if opt_defaults != ("e4m3", "e5m2", 0, False):
+        if opt_defaults != ("e4m3", "e5m2", 0, True):
             raise ValueError("--fp8-optimizer-* flags need --optimizer fp8adam (or --fp8-optimizer)")
     data = _data_config(a)
     model = _model_config(a, _padded_vocab_size(a, data))

@@ -97,7 +97,7 @@ class OptimizerConfig:
     fp8_m_dtype: str = "e4m3"
     fp8_v_dtype: str = "e5m2"
     fp8_block_size: int = 0
-    fp8_stochastic_rounding: bool = False
+    fp8_stochastic_rounding: bool = True
 
 
 @dataclass(frozen=True)

@@ -27,10 +27,21 @@ Numerics of v (why E5M2, and what happens at the bottom of its range):
   than exact Adam's, and the C * lr bound survives underflow. The floor is not written back into v
   (it would freeze tiny v's at the threshold for ever). An all-zero block has scale_inv 0: no floor.
 - eps enters as in torch.optim.AdamW: denom = sqrt(v_hat) + eps, after the floor.
-- Round-to-nearest can stall an EMA whose per-step change is below half an ulp (E5M2 has 2 mantissa
-  bits: v changes of < ~6-12% per step can be lost). `stochastic_rounding=True` makes the requantization
-  unbiased (E[q] = x), so small changes survive on average; its noise comes from an optimizer-owned
-  generator with a fixed seed, so data-parallel replicas stay identical and resume is exact.
+- v is requantized with stochastic rounding by default (`stochastic_rounding=True`); m with round-to-
+  nearest. Why: E5M2 has 2 mantissa bits, so a grid step is 12.5-25% of the value. With beta2 = 0.95 a
+  decaying v shrinks by 5% per step (0.1% at 0.999): less than half a step, so round-to-nearest puts it
+  back where it was, while an increase by a large g^2 sticks. The error is one-sided: v can grow but
+  not shrink, and the update is systematically too small (0.72-0.81x AdamW's at beta2 0.95; a row that
+  saw one gradient burst and then zeros kept 20x its exact v; docs/fp8_adam.md). Stochastic rounding
+  is unbiased (E[q] = x), so every decay survives on average. Its noise is a random walk damped by
+  beta2, and its variance per step is proportional to the step's change (a value on the grid that
+  moves by d rounds away with probability d / ulp), so the stored v stays close to the exact one
+  (update within 1-3% of AdamW's, the burst row within 2%; measured against sqrt(v), COAT's range
+  expansion and error feedback, see docs/fp8_adam.md). m needs no such help: beta1 = 0.9 moves it by
+  10% of (g - m) per step, more than half an E4M3 step (<= 6.25%), and its errors have no sign
+  preference; stochastic rounding of m only adds noise (measured). The noise comes from an optimizer-
+  owned generator with a fixed seed, so data-parallel replicas stay identical and resume is exact;
+  `stochastic_rounding=False` (`--no-fp8-optimizer-stochastic-rounding`) restores round-to-nearest.
 
 State dict: plain tensors/ints/floats/strings (FP8 tensors included), loadable with
 `torch.load(weights_only=True)`. Loading converts: a torch.optim.AdamW state (FP32 moments), or one of
@@ -87,8 +98,7 @@ def _chunk_step(param: Optional[torch.Tensor], grad: torch.Tensor,
                 decay: torch.Tensor, step_size: torch.Tensor, bc2_sqrt: torch.Tensor,
                 beta1: float, beta2: float, eps: float,
                 m_fmt: MomentFormat, v_fmt: MomentFormat, stochastic: bool, requantize: bool,
-                m_amax: Optional[torch.Tensor], v_amax: Optional[torch.Tensor],
-                m_noise: Optional[torch.Tensor], v_noise: Optional[torch.Tensor]):
+                m_amax: Optional[torch.Tensor], v_amax: Optional[torch.Tensor], v_noise: Optional[torch.Tensor]):
     """AdamW on one flat chunk of one parameter whose moments are stored in `m_fmt`/`v_fmt`.
 
     Updates `param` in place unless it is None; returns (m_data, m_scale_inv, v_data, v_scale_inv) if
@@ -109,7 +119,7 @@ def _chunk_step(param: Optional[torch.Tensor], grad: torch.Tensor,
         param.sub_(step_size * m / denom)
     if not requantize:
         return m.abs().amax(), v.amax()
-    m_data, m_scale_inv = quantize(m, m_fmt, m_noise, m_amax)
+    m_data, m_scale_inv = quantize(m, m_fmt, None, m_amax)  # nearest: see the module docstring
     v_data, v_scale_inv = quantize(v, v_fmt, v_noise, v_amax)
     return m_data, m_scale_inv, v_data, v_scale_inv
 
@@ -145,7 +155,7 @@ class Fp8AdamW(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.01, m_dtype: str = "e4m3",
-                 v_dtype: str = "e5m2", block_size: int = 0, stochastic_rounding: bool = False,
+                 v_dtype: str = "e5m2", block_size: int = 0, stochastic_rounding: bool = True,
                  compile: bool = False) -> None:
         _validate(lr, betas, eps, weight_decay, m_dtype, v_dtype, block_size)
         if v_dtype == MomentDtype.E4M3.value:
@@ -273,16 +283,15 @@ class Fp8AdamW(torch.optim.Optimizer):
                 length = min(chunk, n - a)
                 ins = [x for (d, si), f in zip(old, fmts) for x in self._moment_slice(d, si, f, a, length)]
                 out = self._call(flat_p[a:a + length], flat_g[a:a + length], *ins, *scalars, *fixed, False,
-                                 None, None, None, None)
+                                 None, None, None)
                 amaxes = [torch.maximum(x, y) for x, y in zip(amaxes, out)]
             amaxes = [am if f.is_fp8 and f.block_size == 0 else None for am, f in zip(amaxes, fmts)]
         new = [self._new_moment(p, f, zero=False) for f in fmts]  # every element is written
         for a in range(0, n, chunk):
             length = min(chunk, n - a)
             ins = [x for (d, si), f in zip(old, fmts) for x in self._moment_slice(d, si, f, a, length)]
-            noise = [self._noise(f, length, p.device) for f in fmts]
             out = self._call(None if per_tensor else flat_p[a:a + length], flat_g[a:a + length], *ins,
-                             *scalars, *fixed, True, *amaxes, *noise)
+                             *scalars, *fixed, True, *amaxes, self._noise(v_fmt, length, p.device))
             for (d, si), f, q, qs in zip(new, fmts, out[0::2], out[1::2]):
                 d_slice, s_slice = self._moment_slice(d, si, f, a, length)
                 d_slice.copy_(q)
@@ -306,6 +315,7 @@ class Fp8AdamW(torch.optim.Optimizer):
         return flat[start:start + count * fmt.block_size], scale_inv[first:first + count]
 
     def _noise(self, fmt: MomentFormat, length: int, device: torch.device) -> Optional[torch.Tensor]:
+        """Uniform noise for stochastic rounding of v over `length` elements, or None (nearest)."""
         if not self.stochastic_rounding or fmt.dtype is MomentDtype.FP32:
             return None
         return torch.rand(storage_numel(length, fmt), generator=self._generator(device), device=device)
