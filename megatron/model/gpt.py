@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from megatron.config import ModelConfig, PositionEmbedding, RecomputeGranularity
-from megatron.model.layers import RotaryEmbedding, build_norm
+from megatron.model.layers import RotaryEmbedding, at_least_fp32, build_norm
 from megatron.model.transformer import TransformerLayer
 
 
@@ -48,8 +48,8 @@ class OutputHead(nn.Module):
         if labels is None:
             return logits
         b, s = labels.shape
-        # Cross-entropy in FP32 whatever the compute dtype: BF16 logits lose too much for the loss.
-        loss = F.cross_entropy(logits.float().view(b * s, -1), labels.reshape(b * s), reduction="none")
+        # Cross-entropy in at least FP32 whatever the compute dtype: BF16 logits lose too much for the loss.
+        loss = F.cross_entropy(at_least_fp32(logits).view(b * s, -1), labels.reshape(b * s), reduction="none")
         return loss.view(b, s)
 
 

@@ -7,8 +7,13 @@ from torch import nn
 from megatron.config import ModelConfig, Normalization
 
 
+def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    """`x` in FP32 when it is narrower (BF16, FP16), unchanged when FP32 or wider: float64 runs stay float64."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 class RMSNorm(nn.Module):
-    """Root-mean-square norm, computed in FP32 whatever the activation dtype (as Llama does)."""
+    """Root-mean-square norm, computed in at least FP32 whatever the activation dtype (as Llama does)."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-5) -> None:
         super().__init__()
@@ -16,9 +21,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
+        x32 = at_least_fp32(x)
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * self.weight.float()).to(x.dtype)
+        return (normed * self.weight.to(x32.dtype)).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
@@ -31,13 +36,14 @@ def build_norm(config: ModelConfig) -> nn.Module:
 
 
 class RotaryEmbedding(nn.Module):
-    """RoPE tables (cos, sin) for positions 0..max_positions-1; applied in FP32 to q and k."""
+    """RoPE tables (cos, sin) for positions 0..max_positions-1; applied in at least FP32 to q and k."""
 
     def __init__(self, head_dim: int, max_positions: int, base: float) -> None:
         super().__init__()
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
-        # Not saved in checkpoints: fully determined by the config.
+        # Not saved in checkpoints: fully determined by the config. FP32 (no float64 on some accelerators);
+        # `model.double()` widens them like any buffer, so a float64 model rotates in float64.
         self.register_buffer("cos", angles.cos().float(), persistent=False)
         self.register_buffer("sin", angles.sin().float(), persistent=False)
 
@@ -48,7 +54,7 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (x[..., :d/2], x[..., d/2:]) (the Llama/HF "rotate_half" layout)."""
-    x32 = x.float()
+    x32 = at_least_fp32(x)
     half = x32.shape[-1] // 2
     x1, x2 = x32[..., :half], x32[..., half:]
     out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

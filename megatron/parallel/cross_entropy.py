@@ -9,7 +9,7 @@ where the sum is a SUM all-reduce of each rank's partial sum and z_t - m comes f
 owns t (the others contribute 0 to a SUM all-reduce). Three all-reduces of [tokens] floats instead of
 an all-gather of [tokens, vocab]. The gradient is local: d loss / d z_v = softmax_v - [v == t].
 The max is a constant of the computation (the loss does not depend on it), so it carries no gradient.
-Everything runs in FP32.
+Everything runs in at least FP32 (float64 logits stay float64).
 """
 from __future__ import annotations
 
@@ -17,13 +17,14 @@ from typing import Any
 
 import torch
 
+from megatron.model.layers import at_least_fp32
 from megatron.parallel.tensor_parallel import all_reduce_max, all_reduce_sum, group_rank
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, group: Any) -> torch.Tensor:
-        logits = logits.float()
+        logits = at_least_fp32(logits)
         local_vocab = logits.shape[-1]
         start = group_rank(group) * local_vocab
         logits_max = all_reduce_max(logits.max(dim=-1).values, group)
@@ -50,7 +51,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group: Any) -> torch.Tensor:
-    """Per-token FP32 loss [...] from this rank's logits [..., V/tp] and the full-vocabulary targets [...].
+    """Per-token loss (at least FP32) [...] from this rank's logits [..., V/tp] and the full-vocabulary targets [...].
 
     Equals `F.cross_entropy(full_logits, target, reduction="none")`; with `group` None it is exactly that.
     """

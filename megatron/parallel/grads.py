@@ -16,6 +16,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from megatron.model.layers import at_least_fp32
 from megatron.parallel.layers import SEQUENCE_PARALLEL_GRAD, TP_SHARD_DIM
 from megatron.parallel.tensor_parallel import all_reduce_sum, group_rank, group_size
 
@@ -26,7 +27,7 @@ def reduce_sequence_parallel_grads(model: nn.Module, tp_group: Any) -> None:
     grads = [p.grad for p in model.parameters() if getattr(p, SEQUENCE_PARALLEL_GRAD, False) and p.grad is not None]
     if not grads or group_size(tp_group) == 1:
         return
-    flat = torch.cat([g.reshape(-1).float() for g in grads])
+    flat = torch.cat([at_least_fp32(g.reshape(-1)) for g in grads])
     all_reduce_sum(flat, tp_group)
     offset = 0
     for g in grads:
@@ -50,7 +51,7 @@ def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float, tp_group: An
     def sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
         if not grads:
             return torch.zeros((), dtype=torch.float32, device=device)
-        return torch.stack([g.float().pow(2).sum().to(device) for g in grads]).sum()
+        return torch.stack([at_least_fp32(g).pow(2).sum().to(device) for g in grads]).sum()
 
     # One all-reduce: every rank's shards, plus the replicated part from TP rank 0 only.
     total = sum_of_squares(sharded)
