@@ -36,8 +36,10 @@ def _optimizers() -> Dict[str, Callable]:
     opts: Dict[str, Callable] = {
         "torch AdamW foreach": lambda p: torch.optim.AdamW(p, lr=1e-4, foreach=True),
         "Fp8AdamW eager": lambda p: Fp8AdamW(p, lr=1e-4),
+        "Fp8AdamW eager, v RTN": lambda p: Fp8AdamW(p, lr=1e-4, stochastic_rounding=False),
         "Fp8AdamW eager block128": lambda p: Fp8AdamW(p, lr=1e-4, block_size=128),
         "Fp8AdamW compiled": lambda p: Fp8AdamW(p, lr=1e-4, compile=True),
+        "Fp8AdamW compiled, v RTN": lambda p: Fp8AdamW(p, lr=1e-4, stochastic_rounding=False, compile=True),
         "Fp8AdamW compiled block128": lambda p: Fp8AdamW(p, lr=1e-4, block_size=128, compile=True),
     }
     try:

@@ -31,7 +31,7 @@ Numerics of v (why E5M2, and what happens at the bottom of its range):
   nearest. Why: E5M2 has 2 mantissa bits, so a grid step is 12.5-25% of the value. With beta2 = 0.95 a
   decaying v shrinks by 5% per step (0.1% at 0.999): less than half a step, so round-to-nearest puts it
   back where it was, while an increase by a large g^2 sticks. The error is one-sided: v can grow but
-  not shrink, and the update is systematically too small (0.72-0.81x AdamW's at beta2 0.95; a row that
+  not shrink, and the update is systematically too small (0.72-0.89x AdamW's at beta2 0.95; a row that
   saw one gradient burst and then zeros kept 20x its exact v; docs/fp8_adam.md). Stochastic rounding
   is unbiased (E[q] = x), so every decay survives on average. Its noise is a random walk damped by
   beta2, and its variance per step is proportional to the step's change (a value on the grid that
