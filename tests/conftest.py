@@ -12,6 +12,12 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+# torch.compile's on-disk cache does not tell kernels built under ATEN_CPU_CAPABILITY=avx2 from native ones:
+# a cache filled by one setting and read by the other gave NaNs (compiled Fp8AdamW) or a segfault. CI runs
+# the suite under both settings (scripts/test.sh), so each setting gets its own cache folder.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(
+    Path(os.environ.get("TMPDIR", "/tmp")) / f"torchinductor-megatron-{os.environ.get('ATEN_CPU_CAPABILITY', 'native')}"))
+
 TINY = {
     "--num-layers": 2, "--hidden-size": 64, "--num-attention-heads": 4, "--num-key-value-heads": 2,
     "--seq-length": 32, "--micro-batch-size": 4, "--global-batch-size": 8, "--train-iters": 20,
