@@ -291,6 +291,7 @@ def test_compile_failure_falls_back_to_eager(monkeypatch):
         assert torch.equal(a, b)
 
 
+@pytest.mark.isa_sensitive  # generated kernels follow the ISA: CI runs it with AVX2 forced too
 @pytest.mark.parametrize("block_size", [0, 128])
 def test_compiled_matches_eager(block_size):
     """20 steps of fixed gradients (no feedback through the model), compiled vs eager.
