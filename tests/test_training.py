@@ -11,6 +11,7 @@ from megatron.arguments import parse_config
 from megatron.optimizer.lr_scheduler import lr_at
 from megatron.training.loop import Trainer, TrainingDiverged, pretrain
 from tests.conftest import REPO, tiny_argv
+from tests.run_noise import assert_weights_within_noise
 
 
 def test_tiny_run_loss_drops_clearly():
@@ -24,15 +25,16 @@ def test_tiny_run_loss_drops_clearly():
     assert result.state.consumed_train_tokens == 40 * 8 * 32
 
 
+@pytest.mark.isa_sensitive
 def test_gradient_accumulation_equivalence():
-    """8 micro-batches of 1 and 1 micro-batch of 8 give the same update (fp32)."""
+    """8 micro-batches of 1 and 1 micro-batch of 8 give the same update (fp32), to within the noise of the run:
+    4 micro-batches of 2, the same math in a third summation order, is the control (tests/run_noise.py)."""
     weights = []
-    for mbs in (1, 8):
+    for mbs in (1, 8, 2):
         result = pretrain(parse_config(tiny_argv(micro_batch_size=mbs, global_batch_size=8, train_iters=2,
                                                  eval_iters=0, lr_warmup_iters=0)))
         weights.append({k: v.clone() for k, v in result.model.state_dict().items()})
-    for key in weights[0]:
-        assert torch.allclose(weights[0][key], weights[1][key], rtol=1e-4, atol=1e-6), key
+    assert_weights_within_noise(*weights)
 
 
 def _weights(model):
