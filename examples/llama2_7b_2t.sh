@@ -51,7 +51,7 @@ if [ "$PRECISION" = fp8 ]; then
                --fp8-power-of-two-scales --smooth-swiglu --smooth-swiglu-granularity channel
                --optimizer fp8adam --fp8-optimizer-block-size 128 --log-fp8-stats)
   [ "$PLATFORM" = gaudi2 ] && TRAIN_ARGS+=(--fp8-backend hpu)
-  [ "$PLATFORM" = cuda ] && TRAIN_ARGS+=(--fp8-backend cuda)
+  [ "$PLATFORM" = cuda ] && TRAIN_ARGS+=(--fp8-backend scaled_mm)
 fi
 DEVICE_ARGS=(--device "$([ "$PLATFORM" = gaudi2 ] && echo hpu || echo cuda)")
 DATA_ARGS=(--data-path "$DATA_PATH" --split 969,30,1 --tokenizer-type GPTSentencePieceTokenizer
