@@ -7,6 +7,11 @@ data-parallel group (they hold the same shard: DDP all-reduces gradients there).
 is every rank holding a piece or a replica of the same logical tensors: with PP = 1, the whole
 TP x DP world. With pipeline parallelism (DeepSpeed, TP = 1) see `_pipeline_parallel_state`. Model code
 never reads process-group globals: these objects are passed down.
+
+`host_group` spans every rank on gloo: host-side flags (the loop's exit checks) are reduced there as CPU
+tensors, without a device synchronisation (a CPU tensor may not go through an NCCL/HCCL group at all).
+With MEGATRON_FORCE_COLLECTIVES=1 a single process still joins a one-rank process group, so that every
+collective of the run goes through the backend (see `megatron/comm.py`).
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from megatron import comm
 from megatron.accelerator import Accelerator
 from megatron.config import ParallelConfig
 
@@ -39,6 +45,8 @@ class ParallelState:
     amax_group: Optional[object] = None
     pipeline_parallel_size: int = 1
     pipeline_parallel_rank: int = 0  # the stage
+    # Every rank, on gloo: CPU flags are reduced here without touching the accelerator.
+    host_group: Optional[object] = None
 
     @property
     def is_distributed(self) -> bool:
@@ -71,7 +79,7 @@ def finish_distributed_run(exit_code: int) -> None:
     if dist.is_initialized():
         try:
             if exit_code == 0:
-                dist.barrier()  # no rank tears down while another still communicates
+                comm.barrier(comm.world_group())  # no rank tears down while another still communicates
             dist.destroy_process_group()
         except Exception as exc:  # a failing peer must not turn a clean exit into a hang or a new error
             logger.warning("process-group teardown: %s", exc)
@@ -88,17 +96,22 @@ def world_size_from_env() -> int:
 def initialize_parallel_state(cfg: ParallelConfig, accelerator: Accelerator) -> ParallelState:
     """Join the process group started by torchrun/the deepspeed launcher, if any, and build groups."""
     world = world_size_from_env()
-    if world == 1 and not dist.is_initialized():
+    if world == 1 and not dist.is_initialized() and not comm.collectives_forced():
         return ParallelState()
     if not dist.is_initialized():
         backend = cfg.distributed_backend or accelerator.distributed_backend
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=10))
+        timeout = datetime.timedelta(minutes=10)
+        if world == 1:  # forced collectives: a one-rank group; a HashStore needs no address or port
+            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        else:
+            dist.init_process_group(backend=backend, timeout=timeout)
         # Tear the groups down before the interpreter does: gloo's threads otherwise may be destroyed while
         # still joinable at exit ("terminate called without an active exception", SIGABRT).
         atexit.register(_destroy_process_groups)
     rank, world = dist.get_rank(), dist.get_world_size()
+    host_group = _host_group(world)
     if cfg.pipeline_model_parallel_size > 1:
-        return _pipeline_parallel_state(rank, world, cfg.pipeline_model_parallel_size)
+        return _pipeline_parallel_state(rank, world, cfg.pipeline_model_parallel_size, host_group)
     tp = cfg.tensor_model_parallel_size
     if world % tp:
         raise ValueError(f"world size {world} is not divisible by --tensor-model-parallel-size {tp}")
@@ -120,10 +133,17 @@ def initialize_parallel_state(cfg: ParallelConfig, accelerator: Accelerator) -> 
                 rank, world, tp, dp)
     return ParallelState(world_size=world, rank=rank, data_parallel_size=dp, data_parallel_rank=rank // tp,
                          data_parallel_group=dp_group, tensor_parallel_size=tp, tensor_parallel_rank=rank % tp,
-                         tensor_parallel_group=tp_group, amax_group=world_group)
+                         tensor_parallel_group=tp_group, amax_group=world_group, host_group=host_group)
 
 
-def _pipeline_parallel_state(rank: int, world: int, pp: int) -> ParallelState:
+def _host_group(world: int) -> object:
+    """The default group when it is gloo already, else a gloo group over every rank (created by all ranks)."""
+    if "gloo" in str(dist.get_backend()).split(","):
+        return dist.group.WORLD
+    return dist.new_group(list(range(world)), backend="gloo")
+
+
+def _pipeline_parallel_state(rank: int, world: int, pp: int, host_group: object) -> ParallelState:
     """PP stages x DP replicas (TP = 1), laid out as DeepSpeed's PipeModelDataParallelTopology(pp, 1, dp):
     rank = stage * dp + replica. The ranks of one stage hold the same layers: they form its data-parallel
     group and its FP8 amax group (other stages hold other tensors)."""
@@ -140,4 +160,4 @@ def _pipeline_parallel_state(rank: int, world: int, pp: int) -> ParallelState:
                 rank, world, rank // dp, pp, dp)
     return ParallelState(world_size=world, rank=rank, data_parallel_size=dp, data_parallel_rank=rank % dp,
                          data_parallel_group=stage_group, amax_group=stage_group,
-                         pipeline_parallel_size=pp, pipeline_parallel_rank=rank // dp)
+                         pipeline_parallel_size=pp, pipeline_parallel_rank=rank // dp, host_group=host_group)

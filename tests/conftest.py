@@ -65,3 +65,6 @@ def venv_python() -> str:
 
 def pytest_configure(config):
     os.environ.setdefault("OMP_NUM_THREADS", "2")
+    import collective_guard  # every collective of megatron/ must go through megatron.comm
+
+    collective_guard.enable()

@@ -224,7 +224,7 @@ def step(iteration, loss_finite):
     before = snapshot()
     norm, stepped = real_step(iteration, loss_finite)
     same = all(torch.equal(a, b) for a, b in zip(before, snapshot()))
-    report.append({"iteration": iteration + 1, "loss_finite": loss_finite, "stepped": stepped, "unchanged": same})
+    report.append({"iteration": iteration + 1, "loss_finite": bool(loss_finite), "stepped": stepped, "unchanged": same})
     return norm, stepped
 
 trainer._forward_loss, trainer.engine.step = forward, step

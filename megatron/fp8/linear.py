@@ -56,9 +56,9 @@ import dataclasses
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
+from megatron import comm
 from megatron.fp8 import stats as fp8_stats
 from megatron.fp8.backends import Backend, backend_format_spec, select_backend
 from megatron.fp8.formats import Fp8FormatSpec
@@ -278,8 +278,7 @@ class Fp8Linear(nn.Linear):
         with torch.no_grad():
             w = self.weight.float() * column_scale.float()
             amax = amax_of(w)
-            if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
-                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+            comm.all_reduce(amax, group, comm.ReduceOp.MAX)  # a no-op without a group
             scale = self._own_amax_scale(Fp8Role.WEIGHT, amax, spec)
             q = backend.quantize(w, scale, spec)
             if self.fp8_stats_enabled:

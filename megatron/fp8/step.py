@@ -3,9 +3,9 @@
 What it does, for every `Fp8Linear` in the model:
 1. Max-reduce this step's amaxes (the running max over all micro-batches) across the module's amax group.
    All modules sharing a group are reduced in ONE all-reduce of a stacked [n_modules, 3] fp32 tensor: one
-   collective per step instead of 3 per layer, and fp32 because gloo cannot reduce FP8 (and amaxes are
-   fp32 anyway). NaN is sent as +inf, because a MAX reduction's treatment of NaN is backend-defined while
-   inf is ordered; either way the step amax is non-finite and handled the same (see `scaling.py`).
+   collective per step instead of 3 per layer, and fp32 because no backend reduces FP8 (and amaxes are
+   fp32 anyway). `megatron.comm` sends NaN as +inf (a MAX over NaN is backend-defined, inf is ordered);
+   either way the step amax is non-finite and handled the same (see `scaling.py`).
 2. Roll the amax histories, recompute the delayed scales, count non-finite steps.
 3. Reset the running step amax and drop the cached FP8 weights (the optimizer has just changed them).
 
@@ -17,9 +17,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
+from megatron import comm
 from megatron.fp8.linear import Fp8Linear
 from megatron.fp8.recipe import Fp8Scaling
 from megatron.fp8.scaling import delayed_update
@@ -48,9 +48,8 @@ def fp8_optimizer_step(model: nn.Module) -> None:
 
     for group, modules in groups.values():
         amaxes = torch.stack([m.fp8_step_amax for m in modules])
-        amaxes = torch.where(torch.isnan(amaxes), torch.full_like(amaxes, float("inf")), amaxes)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-            dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=group)
+        # amax_group None means the default group (when torch.distributed is initialized).
+        comm.all_reduce(amaxes, group if group is not None else comm.world_group(), comm.ReduceOp.MAX)
         for m, step_amax in zip(modules, amaxes):
             history, scale, valid, nonfinite = delayed_update(
                 m.fp8_amax_history, m.fp8_scale, m.fp8_scale_valid, step_amax, _fp8_maxes(m), m.recipe)

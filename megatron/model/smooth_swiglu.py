@@ -59,10 +59,10 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from megatron import comm
 from megatron.config import ModelConfig, SmoothSwiGLUGranularity
 
 # Exponent clamp: 2**125 and its inverse are both finite, normal fp32 (and bf16) numbers.
@@ -104,12 +104,9 @@ def swiglu_channel_maxima(fc1_out: torch.Tensor) -> torch.Tensor:
 
 
 def _max_over_group(values: torch.Tensor, group: Any) -> torch.Tensor:
-    """`values` max-reduced over `group` (a no-op without one); NaN is sent as inf, since NaN is not
-    ordered under MAX on every backend (a non-finite max keeps the previous FP8 scale either way)."""
-    if group is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        values = torch.nan_to_num(values, nan=float("inf"))
-        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
-    return values
+    """`values` max-reduced over `group` (a no-op without one); `megatron.comm` sends NaN as inf, since NaN is
+    not ordered under MAX on every backend (a non-finite max keeps the previous FP8 scale either way)."""
+    return comm.all_reduce(values, group, comm.ReduceOp.MAX)
 
 
 def token_maxima(up: torch.Tensor, group: Any = None) -> torch.Tensor:
@@ -164,8 +161,10 @@ def channel_split_scales(maxima: torch.Tensor, split: ChannelSplit = ChannelSpli
     exponent = torch.where(usable, exponent, torch.zeros_like(exponent))
     # Exponent moved into the weight, per channel (unusable channels: 0).
     shift = torch.floor(exponent.float() * split.weight_share)
-    if split.max_weight_binades is not None and bool(usable.any()):
-        top_shift = _max_over_group(shift[usable].amax(), group)
+    if split.max_weight_binades is not None:
+        # No host read (`usable.any()`, `shift[usable]`): it would stall the device, and a rank-local condition
+        # around a collective hangs the ranks that skip it. Without usable channels top_shift is -inf: no-op.
+        top_shift = _max_over_group(torch.where(usable, shift, torch.full_like(shift, float("-inf"))).amax(), group)
         shift = torch.where(usable, torch.maximum(shift, top_shift - split.max_weight_binades), shift)
     shift = shift.to(torch.int32)
     top = _max_over_group(torch.ldexp(maxima, -shift).amax(), group)  # max of h * 2^-shift: NaN/inf propagate

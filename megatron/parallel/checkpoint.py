@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
+from megatron import comm
 from megatron.parallel_state import ParallelState
 from megatron.training.checkpointing import (
     CHECKPOINT_VERSION,
@@ -48,7 +48,7 @@ def save_tensor_parallel_checkpoint(save_dir: str | os.PathLike, iteration: int,
         root.mkdir(parents=True, exist_ok=True)
         sweep_stale_saves(root)
         staging.mkdir()
-    dist.barrier()
+    comm.barrier(comm.world_group())
     if parallel.data_parallel_rank == 0:
         target = model_file(staging, parallel.tensor_parallel_rank)
         target.parent.mkdir(parents=True)
@@ -57,10 +57,10 @@ def save_tensor_parallel_checkpoint(save_dir: str | os.PathLike, iteration: int,
             f.flush()
             os.fsync(f.fileno())
         fsync_path(target.parent)
-    dist.barrier()
+    comm.barrier(comm.world_group())
     if parallel.rank == 0:
         commit_checkpoint(root, staging, iteration, train_state, config)
-    dist.barrier()
+    comm.barrier(comm.world_group())
 
 
 def check_tensor_parallel_layout(load_dir: str | os.PathLike, tensor_parallel_size: int) -> None:

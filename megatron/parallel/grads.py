@@ -16,16 +16,17 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from megatron import comm
 from megatron.model.layers import at_least_fp32
 from megatron.parallel.layers import SEQUENCE_PARALLEL_GRAD, TP_SHARD_DIM
-from megatron.parallel.tensor_parallel import all_reduce_sum, group_rank, group_size
+from megatron.parallel.tensor_parallel import all_reduce_sum, group_rank
 
 
 @torch.no_grad()
 def reduce_sequence_parallel_grads(model: nn.Module, tp_group: Any) -> None:
     """Sum the gradients of sequence-parallel replicated parameters over the TP group, in place."""
     grads = [p.grad for p in model.parameters() if getattr(p, SEQUENCE_PARALLEL_GRAD, False) and p.grad is not None]
-    if not grads or group_size(tp_group) == 1:
+    if not grads or not comm.is_active(tp_group):
         return
     flat = torch.cat([at_least_fp32(g.reshape(-1)) for g in grads])
     all_reduce_sum(flat, tp_group)
@@ -39,10 +40,11 @@ def reduce_sequence_parallel_grads(model: nn.Module, tp_group: Any) -> None:
 def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float, tp_group: Any) -> torch.Tensor:
     """`torch.nn.utils.clip_grad_norm_` over the logical (unsharded) model; returns the total L2 norm.
 
-    At TP size 1 it is exactly torch's function.
+    At TP size 1 it is exactly torch's function (unless MEGATRON_FORCE_COLLECTIVES=1 gives TP a one-rank group).
+    The norm stays on the device: no host synchronisation here.
     """
     params = [p for p in params if p.grad is not None]
-    if group_size(tp_group) == 1:
+    if not comm.is_active(tp_group):
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
     device = params[0].grad.device if params else torch.device("cpu")
     sharded = [p.grad for p in params if hasattr(p, TP_SHARD_DIM)]

@@ -19,7 +19,8 @@ is passed unchanged to each term. Sequence parallelism splits the all-reduce int
 reduce-scatter then all-gather, and keeps the activations between them (norms, dropout, residual)
 sharded along the sequence: the same communication volume, 1/tp of the activation memory.
 
-Communication runs in the tensor's own dtype (bf16 partial sums under autocast, as Megatron does).
+Communication runs in the tensor's own dtype (bf16 partial sums under autocast, as Megatron does), through
+`megatron.comm` (which places it on the backend's device).
 """
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+
+from megatron import comm
 
 SEQUENCE_DIM = 1
 
@@ -40,16 +43,11 @@ def group_rank(group: Any) -> int:
 
 
 def _all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
-    x = x.contiguous().clone()
-    dist.all_reduce(x, group=group)
-    return x
+    return comm.all_reduce(x.contiguous().clone(), group)
 
 
 def _all_gather(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
-    x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(group_size(group))]
-    dist.all_gather(parts, x, group=group)
-    return torch.cat(parts, dim=dim)
+    return torch.cat(comm.all_gather(x.contiguous(), group), dim=dim)
 
 
 def _split(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
@@ -63,10 +61,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
     size = group_size(group)
     if x.shape[dim] % size:
         raise ValueError(f"cannot reduce-scatter dimension {dim} of size {x.shape[dim]} over {size} ranks")
-    parts = [p.contiguous() for p in x.chunk(size, dim=dim)]
-    out = torch.empty_like(parts[0])
-    dist.reduce_scatter(out, parts, group=group)
-    return out
+    return comm.reduce_scatter([p.contiguous() for p in x.chunk(size, dim=dim)], group)
 
 
 class _CopyToRegion(torch.autograd.Function):
@@ -136,7 +131,7 @@ class _ReduceScatterSequence(torch.autograd.Function):
 
 
 def _active(group: Any) -> bool:
-    return group is not None and group_size(group) > 1
+    return comm.is_active(group)
 
 
 def copy_to_tensor_parallel_region(x: torch.Tensor, group: Any) -> torch.Tensor:
@@ -183,14 +178,10 @@ def sequence_shard(x: torch.Tensor, group: Any) -> torch.Tensor:
 
 
 def all_reduce_max(x: torch.Tensor, group: Optional[Any]) -> torch.Tensor:
-    """In-place MAX all-reduce (no gradient)."""
-    if _active(group):
-        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
-    return x
+    """In-place MAX all-reduce (no gradient; NaN is sent as +inf)."""
+    return comm.all_reduce(x, group, comm.ReduceOp.MAX)
 
 
 def all_reduce_sum(x: torch.Tensor, group: Optional[Any]) -> torch.Tensor:
     """In-place SUM all-reduce (no gradient)."""
-    if _active(group):
-        dist.all_reduce(x, group=group)
-    return x
+    return comm.all_reduce(x, group)

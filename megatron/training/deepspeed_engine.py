@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import os
 from pathlib import Path
 from typing import ContextManager, Optional
@@ -38,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron import comm
 from megatron.optimizer.lr_scheduler import LrScheduler
 from megatron.parallel_state import ParallelState
 from megatron.training import checkpointing as ckpt
@@ -119,14 +119,19 @@ class DeepSpeedEngine:
             loss = loss * poison.to(loss.dtype)
         self.engine.backward(loss, scale_wrt_gas=False)
 
-    def step(self, iteration: int, loss_finite: bool) -> tuple[float, bool]:
-        """Set the LR, clip, step; (grad norm, stepped). A non-finite step changes neither weights nor state."""
+    def step(self, iteration: int, loss_finite: torch.Tensor) -> tuple[torch.Tensor | float, bool]:
+        """Set the LR, clip, step; (grad norm, stepped). A non-finite step changes neither weights nor state.
+
+        `loss_finite` is a 0-d bool tensor on the device. ZeRO 0 reads the host once (the skip decision);
+        ZeRO >= 1 leaves the decision to DeepSpeed's overflow check (which reads the host itself) and we read
+        `loss_finite` only to check that DeepSpeed skipped a non-finite loss.
+        """
         self._loss_nonfinite = None
         if self.zero_stage == 0:
             # Gradients are full and already all-reduced: check them the way TorchEngine does.
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-            grad_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
-            if not (loss_finite and math.isfinite(grad_norm)):
+            grad_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+            if not bool(loss_finite & torch.isfinite(grad_norm)):  # the step's decision: one host read
                 self.engine.zero_grad()
                 return grad_norm, False
             self.scheduler.apply(iteration)
@@ -138,7 +143,7 @@ class DeepSpeedEngine:
         stepped = bool(self.engine.was_step_applied())
         norm = self.engine.get_global_grad_norm()
         grad_norm = float(norm) if norm is not None else float("nan")
-        if stepped and not loss_finite:
+        if stepped and not bool(loss_finite):
             raise RuntimeError("DeepSpeed applied a step whose loss was not finite; the NaN-poisoned gradients "
                                "should have made it skip. Please report this with the DeepSpeed version.")
         if not stepped:
@@ -203,7 +208,7 @@ def save_checkpoint(engine, save_dir: str, iteration: int, client_state: dict, t
     if rank0:
         root.mkdir(parents=True, exist_ok=True)
         ckpt.sweep_stale_saves(root)
-    dist.barrier()
+    comm.barrier(comm.world_group())
     engine.save_checkpoint(str(root), tag=tmp_tag, client_state={CLIENT_KEY: client_state}, save_latest=False)
     # DeepSpeed's save ends with a barrier: every rank's files are complete here.
     if rank0:
@@ -211,7 +216,7 @@ def save_checkpoint(engine, save_dir: str, iteration: int, client_state: dict, t
         _fsync_tree(tmp)
         ckpt.commit_checkpoint(root, tmp, iteration, train_state, config,
                                pointers={DS_TRACKER_FILE: ckpt.iteration_dir(root, iteration).name})
-    dist.barrier()
+    comm.barrier(comm.world_group())
 
 
 def load_checkpoint(engine, load_dir: str, load_optimizer: bool, module_only: bool) -> Optional[dict]:

@@ -8,7 +8,6 @@ implements the same small interface (`module`, `micro_batch_context`, `backward`
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import ContextManager
 
 import torch
@@ -45,13 +44,17 @@ class TorchEngine:
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
-    def step(self, iteration: int, loss_finite: bool) -> tuple[float, bool]:
-        """Clip, check, step. Returns (grad norm, stepped); a non-finite step changes nothing."""
+    def step(self, iteration: int, loss_finite: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """Clip, check, step. Returns (grad norm, stepped); a non-finite step changes nothing.
+
+        `loss_finite` (0-d bool) and the returned norm stay on the device; the one host read is the skip
+        decision itself (docs/distributed.md, "Host synchronisation").
+        """
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.clip_grad if self.clip_grad > 0 else float("inf")
         reduce_sequence_parallel_grads(self.model, self.parallel.tensor_parallel_group)
-        grad_norm = float(clip_grad_norm(params, max_norm, self.parallel.tensor_parallel_group))
-        if not (loss_finite and math.isfinite(grad_norm)):
+        grad_norm = clip_grad_norm(params, max_norm, self.parallel.tensor_parallel_group)
+        if not bool(loss_finite & torch.isfinite(grad_norm)):
             self.zero_grad()
             return grad_norm, False
         self.scheduler.apply(iteration)

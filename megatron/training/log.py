@@ -5,7 +5,16 @@ import logging
 import math
 from typing import Optional
 
+import torch
+
 logger = logging.getLogger("megatron")
+
+
+def host_floats(values: list) -> list[float]:
+    """`values` (floats and 0-d tensors of one device) as floats, with one device read for all the tensors."""
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    read = iter(torch.stack([t.detach().float() for t in tensors]).tolist() if tensors else [])
+    return [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]
 
 
 def setup_logging(rank: int) -> None:
@@ -29,7 +38,7 @@ class TrainingLogger:
         self._reset()
 
     def _reset(self) -> None:
-        self.loss_sum, self.loss_count, self.time_sum, self.iters = 0.0, 0, 0.0, 0
+        self.losses, self.time_sum, self.iters = [], 0.0, 0
 
     def scalar(self, tag: str, value: float, iteration: int, tokens: Optional[int] = None) -> None:
         if self.writer is None:
@@ -38,20 +47,27 @@ class TrainingLogger:
         if tokens is not None:
             self.writer.add_scalar(f"{tag} vs tokens", value, tokens)
 
-    def record(self, *, iteration: int, loss: Optional[float], elapsed_s: float, lr: float, grad_norm: float,
-               state, global_batch_size: int, seq_length: int, flops_per_iter: float, world_size: int,
-               memory: dict, extra: Optional[dict] = None, extra_text: str = "") -> Optional[str]:
-        """Accumulate one iteration; every `log_interval` iterations emit the log line (returned)."""
+    def record(self, *, iteration: int, loss: Optional[float | torch.Tensor], elapsed_s: float, lr: float,
+               grad_norm: float | torch.Tensor, state, global_batch_size: int, seq_length: int, flops_per_iter: float,
+               world_size: int, memory: dict, extra: Optional[dict] = None, extra_text: str = "") -> Optional[str]:
+        """Accumulate one iteration; every `log_interval` iterations emit the log line (returned).
+
+        `loss` and `grad_norm` may be 0-d device tensors: they are summed on the device and read only here, at
+        log iterations (no host synchronisation on the others).
+        """
         if loss is not None:
-            self.loss_sum += loss
-            self.loss_count += 1
+            self.losses.append(loss)
         self.time_sum += elapsed_s
         self.iters += 1
         tokens = state.consumed_train_tokens
-        if iteration % self.log_interval != 0 or not self.enabled:
+        if iteration % self.log_interval != 0:
+            return None
+        if not self.enabled:
+            self._reset()  # drop the interval's device tensors
             return None
         avg_time = self.time_sum / max(self.iters, 1)
-        avg_loss = self.loss_sum / self.loss_count if self.loss_count else float("nan")
+        avg_loss = sum(host_floats(self.losses)) / len(self.losses) if self.losses else float("nan")
+        grad_norm = float(grad_norm)
         tokens_per_s = global_batch_size * seq_length / avg_time
         tflops = flops_per_iter / avg_time / world_size / 1e12
         line = (f" iteration {iteration:8d}/{self.train_iters:8d} |"

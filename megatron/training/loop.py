@@ -5,11 +5,15 @@ samples. Each micro-batch loss is the mean over its unmasked tokens; the step av
 losses (Megatron's convention), so 8 micro-batches of 1 equal 1 micro-batch of 8 when no tokens are
 masked. Non-finite loss or gradient norm skips the step (counted); too many in a row stop the run
 without saving, so the last good checkpoint stays the newest one.
+
+Host synchronisation: the loss and the gradient norm stay on the device; a step reads the host once, for
+its skip decision (in the engine). Losses are read at log iterations, the timing synchronises at log
+iterations only, and the exit checks reduce CPU flags over the gloo host group. docs/distributed.md,
+"Host synchronisation", lists every read that remains and why.
 """
 from __future__ import annotations
 
 import logging
-import math
 import random
 import signal
 import time
@@ -18,9 +22,9 @@ from typing import Iterator, Optional
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from megatron import comm
 from megatron.accelerator import Accelerator, get_accelerator
 from megatron.config import MegatronConfig
 from megatron.data.provider import Batch, build_loader, make_batch
@@ -35,7 +39,7 @@ from megatron.training.datasets import build_datasets
 from megatron.training.engine import build_engine
 from megatron.training.flops import flops_per_iteration
 from megatron.training.fp8_hooks import Fp8Hooks
-from megatron.training.log import TrainingLogger, setup_logging
+from megatron.training.log import TrainingLogger, host_floats, setup_logging
 from megatron.training.swiglu_hooks import SwiGLUHooks
 from megatron.training.train_state import TrainState
 
@@ -80,12 +84,12 @@ class _SignalFlag:
             signal.signal(signal.SIGTERM, self._previous)
 
 
-def _any_rank(flag: bool, parallel: ParallelState) -> bool:
-    if not parallel.is_distributed:
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item() > 0)
+def _any_rank(flags: list[bool], parallel: ParallelState) -> list[bool]:
+    """Each flag OR-ed over all ranks: one MAX all-reduce of a CPU tensor over the gloo host group, so no
+    rank waits for its accelerator (a no-op with one process)."""
+    t = torch.tensor([1.0 if f else 0.0 for f in flags])
+    comm.all_reduce(t, parallel.host_group, comm.ReduceOp.MAX)
+    return [v > 0 for v in t.tolist()]
 
 
 class Trainer:
@@ -188,8 +192,7 @@ class Trainer:
                                             self.config.to_dict(), self.parallel)
         elif self.parallel.is_logging_rank:
             ckpt.save_checkpoint(c.save, self.state.iteration, payload, self.state.to_dict(), self.config.to_dict())
-        if self.parallel.is_distributed:
-            dist.barrier()
+        comm.barrier(comm.world_group())
 
     # ---------------------------------------------------------------------------------- one step
     def _forward_loss(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -204,8 +207,10 @@ class Trainer:
             batch = make_batch(next(micro_batches), self.eod, self.config.data)
             yield batch.tokens, (batch.labels, batch.loss_mask)
 
-    def train_step(self, micro_batches: Iterator[torch.Tensor]) -> tuple[float, float, bool]:
-        """One optimizer step. Returns (loss, grad norm, stepped)."""
+    def train_step(self, micro_batches: Iterator[torch.Tensor]) -> tuple[torch.Tensor | float, torch.Tensor | float,
+                                                                          bool]:
+        """One optimizer step. Returns (loss, grad norm, stepped); loss and norm may be 0-d device tensors
+        (read them where a value is needed: `host_floats`)."""
         t, device, engine = self.config.training, self.accel.device, self.engine
         if hasattr(engine, "train_batch"):  # pipeline: DeepSpeed runs the micro-batches and the step
             loss_value, grad_norm, stepped = engine.train_batch(self.state.iteration,
@@ -225,14 +230,12 @@ class Trainer:
                 self.accel.mark_step()
             loss_sum += loss.detach().float()
         loss_avg = loss_sum / n
-        if self.parallel.is_distributed:
-            dist.all_reduce(loss_avg, group=self.parallel.data_parallel_group)
-            loss_avg /= self.parallel.data_parallel_size
-        loss_value = float(loss_avg)
-        grad_norm, stepped = engine.step(self.state.iteration, math.isfinite(loss_value))
+        comm.all_reduce(loss_avg, self.parallel.data_parallel_group)  # stays on the device
+        loss_avg /= self.parallel.data_parallel_size
+        grad_norm, stepped = engine.step(self.state.iteration, torch.isfinite(loss_avg))
         self.fp8.after_optimizer_step()
         self.accel.mark_step()
-        return loss_value, grad_norm, stepped
+        return loss_avg, grad_norm, stepped
 
     # ------------------------------------------------------------------------------- evaluation
     @torch.no_grad()
@@ -246,14 +249,17 @@ class Trainer:
         if hasattr(self.engine, "eval_batch"):  # pipeline: mean over global batches of DeepSpeed's batch means
             losses = [self.engine.eval_batch(self._pipeline_batches(it)) for _ in range(t.eval_iters)]
             return float(sum(losses) / max(len(losses), 1))
-        total = torch.zeros(2, dtype=torch.float64)
+        sums = []  # (masked loss sum, token count) per micro-batch, kept on the device: one read at the end
         for _ in range(t.eval_iters * t.num_micro_batches):
             batch = make_batch(next(it), self.eod, self.config.data).to(self.accel.device)
             masked, count = self._forward_loss(self.model, batch)
             self.accel.mark_step()
-            total += torch.stack([masked.double().cpu(), count.double().cpu()])
-        if self.parallel.is_distributed:
-            dist.all_reduce(total, group=self.parallel.data_parallel_group)
+            sums.append(torch.stack([masked.float(), count.float()]))
+        # Added in float64 on the host (Gaudi has no float64 arithmetic), in micro-batch order as before.
+        total = torch.zeros(2, dtype=torch.float64)
+        for row in torch.stack(sums).cpu().double() if sums else []:
+            total += row
+        comm.all_reduce(total, self.parallel.data_parallel_group)  # comm moves it to the backend's device
         self.engine.module.train()
         return float(total[0] / total[1].clamp(min=1.0))
 
@@ -269,20 +275,28 @@ class Trainer:
         start_time = time.time()
         tokens_per_iter = t.global_batch_size * cfg.model.seq_length
         saved_at = None
+        pending_losses: list = []  # this log interval's losses (device tensors), read at its log iteration
+        self.accel.synchronize()
+        t_mark = time.perf_counter()
         try:
             while self.state.iteration < t.train_iters:
-                self.accel.synchronize()
-                t0 = time.perf_counter()
                 self.swiglu.before_step(self.state.iteration + 1, cfg.logging.log_interval)
                 loss, grad_norm, stepped = self.train_step(micro_batches)
-                self.accel.synchronize()
-                elapsed = time.perf_counter() - t0
                 s = self.state
                 s.iteration += 1
                 s.consumed_train_samples += t.global_batch_size
                 s.consumed_train_tokens += tokens_per_iter
-                result.losses.append(loss if stepped else float("nan"))
+                pending_losses.append(loss if stepped else float("nan"))
+                if s.iteration % cfg.logging.log_interval == 0:
+                    # Timing: one synchronisation per log interval. The per-iteration times of the interval
+                    # sum to its wall time, which is all the log line reports (their mean).
+                    self.accel.synchronize()
+                    result.losses.extend(host_floats(pending_losses))
+                    pending_losses.clear()
+                now = time.perf_counter()
+                elapsed, t_mark = now - t_mark, now
                 if not stepped:
+                    loss, grad_norm = host_floats([loss, grad_norm])  # a skipped step: read for the warning
                     s.skipped_iterations += 1
                     s.nan_iterations += 1
                     s.consecutive_nan_iterations += 1
@@ -311,6 +325,7 @@ class Trainer:
                     vloss = self.evaluate(self.valid_ds)
                     result.valid.append((s.iteration, vloss))
                     self.tlog.validation("validation", vloss, s.iteration, s.consumed_train_tokens)
+                    t_mark = time.perf_counter()  # not iteration time (evaluation ends with a host read)
                 c = cfg.checkpoint
                 if c.save and c.save_interval and s.iteration % c.save_interval == 0:
                     if s.consecutive_nan_iterations:
@@ -319,6 +334,7 @@ class Trainer:
                     else:
                         self.save()
                         saved_at = s.iteration
+                        t_mark = time.perf_counter()  # not iteration time (saving copies the state to the host)
                 exit_reason = self._exit_reason(sig, start_time)
                 if exit_reason:
                     result.exit_reason = exit_reason
@@ -329,20 +345,24 @@ class Trainer:
                 result.test_loss = self.evaluate(self.test_ds)
                 self.tlog.validation("test", result.test_loss, self.state.iteration, self.state.consumed_train_tokens)
         finally:
+            result.losses.extend(host_floats(pending_losses))
             sig.restore()
             self.tlog.close()
         return result
 
     def _exit_reason(self, sig: _SignalFlag, start_time: float) -> Optional[str]:
+        """Every rank takes the same decision: a SIGTERM or the time limit seen by one rank stops all of them."""
         t, it = self.config.training, self.state.iteration
-        if _any_rank(sig.received, self.parallel):
+        signal_seen = over_time = False
+        if t.exit_signal_handler or t.exit_duration_in_mins is not None:  # else no rank can see either
+            over = t.exit_duration_in_mins is not None and (time.time() - start_time) / 60.0 > t.exit_duration_in_mins
+            signal_seen, over_time = _any_rank([sig.received, over], self.parallel)
+        if signal_seen:
             return "signal"
         if t.exit_interval and it % t.exit_interval == 0:
             return "exit-interval"
-        if t.exit_duration_in_mins is not None:
-            over = (time.time() - start_time) / 60.0 > t.exit_duration_in_mins
-            if _any_rank(over, self.parallel):
-                return "exit-duration"
+        if over_time:
+            return "exit-duration"
         return None
 
 

@@ -138,7 +138,7 @@ def _guard_non_finite_steps(optimizer: torch.optim.Optimizer, clip_grad: float, 
     `optimizer._global_grad_norm` (`get_global_grad_norm()`). The norm is summed over all ranks: every stage
     contributes its layers, and each of the DP replicas holds the same reduced gradients, hence the division.
     """
-    import torch.distributed as dist
+    from megatron import comm
 
     real_step = optimizer.step
     params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -148,8 +148,8 @@ def _guard_non_finite_steps(optimizer: torch.optim.Optimizer, clip_grad: float, 
         squares = torch.zeros((), dtype=torch.float32, device=params[0].device)
         for g in grads:
             squares += g.detach().float().pow(2).sum()
-        dist.all_reduce(squares)
-        norm = float((squares / data_parallel_size).sqrt())
+        comm.all_reduce(squares, comm.world_group())
+        norm = float((squares / data_parallel_size).sqrt())  # host read: the skip decision needs it
         optimizer._global_grad_norm = norm
         optimizer.overflow = not math.isfinite(norm)
         if optimizer.overflow:
