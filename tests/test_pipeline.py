@@ -1,9 +1,13 @@
 """Pipeline parallelism (DeepSpeed PipelineModule, 2 stages x 1 replica, gloo on CPU): PP=2 equals PP=1.
 
 PP=1 is the same DeepSpeed ZeRO-1 (or ZeRO-0) run in one process (4 micro-batches of 2 per step, as the pipeline's).
-Without dropout the two compute the same sums in the same order, so FP32 and FP8 (delayed hybrid +
-Smooth-SwiGLU) losses agree to print precision; BF16 autocast with Fp8AdamW agrees to BF16 noise (the
-ZeRO-1 partition, hence Fp8AdamW's per-partition moment scale, is per stage under PP).
+Without dropout the two compute the same math, but not in the same order: the gradient norm (clipping) is
+summed per stage and then over stages, and a stage boundary can change how a kernel blocks its sums. So the
+runs differ by rounding that the steps amplify, bounded by the noise of the run itself (tests/run_noise.py):
+the control is PP=1 on two data-parallel ranks, the same micro-batches (hence the same FP8 amaxes and
+Smooth-SwiGLU scales) with the gradients summed in yet another order. With BF16 autocast and Fp8AdamW the
+ZeRO-1 partition, hence Fp8AdamW's per-partition moment scale, is per stage under PP and per rank in the
+control: differences of the same kind again. Resuming at the same layout repeats the same operations: exact.
 """
 import re
 
@@ -11,6 +15,7 @@ import pytest
 
 from megatron.arguments import parse_config
 from tests.conftest import tiny_argv
+from tests.run_noise import assert_losses_within_noise
 from tests.test_deepspeed import losses, run
 
 pytest.importorskip("deepspeed")
@@ -25,15 +30,14 @@ def values(log: str) -> list[float]:
     return losses(log) + [float(v) for v in re.findall(r"lm loss value: (\S+) \|", log)]
 
 
-def assert_close(a: list[float], b: list[float], rel: float) -> None:
-    assert len(a) == len(b) and len(a) > 0, (a, b)
-    for x, y in zip(a, b):
-        assert abs(x - y) <= rel * abs(y), (a, b)
+def pp1_and_control(*argv: str, **overrides) -> tuple[list[float], list[float]]:
+    """PP=1 in one process, and its noise control: PP=1 on two data-parallel ranks."""
+    return values(run(1, *argv, **overrides)), values(run(2, *argv, **overrides))
 
 
 @pytest.fixture(scope="module")
 def fp8_pp1():
-    return values(run(1, *PP, *FP8, **FP8_OVERRIDES))
+    return pp1_and_control(*PP, *FP8, **FP8_OVERRIDES)
 
 
 @pytest.fixture(scope="module")
@@ -48,14 +52,15 @@ def fp8_pp2(tmp_path_factory):
 def test_pp2_equals_pp1_fp32(stage):
     """ZeRO 0: our step guard clips and checks (clip 0.05 is active); ZeRO 1: DeepSpeed's optimizer does."""
     zero = ("--deepspeed", "--zero-stage", stage)
-    one = values(run(1, *zero, eval_interval=2, clip_grad=0.05))
+    one, control = pp1_and_control(*zero, eval_interval=2, clip_grad=0.05)
     two = values(run(2, *zero, "--pipeline-model-parallel-size", "2", eval_interval=2, clip_grad=0.05))
-    assert_close(two, one, 1e-6)
+    assert_losses_within_noise(two, one, control)
 
 
 @pytest.mark.isa_sensitive
 def test_pp2_equals_pp1_fp8_smooth_swiglu(fp8_pp1, fp8_pp2):
-    assert_close(fp8_pp2[0], fp8_pp1, 1e-6)
+    one, control = fp8_pp1
+    assert_losses_within_noise(fp8_pp2[0], one, control)
     assert fp8_pp2[0][3] < fp8_pp2[0][0]  # it trains
 
 
@@ -75,16 +80,17 @@ def test_pp2_resume_at_the_same_layout_continues_the_run(tmp_path, fp8_pp2):
     first = values(run(2, *argv, save=save, exit_interval=2, **FP8_OVERRIDES))
     second = values(run(2, *argv, save=save, load=save, **FP8_OVERRIDES))
     full = fp8_pp2[0]  # train 1-4, then valid@2, valid@4, test
-    assert_close(first, full[:2] + full[4:5], 1e-6)  # train 1-2, valid@2, then the exit (no test)
-    assert_close(second, full[2:4] + full[5:], 1e-6)  # weights, optimizer, FP8 scales and data position restored
+    # The same operations in the same order as the uninterrupted run: the printed values are identical.
+    assert first == full[:2] + full[4:5]  # train 1-2, valid@2, then the exit (no test)
+    assert second == full[2:4] + full[5:]  # weights, optimizer, FP8 scales and data position restored
 
 
 @pytest.mark.isa_sensitive
 def test_pp2_bf16_fp8adam_tracks_pp1():
     argv = (*PP, *FP8, "--bf16", "--optimizer", "fp8adam")
-    one = values(run(1, *argv, **FP8_OVERRIDES))
+    one, control = pp1_and_control(*argv, **FP8_OVERRIDES)
     two = values(run(2, *argv, "--pipeline-model-parallel-size", "2", **FP8_OVERRIDES))
-    assert_close(two, one, 1e-3)
+    assert_losses_within_noise(two, one, control)
 
 
 @pytest.mark.parametrize("switches, overrides, message", [
