@@ -138,9 +138,9 @@ pe.pipeline_loss = loss_fn
 trainer = Trainer(parse_config(sys.argv[1:]))
 real_batch, report = trainer.engine.train_batch, []
 
-def train_batch(iteration, batches):
+def train_batch(iteration, batches, *rest):
     before = [p.detach().clone() for p in trainer.model.parameters()]
-    loss, norm, stepped = real_batch(iteration, batches)
+    loss, norm, stepped = real_batch(iteration, batches, *rest)
     same = all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
     report.append([stepped, same])
     return loss, norm, stepped

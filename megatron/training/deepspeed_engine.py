@@ -1,7 +1,9 @@
 """DeepSpeed behind the loop's engine seam: ZeRO 0-3 driving our model, optimizer and LR schedule.
 
 `deepspeed.initialize(model, optimizer=<our AdamW or Fp8AdamW>, config=<validated dict>)` wraps the
-model; the loop keeps calling the same small interface as `TorchEngine`:
+model. `DeepSpeedBase` holds what this engine and the pipeline engine share (building, wrapping, the LR of
+a skipped step, checkpoint delegation); `DeepSpeedEngine` is a `MicroBatchEngine` (engine.py), so the loop
+drives it exactly like `TorchEngine`, through these primitives:
 
 - `micro_batch_context(is_last)` tells DeepSpeed where the accumulation boundary is
   (`set_gradient_accumulation_boundary`), so one `step()` per global batch is enough and gradients
@@ -38,10 +40,12 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron import comm
+from megatron.accelerator import Accelerator
 from megatron.optimizer.lr_scheduler import LrScheduler
 from megatron.parallel_state import ParallelState
 from megatron.training import checkpointing as ckpt
 from megatron.training.deepspeed_config import build_deepspeed_config, zero_stage
+from megatron.training.engine import MicroBatchEngine
 
 logger = logging.getLogger("megatron")
 
@@ -74,32 +78,73 @@ def _ensure_process_group(parallel: ParallelState) -> None:
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
 
-class DeepSpeedEngine:
-    def __init__(self, config, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: LrScheduler,
-                 parallel: ParallelState) -> None:
-        import deepspeed
+class DeepSpeedBase:
+    """What the DeepSpeed engines share: building and wrapping (`_initialize`), the LR of a skipped step,
+    checkpoint delegation (DeepSpeed's files inside our atomic layout, below) and the learning rate."""
 
+    engine: object
+    optimizer: torch.optim.Optimizer
+
+    def _initialize(self, config, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: LrScheduler,
+                    parallel: ParallelState, allowed_stages: tuple[int, ...], what: str) -> None:
         self.ds_config = build_deepspeed_config(config, num_parameters=sum(p.numel() for p in model.parameters()))
         self.zero_stage = zero_stage(self.ds_config)
-        self.model = model
-        self.optimizer = optimizer
-        self.scheduler = scheduler
-        self.parallel = parallel
+        if self.zero_stage not in allowed_stages:
+            raise ValueError(f"{what} needs ZeRO stage {' or '.join(map(str, allowed_stages))}, but the DeepSpeed "
+                             f"config gives stage {self.zero_stage}: set zero_optimization.stage accordingly "
+                             "(or pass --zero-stage)")
         self.config = config
+        self.model, self.optimizer, self.scheduler, self.parallel = model, optimizer, scheduler, parallel
         tag_fp8_state_groups(optimizer, self.zero_stage)
-        _ensure_process_group(parallel)
+
+    def _wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        import deepspeed
+
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.ds_config)
         _use_weights_only_loading(self.engine)
         # The loop calls `module(...)`, `.train()` and `.eval()`: the DeepSpeed engine is itself an nn.Module
         # whose forward runs ZeRO-3 gathering and the torch_autocast section around our model.
         self.module: nn.Module = self.engine
+        summary = getattr(optimizer, "state_summary", None)
+        if summary is not None:
+            logger.info("%s", summary())
+
+    def _apply_lr_and_remember(self, iteration: int) -> list[float]:
+        previous = [g["lr"] for g in self.optimizer.param_groups]
+        self.scheduler.apply(iteration)
+        return previous
+
+    def _restore_lr(self, previous: list[float]) -> None:
+        """A skipped step leaves the LR where TorchEngine would (DeepSpeed's skip comes after we set it)."""
+        for group, lr in zip(self.optimizer.param_groups, previous):
+            group["lr"] = lr
+
+    @property
+    def learning_rate(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def save_checkpoint(self, save_dir: str, iteration: int, extras: dict, train_state: dict,
+                        config: dict) -> None:
+        save_checkpoint(self.engine, save_dir, iteration, extras, train_state, config)
+
+    def load_checkpoint(self, load_dir: str, load_optimizer: bool, module_only: bool) -> Optional[dict]:
+        return load_checkpoint(self.engine, load_dir, load_optimizer=load_optimizer, module_only=module_only)
+
+
+class DeepSpeedEngine(DeepSpeedBase, MicroBatchEngine):
+    def __init__(self, config, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: LrScheduler,
+                 parallel: ParallelState, accel: Accelerator) -> None:
+        import deepspeed
+
+        self._initialize(config, model, optimizer, scheduler, parallel, (0, 1, 2, 3), "--deepspeed")
+        self.accel = accel
+        _ensure_process_group(parallel)
+        self._wrap(model, optimizer)
+        logger.info("DeepSpeed %s: ZeRO stage %d, %s, optimizer %s wrapped by %s", deepspeed.__version__,
+                    self.zero_stage, "BF16 autocast" if config.training.bf16 else "FP32", type(optimizer).__name__,
+                    type(self.engine.optimizer).__name__)
         self._loss_nonfinite: Optional[torch.Tensor] = None
         self._is_last = True
-        logger.info("DeepSpeed %s: ZeRO stage %d, %s, optimizer %s wrapped by %s", deepspeed.__version__,
-                    self.zero_stage, "BF16 autocast" if config.training.bf16 else "FP32",
-                    type(optimizer).__name__, type(self.engine.optimizer).__name__)
-        if hasattr(optimizer, "state_summary"):
-            logger.info("%s", optimizer.state_summary())
 
     def zero_grad(self) -> None:
         self.engine.zero_grad()
@@ -137,8 +182,7 @@ class DeepSpeedEngine:
             self.scheduler.apply(iteration)
             self.engine.step()
             return grad_norm, True
-        previous_lrs = [g["lr"] for g in self.optimizer.param_groups]
-        self.scheduler.apply(iteration)
+        previous_lrs = self._apply_lr_and_remember(iteration)
         self.engine.step()
         stepped = bool(self.engine.was_step_applied())
         norm = self.engine.get_global_grad_norm()
@@ -147,27 +191,8 @@ class DeepSpeedEngine:
             raise RuntimeError("DeepSpeed applied a step whose loss was not finite; the NaN-poisoned gradients "
                                "should have made it skip. Please report this with the DeepSpeed version.")
         if not stepped:
-            for group, lr in zip(self.optimizer.param_groups, previous_lrs):
-                group["lr"] = lr  # a skipped step leaves the LR where TorchEngine would
+            self._restore_lr(previous_lrs)
         return grad_norm, stepped
-
-    @property
-    def learning_rate(self) -> float:
-        return self.optimizer.param_groups[0]["lr"]
-
-    def optimizer_state_dict(self) -> dict:
-        raise NotImplementedError("under DeepSpeed the optimizer state is saved by save_checkpoint (ZeRO partitions)")
-
-    def load_optimizer_state_dict(self, state: dict) -> None:
-        raise NotImplementedError("under DeepSpeed the optimizer state is loaded by load_checkpoint (ZeRO partitions)")
-
-    # ------------------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, save_dir: str, iteration: int, client_state: dict, train_state: dict,
-                        config: dict) -> None:
-        save_checkpoint(self.engine, save_dir, iteration, client_state, train_state, config)
-
-    def load_checkpoint(self, load_dir: str, load_optimizer: bool, module_only: bool) -> Optional[dict]:
-        return load_checkpoint(self.engine, load_dir, load_optimizer=load_optimizer, module_only=module_only)
 
 
 # ------------------------------------------------------------------------------------------ checkpoints
@@ -222,8 +247,8 @@ def save_checkpoint(engine, save_dir: str, iteration: int, client_state: dict, t
 def load_checkpoint(engine, load_dir: str, load_optimizer: bool, module_only: bool) -> Optional[dict]:
     """Restore weights (and optimizer partitions) in place; return our part like `load_checkpoint_files`.
 
-    The dict has 'payload' (scheduler, RNG, FP8 state), 'train_state', 'config', 'path' and
-    'engine_restored' = True (weights and optimizer are already in the engine). None: no checkpoint.
+    The dict has 'payload' (scheduler, RNG, FP8 state), 'train_state', 'config' and 'path'; weights and
+    optimizer are already in the engine when it returns. None: no checkpoint.
     """
     iteration = ckpt.read_tracker(load_dir)
     if iteration is None:
@@ -245,7 +270,7 @@ def load_checkpoint(engine, load_dir: str, load_optimizer: bool, module_only: bo
     config_path = folder / "config.json"
     config = json.loads(config_path.read_text()) if config_path.exists() else {}
     return {"payload": (client or {}).get(CLIENT_KEY, {}), "train_state": train_state, "config": config,
-            "path": folder, "engine_restored": True}
+            "path": folder}
 
 
 def _deepspeed_safe_globals() -> list:

@@ -1,31 +1,143 @@
-"""The engine seam: how micro-batch gradients become one optimizer step.
+"""The engine seam: the one interface the training loop drives, and the torch engine.
 
-`TorchEngine` covers one process and torch DDP: backward without gradient all-reduce on all but the
-last micro-batch, then gradient clipping, a finite check and the optimizer step. A DeepSpeed engine
-implements the same small interface (`module`, `micro_batch_context`, `backward`, `step`,
-`optimizer_state_dict`, `load_optimizer_state_dict`) so the loop never branches on the engine.
+`Engine` is what the loop calls, whatever runs underneath (torch/DDP, DeepSpeed ZeRO, DeepSpeed's pipeline):
+
+- `train_batch(iteration, batches, loss_fn)`: one optimizer step over a global batch's micro-batches (on this
+  data-parallel rank) -> (loss, grad norm, stepped). The loss and norm may stay 0-d device tensors.
+- `evaluate(batches, loss_fn)`: the evaluation loss of some micro-batches, reduced over data parallelism.
+- `save_checkpoint(save_dir, iteration, extras, train_state, config)` / `load_checkpoint(load_dir,
+  load_optimizer, module_only)`: every rank takes part; the engine writes weights and optimizer state in its
+  own layout (ours, per TP rank; DeepSpeed's ZeRO partitions or pipeline layers) with the loop's `extras`
+  (LR schedule, RNG, FP8 scaling state) beside them, and restores weights and optimizer state in place.
+- `module` (what runs forward), `learning_rate`.
+
+`loss_fn(module, batch) -> (masked loss sum, token count)` is the loop's forward. `MicroBatchEngine`
+implements `train_batch` and `evaluate` over four primitives (`zero_grad`, `micro_batch_context`, `backward`,
+`step`) for the engines that see every micro-batch: `TorchEngine` here and `DeepSpeedEngine`. The pipeline
+engine hands the micro-batches to DeepSpeed whole. The loop never asks which engine it has.
 """
 from __future__ import annotations
 
+import abc
 import contextlib
-from typing import ContextManager
+import logging
+from typing import Callable, ContextManager, Optional, Sequence
 
 import torch
 from torch import nn
 
+from megatron import comm
+from megatron.accelerator import Accelerator
+from megatron.data.provider import Batch
 from megatron.optimizer.lr_scheduler import LrScheduler
 from megatron.parallel import clip_grad_norm, reduce_sequence_parallel_grads
+from megatron.parallel.checkpoint import check_tensor_parallel_layout, save_tensor_parallel_checkpoint
 from megatron.parallel_state import ParallelState
+from megatron.training import checkpointing as ckpt
+
+logger = logging.getLogger("megatron")
+
+LossFn = Callable[[nn.Module, Batch], "tuple[torch.Tensor, torch.Tensor]"]
+StepResult = "tuple[torch.Tensor | float, torch.Tensor | float, bool]"
 
 
-class TorchEngine:
+class Engine(abc.ABC):
+    """See the module docstring."""
+
+    module: nn.Module
+    optimizer: torch.optim.Optimizer
+
+    @abc.abstractmethod
+    def train_batch(self, iteration: int, batches: Sequence[Batch], loss_fn: LossFn) -> StepResult: ...
+
+    @abc.abstractmethod
+    def evaluate(self, batches: Sequence[Batch], loss_fn: LossFn) -> float: ...
+
+    @abc.abstractmethod
+    def save_checkpoint(self, save_dir: str, iteration: int, extras: dict, train_state: dict,
+                        config: dict) -> None: ...
+
+    @abc.abstractmethod
+    def load_checkpoint(self, load_dir: str, load_optimizer: bool, module_only: bool) -> Optional[dict]:
+        """None when `load_dir` holds no checkpoint; else {"payload": extras, "train_state", "path"}."""
+
+    @property
+    def learning_rate(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+
+class MicroBatchEngine(Engine):
+    """`train_batch` and `evaluate` for engines that run each micro-batch's forward and backward themselves."""
+
+    accel: Accelerator
+    parallel: ParallelState
+    model: nn.Module  # the bare model (`module` may wrap it)
+
+    @abc.abstractmethod
+    def zero_grad(self) -> None: ...
+
+    @abc.abstractmethod
+    def micro_batch_context(self, is_last: bool) -> ContextManager: ...
+
+    @abc.abstractmethod
+    def backward(self, loss: torch.Tensor) -> None: ...
+
+    @abc.abstractmethod
+    def step(self, iteration: int, loss_finite: torch.Tensor) -> tuple[torch.Tensor | float, bool]:
+        """Clip, check, step: (grad norm, stepped); a non-finite step changes nothing."""
+
+    def train_batch(self, iteration: int, batches: Sequence[Batch], loss_fn: LossFn) -> StepResult:
+        """Each micro-batch loss is the mean over its unmasked tokens; the step averages them (Megatron's
+        convention). The averaged loss stays on the device (one all-reduce over data parallelism)."""
+        device, n = self.accel.device, len(batches)
+        self.module.train()
+        self.zero_grad()
+        loss_sum = torch.zeros((), device=device)
+        for i, batch in enumerate(batches):
+            with self.micro_batch_context(is_last=i == n - 1):
+                masked, count = loss_fn(self.module, batch.to(device))
+                loss = masked / count.clamp(min=1.0)
+                self.backward(loss / n)
+                self.accel.mark_step()
+            loss_sum += loss.detach().float()
+        loss_avg = loss_sum / n
+        comm.all_reduce(loss_avg, self.parallel.data_parallel_group)  # stays on the device
+        loss_avg /= self.parallel.data_parallel_size
+        grad_norm, stepped = self.step(iteration, torch.isfinite(loss_avg))
+        return loss_avg, grad_norm, stepped
+
+    @torch.no_grad()
+    def evaluate(self, batches: Sequence[Batch], loss_fn: LossFn) -> float:
+        """Token-weighted mean loss over `batches` and the data-parallel replicas (one host read)."""
+        self.module.eval()
+        sums = []  # (masked loss sum, token count) per micro-batch, kept on the device: one read at the end
+        for batch in batches:  # the bare model: no DDP/DeepSpeed wrapper is needed without gradients
+            masked, count = loss_fn(self.model, batch.to(self.accel.device))
+            self.accel.mark_step()
+            sums.append(torch.stack([masked.float(), count.float()]))
+        # Added in float64 on the host (Gaudi has no float64 arithmetic), in micro-batch order.
+        total = torch.zeros(2, dtype=torch.float64)
+        for row in torch.stack(sums).cpu().double() if sums else []:
+            total += row
+        comm.all_reduce(total, self.parallel.data_parallel_group)  # comm moves it to the backend's device
+        self.module.train()
+        return float(total[0] / total[1].clamp(min=1.0))
+
+
+class TorchEngine(MicroBatchEngine):
+    """One process or torch DDP over the data-parallel group; checkpoints in our layout (mp_rank_XX)."""
+
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: LrScheduler,
-                 parallel: ParallelState, clip_grad: float) -> None:
+                 parallel: ParallelState, clip_grad: float, *, accel: Optional[Accelerator] = None,
+                 save_optimizer: bool = True) -> None:
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.parallel = parallel
+        # Default: the accelerator of the device the model lives on (tests build engines around CPU models).
+        self.accel = accel or Accelerator(next(model.parameters()).device.type)
         self.clip_grad = clip_grad
+        self.save_optimizer = save_optimizer
         self.module: nn.Module = model
         # DDP over the data-parallel group only: tensor-parallel ranks hold different shards.
         self.ddp = parallel.data_parallel_size > 1
@@ -45,11 +157,8 @@ class TorchEngine:
         loss.backward()
 
     def step(self, iteration: int, loss_finite: torch.Tensor) -> tuple[torch.Tensor, bool]:
-        """Clip, check, step. Returns (grad norm, stepped); a non-finite step changes nothing.
-
-        `loss_finite` (0-d bool) and the returned norm stay on the device; the one host read is the skip
-        decision itself (docs/distributed.md, "Host synchronisation").
-        """
+        """`loss_finite` (0-d bool) and the returned norm stay on the device; the one host read is the skip
+        decision itself (docs/distributed.md, "Host synchronisation")."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.clip_grad if self.clip_grad > 0 else float("inf")
         reduce_sequence_parallel_grads(self.model, self.parallel.tensor_parallel_group)
@@ -61,19 +170,37 @@ class TorchEngine:
         self.optimizer.step()
         return grad_norm, True
 
-    @property
-    def learning_rate(self) -> float:
-        return self.optimizer.param_groups[0]["lr"]
+    def save_checkpoint(self, save_dir: str, iteration: int, extras: dict, train_state: dict,
+                        config: dict) -> None:
+        """The first data-parallel replica writes: one shard per tensor-parallel rank (mp_rank_XX)."""
+        payload = None
+        if self.parallel.data_parallel_rank == 0:
+            payload = {"model": self.model.state_dict(), **extras}
+            if self.save_optimizer:
+                payload["optimizer"] = self.optimizer.state_dict()
+        if self.parallel.tensor_parallel_size > 1:
+            save_tensor_parallel_checkpoint(save_dir, iteration, payload, train_state, config, self.parallel)
+        elif self.parallel.is_logging_rank:
+            ckpt.save_checkpoint(save_dir, iteration, payload, train_state, config)
+        comm.barrier(comm.world_group())
 
-    def optimizer_state_dict(self) -> dict:
-        return self.optimizer.state_dict()
-
-    def load_optimizer_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state)
+    def load_checkpoint(self, load_dir: str, load_optimizer: bool, module_only: bool) -> Optional[dict]:
+        check_tensor_parallel_layout(load_dir, self.parallel.tensor_parallel_size)
+        loaded = ckpt.load_checkpoint_files(load_dir, mp_rank=self.parallel.tensor_parallel_rank)
+        if loaded is None:
+            return None
+        payload = loaded["payload"]
+        ckpt.load_model_state(self.model, payload["model"], loaded["path"])
+        if load_optimizer and not module_only:
+            if "optimizer" not in payload:
+                raise ckpt.CheckpointError(f"{loaded['path']} has no optimizer state (saved with --no-save-optim); "
+                                           "pass --no-load-optim or --finetune")
+            self.optimizer.load_state_dict(payload["optimizer"])
+        return loaded
 
 
 def build_engine(config, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: LrScheduler,
-                 parallel: ParallelState):
+                 parallel: ParallelState, accel: Accelerator) -> Engine:
     if config.parallel.pipeline_model_parallel_size > 1:
         from megatron.training.pipeline_engine import PipelineEngine
 
@@ -81,5 +208,6 @@ def build_engine(config, model: nn.Module, optimizer: torch.optim.Optimizer, sch
     if config.parallel.deepspeed:
         from megatron.training.deepspeed_engine import DeepSpeedEngine
 
-        return DeepSpeedEngine(config, model, optimizer, scheduler, parallel)
-    return TorchEngine(model, optimizer, scheduler, parallel, config.optimizer.clip_grad)
+        return DeepSpeedEngine(config, model, optimizer, scheduler, parallel, accel)
+    return TorchEngine(model, optimizer, scheduler, parallel, config.optimizer.clip_grad, accel=accel,
+                       save_optimizer=not config.checkpoint.no_save_optim)

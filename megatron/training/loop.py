@@ -32,7 +32,6 @@ from megatron.model import GPTModel
 from megatron.optimizer import build_optimizer
 from megatron.optimizer.lr_scheduler import LrScheduler
 from megatron.parallel import parallelize_tensor
-from megatron.parallel.checkpoint import check_tensor_parallel_layout, save_tensor_parallel_checkpoint
 from megatron.parallel_state import ParallelState, initialize_parallel_state
 from megatron.training import checkpointing as ckpt
 from megatron.training.datasets import build_datasets
@@ -122,7 +121,7 @@ class Trainer:
                                   config.logging.log_swiglu_diagnostics and self.parallel.is_logging_rank)
         self.optimizer = build_optimizer(self.model, config.optimizer)
         self.scheduler = LrScheduler(self.optimizer, config.scheduler)
-        self.engine = build_engine(config, self.model, self.optimizer, self.scheduler, self.parallel)
+        self.engine = build_engine(config, self.model, self.optimizer, self.scheduler, self.parallel, self.accel)
         self.state = TrainState()
         if config.checkpoint.load:
             self._load()
@@ -134,28 +133,17 @@ class Trainer:
     # -------------------------------------------------------------------------------- checkpoints
     def _load(self) -> None:
         c = self.config.checkpoint
-        if hasattr(self.engine, "load_checkpoint"):  # DeepSpeed restores weights and ZeRO partitions in place
-            loaded = self.engine.load_checkpoint(c.load, load_optimizer=not (c.no_load_optim or c.finetune),
-                                                 module_only=c.finetune)
-        else:
-            check_tensor_parallel_layout(c.load, self.parallel.tensor_parallel_size)
-            loaded = ckpt.load_checkpoint_files(c.load, mp_rank=self.parallel.tensor_parallel_rank)
+        # The engine restores weights and optimizer state in place, in its own layout.
+        loaded = self.engine.load_checkpoint(c.load, load_optimizer=not (c.no_load_optim or c.finetune),
+                                             module_only=c.finetune)
         if loaded is None:
             logger.info("no checkpoint found under --load %s: starting from scratch", c.load)
             return
         payload = loaded["payload"]
-        engine_restored = loaded.get("engine_restored", False)
-        if not engine_restored:
-            ckpt.load_model_state(self.model, payload["model"], loaded["path"])
         if c.finetune:
             logger.info("--finetune: loaded weights only from %s; iteration and optimizer reset", loaded["path"])
             return
         self.state = TrainState.from_dict(loaded["train_state"])
-        if not c.no_load_optim and not engine_restored:
-            if "optimizer" not in payload:
-                raise ckpt.CheckpointError(f"{loaded['path']} has no optimizer state (saved with --no-save-optim); "
-                                           "pass --no-load-optim or --finetune")
-            self.engine.load_optimizer_state_dict(payload["optimizer"])
         for diff in self.scheduler.check_state_dict(payload.get("lr_scheduler", {})):
             logger.warning("learning-rate schedule differs from the checkpoint (flags win): %s", diff)
         if not c.no_load_rng and "rng_state" in payload:
@@ -167,32 +155,13 @@ class Trainer:
         c = self.config.checkpoint
         if not c.save:
             return
-        if hasattr(self.engine, "save_checkpoint"):  # DeepSpeed: every rank writes its ZeRO partitions
-            extra = {"lr_scheduler": self.scheduler.state_dict()}
-            if not c.no_save_rng:
-                extra["rng_state"] = ckpt.get_rng_state()
-            fp8_state = self.fp8.state()
-            if fp8_state is not None:
-                extra["fp8"] = fp8_state
-            self.engine.save_checkpoint(c.save, self.state.iteration, extra, self.state.to_dict(), self.config.to_dict())
-            return
-        # The first data-parallel replica writes: one shard per tensor-parallel rank (mp_rank_XX).
-        payload = None
-        if self.parallel.data_parallel_rank == 0:
-            payload = {"model": self.model.state_dict(), "lr_scheduler": self.scheduler.state_dict()}
-            if not c.no_save_optim:
-                payload["optimizer"] = self.engine.optimizer_state_dict()
-            if not c.no_save_rng:
-                payload["rng_state"] = ckpt.get_rng_state()
-            fp8_state = self.fp8.state()
-            if fp8_state is not None:
-                payload["fp8"] = fp8_state
-        if self.parallel.tensor_parallel_size > 1:
-            save_tensor_parallel_checkpoint(c.save, self.state.iteration, payload, self.state.to_dict(),
-                                            self.config.to_dict(), self.parallel)
-        elif self.parallel.is_logging_rank:
-            ckpt.save_checkpoint(c.save, self.state.iteration, payload, self.state.to_dict(), self.config.to_dict())
-        comm.barrier(comm.world_group())
+        extras = {"lr_scheduler": self.scheduler.state_dict()}
+        if not c.no_save_rng:
+            extras["rng_state"] = ckpt.get_rng_state()
+        fp8_state = self.fp8.state()
+        if fp8_state is not None:
+            extras["fp8"] = fp8_state
+        self.engine.save_checkpoint(c.save, self.state.iteration, extras, self.state.to_dict(), self.config.to_dict())
 
     # ---------------------------------------------------------------------------------- one step
     def _forward_loss(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -201,67 +170,28 @@ class Trainer:
         masked = (per_token * batch.loss_mask).sum()
         return masked, batch.loss_mask.sum()
 
-    def _pipeline_batches(self, micro_batches: Iterator) -> Iterator:
-        """Micro-batches as DeepSpeed's pipeline takes them: (inputs, (labels, loss mask))."""
-        while True:
-            batch = make_batch(next(micro_batches), self.eod, self.config.data)
-            yield batch.tokens, (batch.labels, batch.loss_mask)
+    def _batches(self, loader_iter: Iterator, count: int) -> list[Batch]:
+        return [make_batch(next(loader_iter), self.eod, self.config.data) for _ in range(count)]
 
     def train_step(self, micro_batches: Iterator[torch.Tensor]) -> tuple[torch.Tensor | float, torch.Tensor | float,
                                                                           bool]:
         """One optimizer step. Returns (loss, grad norm, stepped); loss and norm may be 0-d device tensors
         (read them where a value is needed: `host_floats`)."""
-        t, device, engine = self.config.training, self.accel.device, self.engine
-        if hasattr(engine, "train_batch"):  # pipeline: DeepSpeed runs the micro-batches and the step
-            loss_value, grad_norm, stepped = engine.train_batch(self.state.iteration,
-                                                                self._pipeline_batches(micro_batches))
-            self.fp8.after_optimizer_step()
-            return loss_value, grad_norm, stepped
-        engine.module.train()
-        engine.zero_grad()
-        n = t.num_micro_batches
-        loss_sum = torch.zeros((), device=device)
-        for i in range(n):
-            batch = make_batch(next(micro_batches), self.eod, self.config.data).to(device)
-            with engine.micro_batch_context(is_last=i == n - 1):
-                masked, count = self._forward_loss(engine.module, batch)
-                loss = masked / count.clamp(min=1.0)
-                engine.backward(loss / n)
-                self.accel.mark_step()
-            loss_sum += loss.detach().float()
-        loss_avg = loss_sum / n
-        comm.all_reduce(loss_avg, self.parallel.data_parallel_group)  # stays on the device
-        loss_avg /= self.parallel.data_parallel_size
-        grad_norm, stepped = engine.step(self.state.iteration, torch.isfinite(loss_avg))
+        batches = self._batches(micro_batches, self.config.training.num_micro_batches)
+        loss, grad_norm, stepped = self.engine.train_batch(self.state.iteration, batches, self._forward_loss)
         self.fp8.after_optimizer_step()
         self.accel.mark_step()
-        return loss_avg, grad_norm, stepped
+        return loss, grad_norm, stepped
 
     # ------------------------------------------------------------------------------- evaluation
-    @torch.no_grad()
     def evaluate(self, dataset) -> float:
-        """Token-weighted mean loss over the first `--eval-iters` global batches of `dataset`."""
+        """Token-weighted mean loss over the first `--eval-iters` global batches of `dataset` (the same samples
+        each time, so curves of different runs are comparable)."""
         t = self.config.training
-        self.engine.module.eval()
         loader = build_loader(dataset, 0, t.micro_batch_size, self.parallel.data_parallel_rank,
                               self.parallel.data_parallel_size, self.config.data.num_workers)
-        it = iter(loader)
-        if hasattr(self.engine, "eval_batch"):  # pipeline: mean over global batches of DeepSpeed's batch means
-            losses = [self.engine.eval_batch(self._pipeline_batches(it)) for _ in range(t.eval_iters)]
-            return float(sum(losses) / max(len(losses), 1))
-        sums = []  # (masked loss sum, token count) per micro-batch, kept on the device: one read at the end
-        for _ in range(t.eval_iters * t.num_micro_batches):
-            batch = make_batch(next(it), self.eod, self.config.data).to(self.accel.device)
-            masked, count = self._forward_loss(self.model, batch)
-            self.accel.mark_step()
-            sums.append(torch.stack([masked.float(), count.float()]))
-        # Added in float64 on the host (Gaudi has no float64 arithmetic), in micro-batch order as before.
-        total = torch.zeros(2, dtype=torch.float64)
-        for row in torch.stack(sums).cpu().double() if sums else []:
-            total += row
-        comm.all_reduce(total, self.parallel.data_parallel_group)  # comm moves it to the backend's device
-        self.engine.module.train()
-        return float(total[0] / total[1].clamp(min=1.0))
+        return self.engine.evaluate(self._batches(iter(loader), t.eval_iters * t.num_micro_batches),
+                                    self._forward_loss)
 
     # ------------------------------------------------------------------------------------ loop
     def train(self) -> TrainResult:

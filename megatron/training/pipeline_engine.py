@@ -26,17 +26,17 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron.data.provider import Batch
 from megatron.optimizer.lr_scheduler import LrScheduler
 from megatron.parallel_state import ParallelState
-from megatron.training.deepspeed_config import build_deepspeed_config, zero_stage
-from megatron.training.deepspeed_engine import (_use_weights_only_loading, load_checkpoint, save_checkpoint,
-                                                tag_fp8_state_groups)
+from megatron.training.deepspeed_engine import DeepSpeedBase
+from megatron.training.engine import Engine
 
 logger = logging.getLogger("megatron")
 
@@ -163,43 +163,40 @@ def _guard_non_finite_steps(optimizer: torch.optim.Optimizer, clip_grad: float, 
     optimizer.step = step
 
 
-class PipelineEngine:
-    """The loop's engine for pipeline runs: `train_batch` / `eval_batch` instead of per-micro-batch calls."""
+class PipelineEngine(DeepSpeedBase, Engine):
+    """The loop's engine for pipeline runs: DeepSpeed's `train_batch` / `eval_batch` take the micro-batches whole."""
 
     def __init__(self, config, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: LrScheduler,
                  parallel: ParallelState) -> None:
         import deepspeed
 
-        self.ds_config = build_deepspeed_config(config, num_parameters=sum(p.numel() for p in model.parameters()))
-        self.zero_stage = zero_stage(self.ds_config)
-        if self.zero_stage not in (0, 1):
-            raise ValueError(f"--pipeline-model-parallel-size needs ZeRO stage 0 or 1, but the DeepSpeed config gives "
-                             f"stage {self.zero_stage}: set zero_optimization.stage to 0 or 1 (or pass --zero-stage)")
-        self.model, self.optimizer, self.scheduler, self.parallel = model, optimizer, scheduler, parallel
-        tag_fp8_state_groups(optimizer, self.zero_stage)
+        self._initialize(config, model, optimizer, scheduler, parallel, (0, 1), "--pipeline-model-parallel-size")
         if self.zero_stage == 0:
             # Without ZeRO, DeepSpeed's pipeline clips and steps whatever the gradients hold: the guard does both.
             _guard_non_finite_steps(optimizer, self.ds_config.get("gradient_clipping", 0.0),
                                     parallel.data_parallel_size)
             self.ds_config = {**self.ds_config, "gradient_clipping": 0.0}
-        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.ds_config)
-        _use_weights_only_loading(self.engine)
-        self.module: nn.Module = self.engine
+        self._wrap(model, optimizer)
         logger.info("DeepSpeed %s pipeline: %d stages x %d data-parallel, ZeRO stage %d, %s, optimizer %s",
                     deepspeed.__version__, parallel.pipeline_parallel_size, parallel.data_parallel_size, self.zero_stage,
                     "BF16 autocast" if config.training.bf16 else "FP32", type(optimizer).__name__)
 
-    def train_batch(self, iteration: int, batches: Iterator) -> tuple[float, float, bool]:
-        """One optimizer step over `batches` (each item: tokens, (labels, loss_mask)): (loss, grad norm, stepped)."""
-        previous_lrs = [g["lr"] for g in self.optimizer.param_groups]
-        self.scheduler.apply(iteration)
-        loss = float(self.engine.train_batch(batches))  # averaged over micro-batches and replicas, on every stage
+    @staticmethod
+    def _pipeline_inputs(batches: Sequence[Batch]) -> Iterator:
+        """Micro-batches as DeepSpeed's pipeline takes them: (inputs, (labels, loss mask))."""
+        return iter([(b.tokens, (b.labels, b.loss_mask)) for b in batches])
+
+    def train_batch(self, iteration: int, batches: Sequence[Batch], loss_fn=None) -> tuple[float, float, bool]:
+        """One optimizer step over the global batch's micro-batches: (loss, grad norm, stepped). The loss is
+        computed by the last stage (`pipeline_loss`), so `loss_fn` is not used."""
+        previous_lrs = self._apply_lr_and_remember(iteration)
+        # Averaged over micro-batches and replicas, on every stage (DeepSpeed's API reads it to the host).
+        loss = float(self.engine.train_batch(self._pipeline_inputs(batches)))
         stepped = bool(self.engine.was_step_applied())
         norm = self.engine.get_global_grad_norm()
         grad_norm = float(norm) if norm is not None else float("nan")
         if not stepped:
-            for group, lr in zip(self.optimizer.param_groups, previous_lrs):
-                group["lr"] = lr  # a skipped step leaves the LR where the other engines would
+            self._restore_lr(previous_lrs)
             if grad_norm < 0:
                 grad_norm = float("nan")  # DeepSpeed reports a non-finite norm as -1
         elif loss != loss or abs(loss) == float("inf"):
@@ -208,17 +205,10 @@ class PipelineEngine:
         return loss, grad_norm, stepped
 
     @torch.no_grad()
-    def eval_batch(self, batches: Iterator) -> float:
-        """Mean loss of one global batch's micro-batches (each a token-weighted mean), on every stage."""
-        return float(self.engine.eval_batch(batches))
-
-    @property
-    def learning_rate(self) -> float:
-        return self.optimizer.param_groups[0]["lr"]
-
-    def save_checkpoint(self, save_dir: str, iteration: int, client_state: dict, train_state: dict,
-                        config: dict) -> None:
-        save_checkpoint(self.engine, save_dir, iteration, client_state, train_state, config)
-
-    def load_checkpoint(self, load_dir: str, load_optimizer: bool, module_only: bool) -> Optional[dict]:
-        return load_checkpoint(self.engine, load_dir, load_optimizer=load_optimizer, module_only=module_only)
+    def evaluate(self, batches: Sequence[Batch], loss_fn=None) -> float:
+        """Mean over global batches of DeepSpeed's batch means (each micro-batch a token-weighted mean), on every
+        stage. `batches` holds whole global batches of this rank's micro-batches, in order."""
+        n = self.ds_config["gradient_accumulation_steps"]
+        means = [float(self.engine.eval_batch(self._pipeline_inputs(batches[i:i + n])))
+                 for i in range(0, len(batches), n)]
+        return sum(means) / max(len(means), 1)
