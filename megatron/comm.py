@@ -102,10 +102,31 @@ def _from_wire(wire: torch.Tensor, device: torch.device, one_rank_result: torch.
     return wire.to(device, non_blocking=device.type != "cpu")
 
 
+# Backends whose devices have no float64 (Gaudi): a float64 SUM travels as a float32 (hi, lo) pair.
+_NO_FLOAT64 = ("hccl",)
+
+
+def _all_reduce_float64_as_pairs(tensor: torch.Tensor, group: Any, op: ReduceOp) -> torch.Tensor:
+    """float64 SUM over a backend without float64: x = hi + lo with hi = fp32(x), lo = fp32(x - hi) (x - hi is
+    exact in float64), both summed in fp32 and added back in float64 on the caller's side. The result carries
+    fp32 rounding of the rank sums (~1e-7 relative), not float64's; used once per evaluation."""
+    if op is not ReduceOp.SUM:
+        raise TypeError(f"a float64 {op.value} reduction cannot go over {dist.get_backend(group)}: it has no "
+                        "float64; reduce a float32 tensor instead")
+    hi = tensor.float()
+    lo = (tensor - hi.double()).float()
+    pair = all_reduce(torch.stack([hi, lo]), group, op)
+    tensor.copy_(pair[0].double() + pair[1].double())
+    return tensor
+
+
 def all_reduce(tensor: torch.Tensor, group: Optional[Any], op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
-    """Reduce `tensor` over `group` in place and return it (MAX: NaN is sent as +inf)."""
+    """Reduce `tensor` over `group` in place and return it (MAX: NaN is sent as +inf; float64 over HCCL goes
+    as a float32 pair)."""
     if not is_active(group):
         return tensor
+    if tensor.dtype == torch.float64 and any(b in str(dist.get_backend(group)).lower() for b in _NO_FLOAT64):
+        return _all_reduce_float64_as_pairs(tensor, group, op)
     wire = _to_wire(tensor, communication_device(group))
     if op is ReduceOp.MAX:
         wire = torch.where(torch.isnan(wire), torch.full_like(wire, float("inf")), wire)

@@ -134,6 +134,25 @@ def test_guard_refuses_collectives_from_megatron_but_not_through_comm(one_rank_g
     assert torch.isnan(y).all()
 
 
+def test_float64_over_hccl_travels_as_a_float32_pair(one_rank_group, monkeypatch):
+    """Gaudi has no float64: the evaluation's float64 sums go as (hi, lo) float32 pairs over HCCL (faked here by
+    the backend name, the wire staying on the CPU), and come back to within a few float64 ulps."""
+    monkeypatch.setenv(comm.FORCE_ENV, "1")
+    monkeypatch.setattr(comm.dist, "get_backend", lambda group=None: "hccl")
+    monkeypatch.setattr(comm, "_accelerator_device", lambda kind: torch.device("cpu"))
+    dtypes = []
+    real = dist.all_reduce
+    monkeypatch.setattr(comm.dist, "all_reduce", lambda t, *a, **k: (dtypes.append(t.dtype), real(t, *a, **k))[1])
+    x = torch.tensor([123456.78901234567, 4096.0], dtype=torch.float64)
+    want = x.clone()
+    comm.all_reduce(x, one_rank_group)
+    assert dtypes == [torch.float32]  # one float32 all-reduce of the stacked pair, nothing float64 on the wire
+    # |x - hi| <= 2^-24 |x| and lo rounds that to fp32 (another 2^-24), plus the final float64 addition.
+    assert x.dtype == torch.float64 and torch.allclose(x, want, rtol=2.0**-48 + 2.0**-53, atol=0)
+    with pytest.raises(TypeError, match="no float64"):
+        comm.all_reduce(x, one_rank_group, comm.ReduceOp.MAX)
+
+
 def test_spawned_workers_install_the_guard():
     code = "import torch.distributed as d, megatron.comm; print(d.barrier.megatron_collective_guard)"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
