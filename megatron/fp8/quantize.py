@@ -18,8 +18,10 @@ Conventions (the same as Transformer Engine and torchao):
 - A cast to `float8_e4m3fn` saturates (even inf becomes 448) and a cast to `float8_e5m2` overflows to inf,
   so we clamp explicitly before casting: both formats then behave the same, and the Gaudi2 E4M3 maximum
   (240, below the dtype's 448) is honoured. Because the clamp also turns inf into the maximum, infinities
-  must be *counted before the cast* (`count_nonfinite`); NaN passes through the clamp and the cast, so a
-  NaN in the input still shows up as NaN in the loss.
+  must be *counted before the cast* (`count_nonfinite`); NaN passes through the clamp and the cast. So that
+  an overflow is not hidden from the training loop, `Fp8Linear` multiplies out the GEMM of a non-finite
+  operand with a NaN scale (`nonfinite_guard` in linear.py): its output becomes NaN, as nn.Linear's would be
+  non-finite.
 """
 from __future__ import annotations
 
