@@ -1,8 +1,8 @@
 """SwiGLU weight alignment over a run: per-layer |cos(w1_i, w2_i)| from checkpoints (the paper's figure, small).
 
-Reads one checkpoint folder (`iter_0000100`) or every `iter_*` folder of a run directory (`--save`), loading
-`iter_*/mp_rank_00/model_optim_rng.pt` with `torch.load(weights_only=True)` (tensors and plain data only,
-no code is run). For each checkpoint and layer it prints the max and 99th percentile of the alignment
+Reads one checkpoint folder (`iter_0000100`) or every `iter_*` folder of a run directory (`--save`), of any
+layout the trainer writes (single process, TP shards, DeepSpeed ZeRO 0-3, pipeline stages), with
+`torch.load(weights_only=True)` (tensors and plain data only, no code is run). For each checkpoint and layer it prints the max and 99th percentile of the alignment
 |cos| between each FFN channel's up row (w1, linear branch) and gate row (w2, Swish branch) of
 `linear_fc1` and the number of channels above 0.5; then the top-k most aligned channels of the last
 checkpoint with their signed cosine; and, with `--png`, plots max and p99 per layer against the iteration.
@@ -21,6 +21,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megatron.checkpoint_conversion.checkpoint_io import read_checkpoint  # noqa: E402
+from megatron.checkpoint_conversion.layouts import detect_layout  # noqa: E402
 from megatron.model.swiglu_diagnostics import alignment_summary, up_gate_alignment  # noqa: E402
 
 _FC1 = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.linear_fc1\.weight$")
@@ -28,23 +30,23 @@ _FC1 = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.linear_fc1\.weight$")
 
 def checkpoint_dirs(path: Path) -> list[Path]:
     """`path` itself if it is one checkpoint folder, else its `iter_*` folders in iteration order."""
-    if (path / "mp_rank_00" / "model_optim_rng.pt").exists():
+    if detect_layout(path) is not None:
         return [path]
-    found = sorted(p for p in path.glob("iter_*") if (p / "mp_rank_00" / "model_optim_rng.pt").exists())
+    found = sorted(p for p in path.glob("iter_*") if detect_layout(p) is not None)
     if not found:
         raise FileNotFoundError(f"{path} is neither a checkpoint folder nor a run with iter_* checkpoints")
     return found
 
 
 def load_fc1_weights(ckpt: Path) -> tuple[int, dict[int, torch.Tensor]]:
-    """(iteration, {layer: linear_fc1.weight}) of one checkpoint folder."""
-    payload = torch.load(ckpt / "mp_rank_00" / "model_optim_rng.pt", map_location="cpu", weights_only=True)
+    """(iteration, {layer: linear_fc1.weight}) of one checkpoint folder, of any layout (TP shards merged)."""
+    payload, _, train_state = read_checkpoint(ckpt)
     layers = {}
     for key, tensor in payload["model"].items():
         match = _FC1.match(key)
         if match:
             layers[int(match.group(1))] = tensor
-    iteration = int(payload.get("iteration", int(ckpt.name.split("_")[-1])))
+    iteration = int(payload.get("iteration", train_state.get("iteration", int(ckpt.name.split("_")[-1]))))
     return iteration, dict(sorted(layers.items()))
 
 

@@ -2,7 +2,8 @@
 
 Tools that only need the weights (export, evaluation, generation) use `load_gpt_checkpoint`: it
 finds the checkpoint (a run's `--save` folder through its tracker file, a run folder plus an
-iteration, or an `iter_XXXXXXX` folder itself), loads it with `torch.load(weights_only=True)`,
+iteration, or an `iter_XXXXXXX` folder itself), of any layout the trainer writes (single process, TP
+shards, DeepSpeed ZeRO 0-3, pipeline stages: `layouts.py` merges them), with `torch.load(weights_only=True)`,
 rebuilds `ModelConfig`/`DataConfig`/`TrainingConfig` from the checkpoint's `config.json` (the
 resolved `MegatronConfig.to_dict()`, never a pickled Namespace) and loads the weights strictly.
 Optimizer, RNG and FP8 scaling state are ignored.
@@ -26,6 +27,7 @@ from megatron.config import (
     OptimizerConfig, ParallelConfig, PositionEmbedding, RecomputeGranularity, SchedulerConfig,
     SmoothSwiGLUGranularity, TrainingConfig,
 )
+from megatron.checkpoint_conversion.layouts import detect_layout, read_model_state
 from megatron.model import GPTModel
 from megatron.training import checkpointing as ckpt
 from megatron.training.train_state import TrainState
@@ -84,7 +86,7 @@ def data_config_from_dict(config: dict[str, Any], source: Path) -> DataConfig:
 def resolve_checkpoint_dir(load: str | Path, iteration: Optional[int] = None) -> Path:
     """The `iter_XXXXXXX` folder meant by `--load DIR [--iteration N]`; raises naming what is missing."""
     root = Path(load)
-    if ckpt.model_file(root).exists():  # already an iteration folder
+    if detect_layout(root) is not None:  # already an iteration folder
         if iteration is not None:
             raise ValueError(f"--load {root} is an iteration folder itself: drop --iteration, or pass its run folder")
         return root
@@ -93,30 +95,26 @@ def resolve_checkpoint_dir(load: str | Path, iteration: Optional[int] = None) ->
     if iteration is None:
         iteration = ckpt.read_tracker(root)
         if iteration is None:
-            raise FileNotFoundError(f"--load {root} holds no {ckpt.TRACKER_FILE} and no mp_rank_00/"
-                                    "model_optim_rng.pt: pass a run's --save folder or one of its iter_* folders")
+            raise FileNotFoundError(f"--load {root} holds no {ckpt.TRACKER_FILE} and no checkpoint files: pass a "
+                                    "run's --save folder or one of its iter_* folders")
     path = ckpt.iteration_dir(root, iteration)
-    if not ckpt.model_file(path).exists():
+    if detect_layout(path) is None:
         available = sorted(p.name for p in root.glob("iter_*"))
-        raise FileNotFoundError(f"{ckpt.model_file(path)} does not exist (iteration {iteration}); "
-                                f"available: {available or 'none'}")
+        raise FileNotFoundError(f"{path} holds no checkpoint (iteration {iteration}); available: {available or 'none'}")
     return path
 
 
 def read_checkpoint(path: Path) -> tuple[dict, dict, dict]:
-    """(payload, config dict, train state) of an iteration folder, loaded without running code."""
-    file = ckpt.model_file(path)
-    try:
-        payload = torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as exc:  # pickled code objects, or a corrupt file
-        raise ckpt.CheckpointError(f"refusing to load {file}: {exc.__class__.__name__}: {str(exc)[:300]}") from exc
+    """(payload, config dict, train state) of an iteration folder of any layout (`layouts.py`), loaded without
+    running code; payload["model"] is the merged full-model state dict, payload["layout"] the layout's name."""
     config_file = path / "config.json"
     if not config_file.exists():
         raise ckpt.CheckpointError(f"{config_file} is missing: the model shape cannot be known without it")
     config = json.loads(config_file.read_text())
+    state, extras, layout = read_model_state(path, model_config_from_dict(config, path))
     state_file = path / "train_state.json"
     train_state = json.loads(state_file.read_text()) if state_file.exists() else {}
-    return payload, config, train_state
+    return {**extras, "model": state, "layout": layout}, config, train_state
 
 
 def load_gpt_checkpoint(load: str | Path, iteration: Optional[int] = None,
@@ -128,13 +126,11 @@ def load_gpt_checkpoint(load: str | Path, iteration: Optional[int] = None,
     data_config = data_config_from_dict(config, path)
     training = config.get("training")
     training_config = _from_dict(TrainingConfig, training, path) if training else None
-    if "model" not in payload:
-        raise ckpt.CheckpointError(f"{ckpt.model_file(path)} holds no 'model' state dict")
     model = GPTModel(model_config)
     ckpt.load_model_state(model, payload["model"], path)
     model.to(device).eval()
     return LoadedCheckpoint(model=model, model_config=model_config, data_config=data_config,
-                            training_config=training_config, iteration=int(payload.get("iteration", 0)),
+                            training_config=training_config, iteration=int(payload.get("iteration", train_state.get("iteration", 0))),
                             path=path, train_state=train_state, raw_config=config)
 
 

@@ -1,0 +1,164 @@
+"""One reader for every checkpoint layout the trainer writes: the merged full-model (TP=1, PP=1) state dict.
+
+An iteration folder (`iter_XXXXXXX/`) holds one of these layouts; `detect_layout` tells which from its files:
+
+    layout            files                                                  weights come from
+    single            mp_rank_00/model_optim_rng.pt                          its "model" entry
+    tensor_parallel   mp_rank_00/.., mp_rank_01/.., ...                      every rank's shard, merged by
+                                                                             `megatron.parallel.layout`
+    deepspeed         mp_rank_00_model_states.pt (ZeRO 0, 1, 2)              its "module" entry (full weights)
+    deepspeed_zero3   zero_pp_rank_<r>_mp_rank_00_model_states.pt + optim    the fp32 partitions, consolidated by
+                      partitions                                             DeepSpeed's zero_to_fp32 functions
+    pipeline          layer_<i>-model_00-model_states.pt per pipeline layer  embedding (0), transformer layers
+                                                                             (1..L), final norm + head (L+1)
+
+Every file is read with `torch.load(weights_only=True)` (DeepSpeed's few data classes allowed, nothing that
+runs code); the DeepSpeed layouts need the deepspeed package only for ZeRO-3's consolidation.
+"""
+from __future__ import annotations
+
+import contextlib
+import re
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from megatron.config import ModelConfig
+from megatron.parallel.layout import merge_state_dicts
+from megatron.training import checkpointing as ckpt
+
+SINGLE, TENSOR_PARALLEL, DEEPSPEED, DEEPSPEED_ZERO3, PIPELINE = (
+    "single", "tensor_parallel", "deepspeed", "deepspeed_zero3", "pipeline")
+_DS_MODEL_FILE = "mp_rank_00_model_states.pt"
+_PIPE_LAYER = re.compile(r"layer_(\d+)-model_00-model_states\.pt")
+
+
+def detect_layout(path: Path) -> str | None:
+    """The layout of iteration folder `path`, or None when it holds no checkpoint we wrote."""
+    if ckpt.model_file(path, 1).exists():
+        return TENSOR_PARALLEL
+    if ckpt.model_file(path).exists():
+        return SINGLE
+    if any(_PIPE_LAYER.fullmatch(p.name) for p in path.glob("layer_*-model_00-model_states.pt")):
+        return PIPELINE
+    if (path / "zero_pp_rank_0_mp_rank_00_model_states.pt").exists():
+        return DEEPSPEED_ZERO3
+    if (path / _DS_MODEL_FILE).exists():
+        return DEEPSPEED
+    return None
+
+
+def _safe_globals() -> list:
+    try:
+        from megatron.training.deepspeed_engine import _deepspeed_safe_globals
+
+        return _deepspeed_safe_globals()
+    except ImportError:  # no deepspeed installed: our own layouts need no extra classes
+        return []
+
+
+def load_file(file: Path) -> Any:
+    """`torch.load(weights_only=True)` with DeepSpeed's data classes allowed; a clear error otherwise."""
+    try:
+        with torch.serialization.safe_globals(_safe_globals()):
+            return torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as exc:  # pickled code objects, or a corrupt file
+        raise ckpt.CheckpointError(f"refusing to load {file}: {exc.__class__.__name__}: {str(exc)[:300]}") from exc
+
+
+def _tensor_parallel_shards(path: Path) -> Iterator[dict]:
+    rank = 0
+    while ckpt.model_file(path, rank).exists():
+        yield load_file(ckpt.model_file(path, rank))
+        rank += 1
+
+
+def _pipeline_state(path: Path, num_layers: int) -> dict[str, torch.Tensor]:
+    """GPTModel keys from DeepSpeed's per-layer files: layer 0 is the embedding stage (its keys are already
+    `embedding.*`), layers 1..L hold `layer.*` of transformer layer i-1, layer L+1 the final norm and head."""
+    files = {int(m.group(1)): p for p in path.iterdir() if (m := _PIPE_LAYER.fullmatch(p.name))}
+    expected = set(range(num_layers + 2))
+    if set(files) != expected:
+        raise ckpt.CheckpointError(f"{path}: pipeline layer files {sorted(files)} do not match a model of "
+                                   f"{num_layers} transformer layers (expected layers 0..{num_layers + 1})")
+    state: dict[str, torch.Tensor] = {}
+    for index, file in sorted(files.items()):
+        for key, tensor in load_file(file).items():
+            if index == 0:
+                name = key
+            elif index <= num_layers:
+                name = f"decoder.layers.{index - 1}.{key.removeprefix('layer.')}"
+            else:
+                name = key if key.startswith("output_layer.") else f"decoder.{key}"
+            state[name] = tensor
+    return state
+
+
+@contextlib.contextmanager
+def _weights_only_torch_load() -> Iterator[None]:
+    """Within the block, every torch.load reads weights only (DeepSpeed's consolidation asks for pickles)."""
+    real = torch.load
+    allowed = _safe_globals()
+
+    def load(*args, **kwargs):
+        kwargs["weights_only"] = True
+        with torch.serialization.safe_globals(allowed):
+            return real(*args, **kwargs)
+
+    torch.load = load
+    try:
+        yield
+    finally:
+        torch.load = real
+
+
+def _zero3_state(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    except ImportError as exc:
+        raise ckpt.CheckpointError(f"{path} is a DeepSpeed ZeRO-3 checkpoint: reading it needs the deepspeed "
+                                   "package (pip install deepspeed)") from exc
+    try:
+        with _weights_only_torch_load():
+            return dict(get_fp32_state_dict_from_zero_checkpoint(str(path.parent), tag=path.name))
+    except ckpt.CheckpointError:
+        raise
+    except Exception as exc:
+        raise ckpt.CheckpointError(f"{path}: cannot consolidate the ZeRO-3 partitions: "
+                                   f"{exc.__class__.__name__}: {str(exc)[:300]}") from exc
+
+
+def read_model_state(path: Path, model_config: ModelConfig) -> tuple[dict[str, torch.Tensor], dict, str]:
+    """(full-model state dict, our payload extras, layout name) of iteration folder `path`.
+
+    The extras are what the run saved beside the weights (LR schedule, RNG, FP8 scaling state: rank 0's),
+    when the layout has them.
+    """
+    layout = detect_layout(path)
+    if layout is None:
+        raise ckpt.CheckpointError(f"{path} holds no checkpoint file of a known layout (mp_rank_00/model_optim_rng.pt, "
+                                   f"{_DS_MODEL_FILE}, zero_pp_rank_0_mp_rank_00_model_states.pt or pipeline "
+                                   "layer_*-model_00-model_states.pt)")
+    if layout in (SINGLE, TENSOR_PARALLEL):
+        shards = list(_tensor_parallel_shards(path))
+        if any("model" not in s for s in shards):
+            raise ckpt.CheckpointError(f"{path}: a mp_rank_XX/model_optim_rng.pt holds no 'model' state dict")
+        state = shards[0]["model"] if len(shards) == 1 else merge_state_dicts([s["model"] for s in shards],
+                                                                                model_config)
+        return state, {k: v for k, v in shards[0].items() if k != "model"}, layout
+    extras: dict = {}
+    # Our client state (LR schedule, RNG, FP8) sits in DeepSpeed's model-states file (rank 0's under ZeRO-3).
+    model_states = path / (_DS_MODEL_FILE if layout != DEEPSPEED_ZERO3 else "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    if model_states.exists():
+        data = load_file(model_states)
+        from megatron.training.deepspeed_engine import CLIENT_KEY
+
+        extras = data.get(CLIENT_KEY, {}) or {}
+        if layout == DEEPSPEED:
+            if not data.get("module"):
+                raise ckpt.CheckpointError(f"{model_states} holds no 'module' weights")
+            return dict(data["module"]), extras, layout
+    if layout == PIPELINE:
+        return _pipeline_state(path, model_config.num_layers), extras, layout
+    return _zero3_state(path), extras, layout
