@@ -80,6 +80,24 @@ def test_dry_run_llama2_7b_parameter_count():
     assert "memory estimate per device" in out.stdout
 
 
+def test_memory_estimate_counts_fp8_saved_activations():
+    """FP8 linears keep the inputs of QKV, proj, fc1 (h wide) and fc2 (ffn wide) in 1 byte instead of 2."""
+    from megatron.training.flops import memory_estimate_bytes
+
+    shape = dict(num_layers=4, seq_length=32, micro_batch_size=4)
+    bf16 = memory_estimate_bytes(parse_config(tiny_argv("--bf16", **shape)))
+    fp8 = memory_estimate_bytes(parse_config(tiny_argv("--bf16", "--fp8-format", "hybrid", **shape)))
+    cfg = parse_config(tiny_argv(**shape)).model
+    per_layer = 32 * 4 * (3 * cfg.hidden_size + cfg.ffn_hidden_size)
+    assert (bf16["activations_GiB"] - fp8["activations_GiB"]) * 2**30 == pytest.approx(4 * per_layer, rel=1e-12)
+    edges = memory_estimate_bytes(parse_config(tiny_argv("--bf16", "--fp8-format", "hybrid",
+                                                         "--fp8-first-last-layers-bf16", "1", **shape)))
+    assert (bf16["activations_GiB"] - edges["activations_GiB"]) * 2**30 == pytest.approx(2 * per_layer, rel=1e-12)
+    full = dict(shape, recompute_granularity="full")
+    assert memory_estimate_bytes(parse_config(tiny_argv("--bf16", "--fp8-format", "hybrid", **full))) == \
+        memory_estimate_bytes(parse_config(tiny_argv("--bf16", **full)))  # only BF16 layer inputs are kept
+
+
 def test_cli_error_exit_code_and_message():
     out = subprocess.run([sys.executable, "pretrain_gpt.py", *tiny_argv(global_batch_size=6)], cwd=REPO,
                          capture_output=True, text=True, timeout=120)

@@ -52,7 +52,11 @@ def memory_estimate_bytes(cfg: MegatronConfig) -> dict[str, float]:
 
     FP32 master weights and gradients; AdamW keeps 8 bytes/param of moments, Fp8AdamW about 2;
     ZeRO stages divide what they shard by the data-parallel size; TP/PP divide the model.
-    Activations follow Korthikanti et al. (sbh(34 + 5as/h) bytes per layer in 16-bit, no recompute).
+    Activations follow Korthikanti et al. (sbh(34 + 5as/h) bytes per layer in 16-bit, no recompute). With FP8
+    linears the inputs that QKV, the attention projection, fc1 and fc2 save for backward are kept in 1 byte
+    instead of 2: per FP8 layer s*b*(3h + ffn) bytes less (fc2's input is ffn wide; its term stays with
+    --fp8-mlp-fc2-bf16, and --fp8-first-last-layers-bf16 layers save nothing). Full recompute keeps only the
+    layer inputs (BF16), so FP8 changes nothing there.
     """
     m, t, p = cfg.model, cfg.training, cfg.parallel
     model_split = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
@@ -71,6 +75,10 @@ def memory_estimate_bytes(cfg: MegatronConfig) -> dict[str, float]:
         act = s * b * h * 34.0 * layers / p.tensor_model_parallel_size
     else:
         act = s * b * h * (34.0 + 5.0 * a * s / h) * layers / p.tensor_model_parallel_size
+    if cfg.fp8 is not None and m.recompute_granularity is not RecomputeGranularity.FULL:
+        fp8_layers = max(m.num_layers - 2 * cfg.fp8.first_last_layers_bf16, 0) / p.pipeline_model_parallel_size
+        saved_bytes_per_token = 3.0 * h + (0.0 if cfg.fp8.mlp_fc2_bf16 else float(m.ffn_hidden_size))
+        act -= s * b * saved_bytes_per_token * fp8_layers / p.tensor_model_parallel_size
     gib = 2.0**30
     out = {"weights_GiB": weights / gib, "grads_GiB": grads / gib, "optimizer_GiB": optim / gib,
            "activations_GiB": act / gib}
