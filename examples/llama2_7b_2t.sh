@@ -10,6 +10,9 @@
 # all micro-batches of a step) + Smooth-SwiGLU + Fp8AdamW (m E4M3, v E5M2); FP8_SPEC.md section 5.
 # DRY_RUN=1 resolves and validates the whole configuration for the real world size without launching
 # anything (synthetic data, so no corpus or tokenizer is needed): tests/test_examples.py runs it.
+# SMOKE=1 (PLATFORM=cuda) runs these very flags for 2 iterations on a model shrunk to 2 layers, with synthetic
+# data, on 2 local CPU processes (the scaled_mm FP8 backend runs there too), and saves a checkpoint:
+# tests/test_checkpoint_layouts.py exports it to Hugging Face.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source examples/llama2_7b_model.sh
@@ -57,6 +60,20 @@ DEVICE_ARGS=(--device "$([ "$PLATFORM" = gaudi2 ] && echo hpu || echo cuda)")
 DATA_ARGS=(--data-path "$DATA_PATH" --split 969,30,1 --tokenizer-type GPTSentencePieceTokenizer
            --tokenizer-model "$TOKENIZER_MODEL" --data-cache-path "$RUN_DIR/index-cache")
 
+if [ "${SMOKE:-0}" = 1 ]; then
+  if [ "$PLATFORM" != cuda ]; then
+    echo "SMOKE=1 needs PLATFORM=cuda (its FP8 backend, scaled_mm, also runs on the CPU); Gaudi's does not" >&2
+    exit 2
+  fi
+  # Appended last, so these win over the 7B values (argparse keeps the last occurrence).
+  TRAIN_ARGS+=(--num-layers 2 --hidden-size 64 --ffn-hidden-size 176 --num-attention-heads 4 --seq-length 32
+               --max-position-embeddings 32 --global-batch-size 4 --train-iters 2 --lr-decay-iters 2
+               --lr-warmup-iters 0 --save-interval 2 --eval-interval 2 --eval-iters 1)
+  DATA_ARGS=(--mock-data --vocab-size 128)
+  DEVICE_ARGS=(--device cpu)
+  NNODES=1 GPUS_PER_NODE=2 NODE_RANK=0 MASTER_ADDR=127.0.0.1 LAUNCHER=torchrun
+fi
+
 if [ "${DRY_RUN:-0}" = 1 ]; then
   # Resolve for the real world size, with synthetic data and no device, so any machine checks the flags.
   WORLD_SIZE=$((NNODES * GPUS_PER_NODE)) exec "$PY" pretrain_gpt.py "${TRAIN_ARGS[@]}" \
@@ -69,6 +86,6 @@ if [ "$LAUNCHER" = deepspeed ]; then
     --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
     pretrain_gpt.py "${TRAIN_ARGS[@]}" "${DATA_ARGS[@]}" "${DEVICE_ARGS[@]}"
 fi
-exec torchrun --nnodes "$NNODES" --nproc_per_node "$GPUS_PER_NODE" --node_rank "$NODE_RANK" \
+exec "$PY" -m torch.distributed.run --nnodes "$NNODES" --nproc_per_node "$GPUS_PER_NODE" --node_rank "$NODE_RANK" \
   --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
   pretrain_gpt.py "${TRAIN_ARGS[@]}" "${DATA_ARGS[@]}" "${DEVICE_ARGS[@]}"

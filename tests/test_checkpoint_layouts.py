@@ -88,3 +88,28 @@ def test_every_layout_exports_to_hugging_face_and_evaluates_alike(checkpoints, t
                              "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB)])
         losses[name] = out["data_path"]["loss"]
     assert len(set(losses.values())) == 1, losses  # identical weights: identical evaluation
+
+
+def test_the_7b_scripts_checkpoints_export(tmp_path) -> None:
+    """examples/llama2_7b_2t.sh's own flags (FP8 + Smooth-SwiGLU + Fp8AdamW, DeepSpeed ZeRO-1, recompute,
+    scaled_mm backend), shrunk by SMOKE=1 to 2 layers on 2 CPU processes: its checkpoint exports to HF."""
+    import os
+
+    env = dict(os.environ, SMOKE="1", PRECISION="fp8", PLATFORM="cuda", RUN_DIR=str(tmp_path / "run"),
+               PYTHON=sys.executable, MASTER_PORT=str(free_port()))
+    out = subprocess.run(["bash", "examples/llama2_7b_2t.sh"], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    save = tmp_path / "run" / "checkpoints"
+    folder = resolve_checkpoint_dir(save)
+    assert detect_layout(folder) == "deepspeed"
+    payload, config, _ = read_checkpoint(folder)
+    assert config["fp8"]["backend"] == "scaled_mm" and config["model"]["smooth_swiglu"] == "channel"
+    assert config["optimizer"]["optimizer"] == "fp8adam" and "fp8" in payload  # FP8 scaling state travels too
+    loaded = load_gpt_checkpoint(save)
+    hf_dir = export_to_hf(save, tmp_path / "hf", with_tokenizer=False)
+    hf = transformers.LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    tokens = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ours, theirs = loaded.model(tokens), hf(tokens).logits
+    assert ((ours - theirs).abs().max() / ours.abs().max()).item() <= 1e-5
