@@ -7,11 +7,11 @@ pre_mlp_layernorm, mlp.linear_fc1 (w1|w2), mlp.linear_fc2}, decoder.final_layern
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from megatron.fp8.stats import sqnr_db  # noqa: F401  (the tests import the one SQNR from here)
 
 # --- independent FP8 reference (float64, from the bit layout, no torch FP8 casts) ------------------------
 
@@ -51,11 +51,6 @@ def reference_quantize(x: torch.Tensor, fmt: str, fp8_max: float | None = None) 
     return torch.where(torch.isnan(x), x, out)
 
 
-def sqnr_db(approx: torch.Tensor, reference: torch.Tensor) -> float:
-    """Signal-to-quantization-noise ratio in dB (higher is better)."""
-    reference, approx = reference.detach().double(), approx.detach().double()
-    noise = (approx - reference).norm()
-    return float("inf") if noise == 0 else 20 * math.log10(reference.norm() / noise)
 
 
 # --- tiny stand-in GPT --------------------------------------------------------------------------------------

@@ -31,10 +31,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron.fp8 import Fp8Recipe, Fp8Scaling, fp8_optimizer_step  # noqa: E402
+from megatron.fp8.stats import sqnr_db  # noqa: E402
 from megatron.model.smooth_swiglu import ChannelSplit  # noqa: E402
 from megatron.model.swiglu_outliers import (CHANNEL, FC2_BF16, PARTS, PLAIN, TOKEN, OutlierSetup,  # noqa: E402
                                             blockwise_fwd_others_sqnr, fp8_variant, outlier_mlp, part_sqnr,
-                                            sqnr_db, sudden_outlier_sqnr)
+                                            sudden_outlier_sqnr)
 
 COLUMNS = (PLAIN, CHANNEL, TOKEN, FC2_BF16)
 ROWS = ("no outlier", "outlier")

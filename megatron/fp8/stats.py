@@ -15,6 +15,7 @@ early sign of the outliers that precede an FP8 divergence (the SwiGLU outliers o
 """
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -55,6 +56,14 @@ def record(module: "Fp8Linear", role: int, t: torch.Tensor, q: torch.Tensor, sca
     module.fp8_stats_counts[role] += torch.stack([clipped, flushed, nan, inf, numel]).to(torch.int64)
     module.fp8_stats_amax[role] = torch.maximum(module.fp8_stats_amax[role], amax_of(t))
     module.fp8_stats_scale[role] = scale.float()
+
+
+def sqnr_db(test: torch.Tensor, reference: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio 10 log10(sum ref^2 / sum (ref - test)^2) in dB, computed in float64;
+    inf when equal. The one SQNR of the project (experiments, benchmarks and tests)."""
+    reference, test = reference.detach().double(), test.detach().double()
+    noise = (test - reference).square().sum()
+    return float("inf") if noise == 0 else 10 * math.log10(float(reference.square().sum() / noise))
 
 
 def enable_fp8_stats(model: nn.Module, enabled: bool = True) -> None:

@@ -34,6 +34,7 @@ from megatron.fp8 import Fp8Linear, Fp8Recipe, Fp8Scaling, fp8_optimizer_step
 from megatron.fp8.backends import EmulatedBackend
 from megatron.fp8.formats import format_spec
 from megatron.fp8.quantize import amax_of, compute_scale, quantize
+from megatron.fp8.stats import sqnr_db
 from megatron.model.smooth_swiglu import ChannelSplit, channel_maxima, pow2_scales, swiglu_product
 from megatron.model.transformer import MLP
 
@@ -42,13 +43,6 @@ PARTS = ("output", "fwd others", "dW1 gate", "dW1 up", "dW3 others")
 # Named FP8 treatments of the MLP; a `ChannelSplit` is the channel form with that split.
 PLAIN, CHANNEL, TOKEN, FC2_BF16 = "plain FP8", "smooth channel", "smooth token", "fc2 BF16"
 Variant = Union[str, ChannelSplit]
-
-
-def sqnr_db(test: torch.Tensor, reference: torch.Tensor) -> float:
-    """10 log10(sum ref^2 / sum (ref - test)^2) in float64; inf when equal."""
-    reference, test = reference.detach().double(), test.detach().double()
-    noise = (test - reference).square().sum()
-    return float("inf") if noise == 0 else 10 * math.log10(float(reference.square().sum() / noise))
 
 
 @dataclass(frozen=True)
