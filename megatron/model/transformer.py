@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megatron.config import ModelConfig, RecomputeGranularity
 from megatron.model.layers import apply_rotary, build_norm
-from megatron.model.smooth_swiglu import SmoothSwiGLU
+from megatron.model.smooth_swiglu import SmoothSwiGLU, swiglu_product
 
 
 def _init_linear(linear: nn.Linear, std: float) -> None:
@@ -108,8 +108,7 @@ class MLP(nn.Module):
 
     def activation(self, fc1_out: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
-            gate, up = fc1_out.chunk(2, dim=-1)
-            return F.silu(gate) * up
+            return swiglu_product(fc1_out)
         return F.gelu(fc1_out)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
