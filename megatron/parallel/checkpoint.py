@@ -9,8 +9,7 @@ The ranks of data-parallel rank 0 write their shards into one shared temporary f
 global rank 0 renames it to `iter_*` and replaces the tracker file, so a crash leaves either the complete
 new checkpoint or the previous one (the same guarantee as `checkpointing.save_checkpoint` at TP = 1).
 Each shard is loaded back by the rank with the same TP rank: loading at the same layout is exact.
-Resharding (loading at another TP size) is not supported yet; `check_tensor_parallel_layout` refuses it
-with a message naming --tensor-model-parallel-size instead of failing on a missing file or a shape.
+Loading at another TP size (or from another engine's layout) goes through `megatron.training.reshard`.
 """
 from __future__ import annotations
 
@@ -61,23 +60,3 @@ def save_tensor_parallel_checkpoint(save_dir: str | os.PathLike, iteration: int,
     if parallel.rank == 0:
         commit_checkpoint(root, staging, iteration, train_state, config)
     comm.barrier(comm.world_group())
-
-
-def check_tensor_parallel_layout(load_dir: str | os.PathLike, tensor_parallel_size: int) -> None:
-    """Raise CheckpointError when the newest checkpoint under `load_dir` has another TP size."""
-    iteration = read_tracker(load_dir)
-    if iteration is None:
-        return
-    ckpt_dir = iteration_dir(load_dir, iteration)
-    shards = sorted(p.name for p in ckpt_dir.glob("mp_rank_*"))
-    if not shards:
-        return  # not this layout; the loader reports what is missing
-    saved = len(shards)
-    config_file = ckpt_dir / "config.json"
-    if config_file.exists():
-        saved = json.loads(config_file.read_text()).get("parallel", {}).get("tensor_model_parallel_size", saved)
-    if saved != tensor_parallel_size or len(shards) != tensor_parallel_size:
-        raise CheckpointError(
-            f"{ckpt_dir} was saved with --tensor-model-parallel-size {saved} ({len(shards)} mp_rank_* shards) but "
-            f"this run uses --tensor-model-parallel-size {tensor_parallel_size}: resharding a checkpoint to another "
-            f"tensor-parallel size is not supported yet; resume with --tensor-model-parallel-size {saved}")

@@ -128,6 +128,11 @@ class DeepSpeedBase:
         save_checkpoint(self.engine, save_dir, iteration, extras, train_state, config)
 
     def load_checkpoint(self, load_dir: str, load_optimizer: bool, module_only: bool) -> Optional[dict]:
+        from megatron.training import reshard
+
+        folder = reshard.newest_folder(load_dir)
+        if folder is not None and not reshard.deepspeed_layout_matches(self, reshard.saved_layout(folder)):
+            return reshard.load_into_deepspeed(self, folder, load_optimizer=load_optimizer, module_only=module_only)
         return load_checkpoint(self.engine, load_dir, load_optimizer=load_optimizer, module_only=module_only)
 
 
@@ -255,10 +260,6 @@ def load_checkpoint(engine, load_dir: str, load_optimizer: bool, module_only: bo
         return None
     folder = ckpt.iteration_dir(load_dir, iteration)
     if not any(folder.glob("*" + DS_MODEL_FILE)):  # ZeRO-3 writes one zero_pp_rank_<dp>_<name> per rank
-        if ckpt.model_file(folder).exists():
-            raise ckpt.CheckpointError(
-                f"{folder} was written without --deepspeed (it holds mp_rank_00/model_optim_rng.pt); loading it "
-                "into a DeepSpeed run is not supported yet: resume it without --deepspeed")
         raise ckpt.CheckpointError(f"{Path(load_dir) / ckpt.TRACKER_FILE} points at iteration {iteration} but "
                                    f"{folder} holds no DeepSpeed *{DS_MODEL_FILE}; restore that folder or fix the tracker")
     load_path, client = engine.load_checkpoint(str(load_dir), tag=folder.name, load_module_strict=True,

@@ -30,10 +30,12 @@ from megatron import comm
 from megatron.accelerator import Accelerator
 from megatron.data.provider import Batch
 from megatron.optimizer.lr_scheduler import LrScheduler
+from megatron.checkpoint_conversion import layouts
 from megatron.parallel import clip_grad_norm, reduce_sequence_parallel_grads
-from megatron.parallel.checkpoint import check_tensor_parallel_layout, save_tensor_parallel_checkpoint
+from megatron.parallel.checkpoint import save_tensor_parallel_checkpoint
 from megatron.parallel_state import ParallelState
 from megatron.training import checkpointing as ckpt
+from megatron.training import reshard
 
 logger = logging.getLogger("megatron")
 
@@ -185,7 +187,16 @@ class TorchEngine(MicroBatchEngine):
         comm.barrier(comm.world_group())
 
     def load_checkpoint(self, load_dir: str, load_optimizer: bool, module_only: bool) -> Optional[dict]:
-        check_tensor_parallel_layout(load_dir, self.parallel.tensor_parallel_size)
+        folder = reshard.newest_folder(load_dir)
+        if folder is not None:
+            saved = reshard.saved_layout(folder)
+            tp = self.parallel.tensor_parallel_size
+            if saved["layout"] is not None and not (saved["layout"] in (layouts.SINGLE, layouts.TENSOR_PARALLEL)
+                                                    and saved["mp_files"] == tp):
+                return reshard.load_resharded(
+                    folder, model=self.model, full_name=lambda n: n, model_config=self.model.config,
+                    tp_rank=self.parallel.tensor_parallel_rank, tp_size=tp, optimizer=self.optimizer,
+                    load_optimizer=load_optimizer, module_only=module_only, describe=f"tensor parallel {tp}")
         loaded = ckpt.load_checkpoint_files(load_dir, mp_rank=self.parallel.tensor_parallel_rank)
         if loaded is None:
             return None

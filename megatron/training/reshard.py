@@ -1,0 +1,237 @@
+"""Resharding on resume: `--load` of a checkpoint written at another TP / PP / DP layout (or by another engine).
+
+Each engine's `load_checkpoint` first asks `layout_of(folder)` whether the checkpoint's layout is its own; if
+so it loads as before (exact: the same bits). Otherwise it calls `load_resharded`, which
+
+1. reads the whole state without its layout (`checkpoint_conversion.full_state.read_full_state`): full-model
+   weights, FP32 Adam moments per parameter, FP8 scaling state per layer, LR schedule, RNG, train state;
+2. cuts out what this rank holds: its TP piece of each of its parameters (its PP stage's parameters only),
+   and for ZeRO 1/2 its slice of DeepSpeed's flattened partition (`param._hp_mapping`);
+3. writes weights (and ZeRO's FP32 master partition), then the moments through the optimizer's own
+   `load_state_dict`, which quantizes them into its formats (Fp8AdamW: FP8 codes with this layout's scales);
+4. returns the client state (LR schedule, RNG, FP8 scaling state under this engine's layer names) to the loop,
+   which restores it as for any checkpoint. The data position is the train state's consumed samples.
+
+What is exact and what is not: weights, AdamW moments, step counts, FP8 scaling state (amaxes are reduced over
+every rank holding a piece of a tensor, so every piece carries the full tensor's) and the LR schedule move
+unchanged. Fp8AdamW moments are requantized: one more rounding of each element to its FP8 format under the new
+pieces' scales (bounded in docs/distributed.md, "Resharding on resume"). The RNG state of rank 0 is given to
+every rank (the pieces of another layout have no RNG of their own; dropout streams change, nothing else).
+The padded vocabulary must be the same (`--make-vocab-size-divisible-by` x TP): padding rows take part in
+the softmax, so adding or dropping them would change the model; the error says which value to pass.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from megatron.checkpoint_conversion import layouts
+from megatron.checkpoint_conversion.full_state import MOMENTS, FullState, read_full_state, tensor_parallel_piece
+from megatron.config import ModelConfig
+from megatron.training import checkpointing as ckpt
+
+logger = logging.getLogger("megatron")
+
+
+def saved_layout(folder: Path) -> dict:
+    """What the files of iteration folder `folder` say about its layout: {"layout", "mp_files", "zero_ranks"}."""
+    layout = layouts.detect_layout(folder)
+    mp = len(list(folder.glob("mp_rank_*_model_states.pt"))) or len(list(folder.glob("mp_rank_*/model_optim_rng.pt")))
+    zero = len(list(folder.glob("zero_pp_rank_*_mp_rank_00_optim_states.pt")))
+    return {"layout": layout, "mp_files": mp, "zero_ranks": zero}
+
+
+def newest_folder(load_dir: str) -> Optional[Path]:
+    iteration = ckpt.read_tracker(load_dir)
+    return None if iteration is None else ckpt.iteration_dir(load_dir, iteration)
+
+
+def _shape_error(name: str, saved: torch.Size, local: torch.Size, full: FullState, model_config: ModelConfig,
+                 tp_size: int) -> ckpt.CheckpointError:
+    if "word_embeddings" in name or name.startswith("output_layer"):
+        saved_rows = int(full.model[name].shape[0])
+        divisor = saved_rows // tp_size if saved_rows % tp_size == 0 else saved_rows
+        return ckpt.CheckpointError(
+            f"{full.path} has a padded vocabulary of {saved_rows} rows, this run {model_config.padded_vocab_size} "
+            f"(--make-vocab-size-divisible-by x --tensor-model-parallel-size {tp_size}): the padding rows take part "
+            f"in the softmax, so they must stay. Pass --make-vocab-size-divisible-by {divisor} to keep {saved_rows}.")
+    return ckpt.CheckpointError(f"{full.path} does not match the model built from the current flags: {name} is "
+                                f"{tuple(saved)} there and {tuple(local)} here (this rank's piece). Use the same "
+                                "--num-layers/--hidden-size/... as the run that saved it.")
+
+
+def _pieces(named_params: list[tuple[str, nn.Parameter]], full: FullState, model_config: ModelConfig,
+            tp_rank: int, tp_size: int) -> dict[str, torch.Tensor]:
+    missing = [n for n, _ in named_params if n not in full.model]
+    if missing:
+        raise ckpt.CheckpointError(f"{full.path} lacks parameters of this model: {missing[:5]}; use the same "
+                                   "architecture flags as the run that saved it")
+    out = {}
+    for name, param in named_params:
+        try:
+            piece = tensor_parallel_piece(name, full.model[name], model_config, tp_rank, tp_size)
+        except ValueError:
+            piece = None
+        if piece is None or piece.shape != param.shape:
+            raise _shape_error(name, full.model[name].shape, param.shape, full, model_config, tp_size)
+        out[name] = piece
+    return out
+
+
+def _moment_pieces(name: str, full: FullState, model_config: ModelConfig, tp_rank: int, tp_size: int) -> dict:
+    saved = full.optimizer["params"][name]
+    return {"step": torch.tensor(float(saved["step"]), dtype=torch.float32),
+            **{m: tensor_parallel_piece(name, saved[m], model_config, tp_rank, tp_size) for m in MOMENTS}}
+
+
+def _load_plain_optimizer(optimizer: torch.optim.Optimizer, full_name: dict[int, str], full: FullState,
+                          model_config: ModelConfig, tp_rank: int, tp_size: int) -> None:
+    """An optimizer stepping the parameters themselves (TorchEngine, DeepSpeed ZeRO 0): a torch state dict."""
+    groups, state, index = [], {}, 0
+    for group in optimizer.param_groups:  # the current hyper-parameters: the flags win (the LR is the scheduler's)
+        ids = []
+        for p in group["params"]:
+            name = full_name[id(p)]
+            if name in full.optimizer["params"]:
+                state[index] = _moment_pieces(name, full, model_config, tp_rank, tp_size)
+            ids.append(index)
+            index += 1
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
+    sd = {"state": state, "param_groups": groups}
+    if full.optimizer.get("fp8_adam") and hasattr(optimizer, "block_size"):
+        sd["fp8_adam"] = {k: v for k, v in full.optimizer["fp8_adam"].items() if k == "rng_states"}
+    optimizer.load_state_dict(sd)
+
+
+def _load_zero_optimizer(zero, full_name: dict[int, str], full: FullState, model_config: ModelConfig,
+                         tp_rank: int, tp_size: int, load_optimizer: bool) -> None:
+    """DeepSpeed ZeRO 1/2: this rank's slice of each flattened group (FP32 master weights and the moments).
+
+    `param._hp_mapping` (DeepSpeed's tensor-fragment link) says which elements of a parameter this rank's
+    partition holds (lp_fragment_address) and where (hp_fragment_address).
+    """
+    base = zero.optimizer
+    state = {}
+    for i, params in enumerate(zero.bit16_groups):
+        partition = zero.single_partition_of_fp32_groups[i]
+        flat = {m: torch.zeros_like(partition, dtype=torch.float32) for m in MOMENTS}
+        step = None
+        for p in params:
+            mapping = getattr(p, "_hp_mapping", None)
+            if mapping is None:
+                continue
+            name = full_name[id(p)]
+            lp, hp = mapping.lp_fragment_address, mapping.hp_fragment_address
+            weight = tensor_parallel_piece(name, full.model[name], model_config, tp_rank, tp_size).reshape(-1)
+            with torch.no_grad():
+                partition.narrow(0, hp.start, hp.numel).copy_(weight.narrow(0, lp.start, lp.numel))
+            if load_optimizer:
+                moments = _moment_pieces(name, full, model_config, tp_rank, tp_size)
+                step = moments["step"]
+                for m in MOMENTS:
+                    flat[m].narrow(0, hp.start, hp.numel).copy_(moments[m].reshape(-1).narrow(0, lp.start, lp.numel))
+        if load_optimizer and step is not None:
+            state[i] = {"step": step, **{m: flat[m].to(partition.device) for m in MOMENTS}}
+    if load_optimizer:
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [i]} for i, g in enumerate(base.param_groups)]
+        sd = {"state": state, "param_groups": groups}
+        if full.optimizer.get("fp8_adam") and hasattr(base, "block_size"):
+            sd["fp8_adam"] = {k: v for k, v in full.optimizer["fp8_adam"].items() if k == "rng_states"}
+        base.load_state_dict(sd)
+        # DeepSpeed's own loader relinks after replacing the base optimizer's state (its fragments point into it).
+        zero._link_all_hp_params()
+        zero._hp_optimizer_states_linked = False
+
+
+def load_resharded(folder: Path, *, model: nn.Module, full_name: Callable[[str], Optional[str]],
+                   model_config: ModelConfig, tp_rank: int, tp_size: int, optimizer: torch.optim.Optimizer,
+                   zero_optimizer=None, load_optimizer: bool, module_only: bool,
+                   fp8_name: Callable[[str], Optional[str]] = lambda n: n, describe: str = "") -> dict:
+    """Load `folder` (any layout) into this rank's `model` and optimizer; returns the loop's dict (module docstring).
+
+    `full_name(local parameter name)` is the full-model name (None: not a parameter of the checkpoint);
+    `fp8_name(full layer name)` the FP8 layer name on this rank, or None for a layer another stage holds.
+    `zero_optimizer` is DeepSpeed's ZeRO 1/2 optimizer when there is one (it owns master weights and moments).
+    """
+    full = read_full_state(folder)
+    named = [(full_name(n), p) for n, p in model.named_parameters()]
+    pieces = _pieces(named, full, model_config, tp_rank, tp_size)
+    with torch.no_grad():
+        for name, p in named:
+            p.copy_(pieces[name])
+    restore_optimizer = load_optimizer and not module_only
+    if restore_optimizer and full.optimizer is None:
+        raise ckpt.CheckpointError(f"{folder} has no optimizer state this run can use ({full.optimizer_missing}); "
+                                   "pass --no-load-optim (or --finetune) to load its weights only")
+    by_id = {id(p): name for name, p in named}
+    if zero_optimizer is not None:
+        _load_zero_optimizer(zero_optimizer, by_id, full, model_config, tp_rank, tp_size, restore_optimizer)
+    elif restore_optimizer:
+        _load_plain_optimizer(optimizer, by_id, full, model_config, tp_rank, tp_size)
+    payload = dict(full.extras)
+    if full.fp8 is not None:
+        layers = {}
+        for name, entry in full.fp8.get("layers", {}).items():
+            local = fp8_name(name)
+            if local is not None:
+                layers[local] = entry
+        payload["fp8"] = {**full.fp8, "layers": layers}
+    saved = full.saved_parallel
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        logger.warning("resharded %s (%s layout: tensor parallel %s, pipeline %s, data parallel %s) into this run's "
+                       "layout%s; Fp8AdamW moments, if any, were requantized", folder, full.layout,
+                       saved.get("tensor_model_parallel_size", "?"), saved.get("pipeline_model_parallel_size", "?"),
+                       full.config.get("training", {}).get("data_parallel_size", "?"), f" ({describe})" if describe else "")
+    return {"payload": payload, "train_state": full.train_state, "config": full.config, "path": folder}
+
+
+# ---------------------------------------------------------------------------------- DeepSpeed engines
+def deepspeed_layout_matches(engine, saved: dict) -> bool:
+    """Whether a DeepSpeed engine (`DeepSpeedBase`) can give `saved` to DeepSpeed's own loader: same engine layout,
+    same number of model-parallel files and of ZeRO partitions."""
+    p = engine.parallel
+    zero_ranks = p.data_parallel_size if engine.zero_stage in (1, 2) else 0
+    if p.pipeline_parallel_size > 1:
+        return (saved["layout"] == layouts.PIPELINE and saved["mp_files"] == p.pipeline_parallel_size
+                * p.tensor_parallel_size and saved["zero_ranks"] == zero_ranks)
+    if engine.zero_stage == 3:
+        return saved["layout"] in (layouts.DEEPSPEED_ZERO3, None)
+    return (saved["layout"] == layouts.DEEPSPEED and saved["mp_files"] == p.tensor_parallel_size
+            and saved["zero_ranks"] == zero_ranks)
+
+
+def load_into_deepspeed(engine, folder: Path, *, load_optimizer: bool, module_only: bool) -> dict:
+    """`load_resharded` for DeepSpeedEngine and PipelineEngine (ZeRO 0-2)."""
+    from megatron.checkpoint_conversion.full_state import full_to_pipeline_name, pipeline_to_full_name
+    from megatron.fp8 import Fp8Linear
+
+    p = engine.parallel
+    if engine.zero_stage == 3:
+        raise ckpt.CheckpointError(
+            f"{folder} was written at another layout ({saved_layout(folder)['layout']}, other data-parallel size or "
+            "ZeRO stage); resharding into ZeRO-3 is not supported: resume at the layout that wrote it, or run this job "
+            "with --zero-stage 1 or 2")
+    model_config = engine.config.model
+    num_layers = model_config.num_layers
+    full_name: Callable[[str], Optional[str]] = lambda n: n
+    fp8_name: Callable[[str], Optional[str]] = lambda n: n
+    describe = f"DeepSpeed ZeRO {engine.zero_stage}, data parallel {p.data_parallel_size}"
+    if p.pipeline_parallel_size > 1:
+        local_fp8 = {name for name, m in engine.model.named_modules() if isinstance(m, Fp8Linear)}
+        full_name = lambda n: pipeline_to_full_name(n, num_layers)  # noqa: E731
+        fp8_name = lambda n: (lambda local: local if local in local_fp8 else None)(  # noqa: E731
+            full_to_pipeline_name(n, num_layers))
+        describe = f"pipeline stage {p.pipeline_parallel_rank} of {p.pipeline_parallel_size}, {describe}"
+    zero = engine.engine.optimizer if engine.zero_stage in (1, 2) else None
+    loaded = load_resharded(folder, model=engine.model, full_name=full_name, model_config=model_config,
+                            tp_rank=p.tensor_parallel_rank, tp_size=p.tensor_parallel_size, optimizer=engine.optimizer,
+                            zero_optimizer=zero, load_optimizer=load_optimizer, module_only=module_only,
+                            fp8_name=fp8_name, describe=describe)
+    if not module_only:  # what DeepSpeed's own loader restores besides the weights and optimizer
+        engine.engine.global_steps = int(loaded["train_state"].get("iteration", 0))
+        engine.engine.global_samples = int(loaded["train_state"].get("consumed_train_samples", 0))
+    return loaded
