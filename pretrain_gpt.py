@@ -2,17 +2,16 @@
 import sys
 
 from megatron.arguments import parse_config
+from megatron.errors import run_cli
 from megatron.parallel_state import finish_distributed_run, world_size_from_env
 from megatron.training.dry_run import describe
 from megatron.training.loop import TrainingDiverged, pretrain
 
 
 def main(argv=None) -> int:
-    try:
-        config = parse_config(argv)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    """Exit codes: 0 done, 2 a user error (bad flags, data or checkpoint: one line, no traceback; see
+    megatron/errors.py), 3 the run diverged."""
+    config = parse_config(argv)
     if config.training.dry_run:
         print(describe(config))
         return 0
@@ -25,7 +24,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
+    code = run_cli(main)
     if world_size_from_env() > 1:
         finish_distributed_run(code)  # skips interpreter finalization (see its docstring)
     sys.exit(code)

@@ -107,3 +107,106 @@ def test_no_load_optim_needed_when_optimizer_not_saved(tmp_path):
     result = pretrain(parse_config(tiny_argv("--no-load-optim", load=tmp_path / "c", train_iters=3, eval_iters=0,
                                              lr_warmup_iters=0)))
     assert result.state.iteration == 3
+
+
+# ------------------------------------------------------------------- issue 14: re-save, tracker, disk, errors
+def _kill_between_resave_renames(root, iteration, value) -> None:
+    """Re-save `iteration` in a process killed (SIGKILL) with the old copy moved aside and the new one not yet in
+    its place: the exact point between the two renames of `commit_checkpoint`."""
+    script = (
+        "import os, signal, torch\n"
+        "from megatron.training import checkpointing as c\n"
+        "def die(path): os.kill(os.getpid(), signal.SIGKILL)\n"
+        "die.between_renames = True\n"
+        f"c.save_checkpoint({str(root)!r}, {iteration}, {{'model': {{'w': torch.full((4,), {value})}}}}, "
+        f"{{'iteration': {iteration}}}, {{}}, _before_commit=die)\n"
+    )
+    assert subprocess.run([sys.executable, "-c", script], cwd=REPO).returncode == -9
+
+
+def test_resave_killed_between_renames_keeps_the_old_copy(tmp_path):
+    _save(tmp_path, 4, 1.0)
+    _kill_between_resave_renames(tmp_path, 4, 2.0)
+    assert not (tmp_path / "iter_0000004").exists()  # the crash left the tracker pointing at an aside copy
+    assert any(p.name.startswith(ckpt.OLD_PREFIX) for p in tmp_path.iterdir())
+    loaded = ckpt.load_checkpoint_files(tmp_path)  # recovered on load
+    assert loaded["path"].name == "iter_0000004" and torch.equal(loaded["payload"]["model"]["w"], torch.ones(4))
+
+
+def test_next_save_after_a_killed_resave_recovers_before_sweeping(tmp_path):
+    _save(tmp_path, 4, 1.0)
+    _kill_between_resave_renames(tmp_path, 4, 2.0)
+    _save(tmp_path, 6, 3.0)  # sweeps the debris: the aside copy of iteration 4 must come back, not be deleted
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp")] == []
+    (tmp_path / ckpt.TRACKER_FILE).write_text("4")
+    assert torch.equal(ckpt.load_checkpoint_files(tmp_path)["payload"]["model"]["w"], torch.ones(4))
+
+
+def test_missing_tracker_resumes_the_newest_complete_iteration(tmp_path, caplog):
+    _save(tmp_path, 2, 1.0)
+    _save(tmp_path, 4, 2.0)
+    (tmp_path / ".tmp_iter_0000006_99").mkdir()  # an uncommitted save is not a checkpoint
+    (tmp_path / ckpt.TRACKER_FILE).unlink()
+    loaded = ckpt.load_checkpoint_files(tmp_path)
+    assert loaded["path"].name == "iter_0000004"
+    assert "resuming from the newest, 4" in caplog.text and "[2, 4]" in caplog.text
+
+
+def test_missing_tracker_never_restarts_over_checkpoints(tmp_path):
+    """End to end: a run whose --load folder lost its tracker continues from iteration 4 instead of starting over
+    (and overwriting iter_0000004)."""
+    argv = tiny_argv(train_iters=4, save=tmp_path, save_interval=2, eval_iters=0)
+    pretrain(parse_config(argv, world_size=1))
+    before = torch.load(ckpt.model_file(ckpt.iteration_dir(tmp_path, 4)), weights_only=True)["model"]
+    (tmp_path / ckpt.TRACKER_FILE).unlink()
+    result = pretrain(parse_config(tiny_argv(train_iters=6, save=tmp_path, load=tmp_path, eval_iters=0),
+                                   world_size=1))
+    assert result.state.iteration == 6 and len(result.losses) == 2  # iterations 5 and 6 only
+    after = torch.load(ckpt.model_file(ckpt.iteration_dir(tmp_path, 4)), weights_only=True)["model"]
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("content", ['{"iteration": 4, "consum', "", "\x00\x01"])
+def test_damaged_train_state_json_names_the_file(tmp_path, content):
+    _save(tmp_path, 4, 1.0)
+    (tmp_path / "iter_0000004" / "train_state.json").write_text(content)
+    with pytest.raises(ckpt.CheckpointError, match=r"iter_0000004/train_state.json is damaged"):
+        ckpt.load_checkpoint_files(tmp_path)
+
+
+def test_disk_full_names_enospc_and_the_folder_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    """The kernel's own ENOSPC: the model file is written to /dev/full."""
+    _save(tmp_path, 2, 1.0)
+    real_open = open
+
+    def open_full(path, mode="r", *args, **kwargs):
+        if str(path).endswith("model_optim_rng.pt") and "w" in mode:
+            return real_open("/dev/full", mode, *args, **kwargs)
+        return real_open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt, "open", open_full, raising=False)
+    with pytest.raises(ckpt.CheckpointError, match=rf"no space left on device \(ENOSPC\) while writing a checkpoint "
+                                                   rf"into {tmp_path}"):
+        _save(tmp_path, 4, 2.0)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp")] == []  # no partial folder left
+    assert ckpt.load_checkpoint_files(tmp_path)["path"].name == "iter_0000002"
+
+
+def _pretrain_cli(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "pretrain_gpt.py", *argv], cwd=REPO, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, **(env or {})})
+
+
+def test_user_errors_print_one_line_without_a_traceback(tmp_path):
+    _save(tmp_path, 4, 1.0)
+    (tmp_path / "iter_0000004" / "train_state.json").write_text("{")
+    argv = tiny_argv(load=tmp_path, train_iters=5)
+    out = _pretrain_cli(*argv)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+    assert "error: " in out.stderr and "train_state.json is damaged" in out.stderr
+    shown = _pretrain_cli(*argv, env={"MEGATRON_TRACEBACK": "1"})  # for debugging: the traceback is there
+    assert shown.returncode != 0 and "Traceback" in shown.stderr
+    tool = subprocess.run([sys.executable, "tools/evaluate.py", "--load", str(tmp_path / "nowhere"), "--text-file",
+                           "x"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert tool.returncode == 2 and "Traceback" not in tool.stderr and "nowhere" in tool.stderr

@@ -114,4 +114,6 @@ def main(argv: Optional[list[str]] = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from megatron.errors import run_cli
+
+    sys.exit(run_cli(main))

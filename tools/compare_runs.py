@@ -157,5 +157,6 @@ def main(argv: Optional[list[str]] = None) -> list[RunSummary]:
 
 
 if __name__ == "__main__":
-    main()
-    sys.exit(0)
+    from megatron.errors import run_cli
+
+    sys.exit(run_cli(main))

@@ -46,4 +46,6 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megatron.errors import run_cli
+
+    sys.exit(run_cli(main))

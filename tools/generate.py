@@ -71,5 +71,6 @@ def main(argv: Optional[list[str]] = None) -> list[str]:
 
 
 if __name__ == "__main__":
-    main()
-    sys.exit(0)
+    from megatron.errors import run_cli
+
+    sys.exit(run_cli(main))

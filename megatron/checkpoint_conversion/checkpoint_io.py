@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -110,10 +109,10 @@ def read_checkpoint(path: Path) -> tuple[dict, dict, dict]:
     config_file = path / "config.json"
     if not config_file.exists():
         raise ckpt.CheckpointError(f"{config_file} is missing: the model shape cannot be known without it")
-    config = json.loads(config_file.read_text())
+    config = ckpt.read_json(config_file)
     state, extras, layout = read_model_state(path, model_config_from_dict(config, path))
     state_file = path / "train_state.json"
-    train_state = json.loads(state_file.read_text()) if state_file.exists() else {}
+    train_state = ckpt.read_json(state_file) if state_file.exists() else {}
     return {**extras, "model": state, "layout": layout}, config, train_state
 
 

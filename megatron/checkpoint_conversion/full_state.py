@@ -279,9 +279,7 @@ def read_full_state(folder: Path) -> FullState:
     config_file = folder / "config.json"
     if not config_file.exists():
         raise ckpt.CheckpointError(f"{config_file} is missing: the saved model's shape cannot be known without it")
-    import json
-
-    config = json.loads(config_file.read_text())
+    config = ckpt.read_json(config_file)
     model_config = model_config_from_dict(config, folder)
     model, _, layout = layouts.read_model_state(folder, model_config)
     names = list(model)
@@ -302,7 +300,7 @@ def read_full_state(folder: Path) -> FullState:
             raise ckpt.CheckpointError(f"{folder}: the optimizer state covers {len(names) - len(missing)} of "
                                        f"{len(names)} parameters (missing e.g. {missing[:3]})")
     fp8 = extras.pop("fp8", None)
-    train_state = json.loads((folder / "train_state.json").read_text())
+    train_state = ckpt.read_json(folder / "train_state.json")
     missing_reason = ("" if optimizer is not None else "resharding reads ZeRO-3 moments not yet"
                       if layout == layouts.DEEPSPEED_ZERO3 else "saved with --no-save-optim")
     return FullState(model=model, optimizer=optimizer, fp8=fp8, extras=extras, train_state=train_state,

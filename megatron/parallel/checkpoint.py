@@ -13,9 +13,9 @@ Loading at another TP size (or from another engine's layout) goes through `megat
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Optional
 
@@ -27,11 +27,10 @@ from megatron.training.checkpointing import (
     CHECKPOINT_VERSION,
     TMP_PREFIX,
     CheckpointError,
+    checkpoint_write_errors,
     commit_checkpoint,
     fsync_path,
-    iteration_dir,
     model_file,
-    read_tracker,
     sweep_stale_saves,
 )
 
@@ -48,15 +47,26 @@ def save_tensor_parallel_checkpoint(save_dir: str | os.PathLike, iteration: int,
         sweep_stale_saves(root)
         staging.mkdir()
     comm.barrier(comm.world_group())
+    error: Optional[CheckpointError] = None
     if parallel.data_parallel_rank == 0:
         target = model_file(staging, parallel.tensor_parallel_rank)
-        target.parent.mkdir(parents=True)
-        with open(target, "wb") as f:
-            torch.save(dict(payload, checkpoint_version=CHECKPOINT_VERSION, iteration=iteration), f)
-            f.flush()
-            os.fsync(f.fileno())
-        fsync_path(target.parent)
-    comm.barrier(comm.world_group())
+        try:
+            with checkpoint_write_errors(staging):
+                target.parent.mkdir(parents=True)
+                with open(target, "wb") as f:
+                    torch.save(dict(payload, checkpoint_version=CHECKPOINT_VERSION, iteration=iteration), f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                fsync_path(target.parent)
+        except CheckpointError as exc:
+            error = exc
+    # Every rank learns whether any shard failed (a CPU flag on the host group), so none waits for a commit.
+    failed = torch.tensor([0.0 if error is None else 1.0])
+    comm.all_reduce(failed, parallel.host_group, comm.ReduceOp.MAX)
+    if failed.item() > 0:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise error or CheckpointError(f"another tensor-parallel rank could not write its shard into {staging}; "
+                                       "the previous checkpoint is intact (see that rank's error)")
     if parallel.rank == 0:
         commit_checkpoint(root, staging, iteration, train_state, config)
     comm.barrier(comm.world_group())

@@ -14,13 +14,16 @@ Loading uses `torch.load(weights_only=True)`, which refuses pickled code objects
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import os
 import random
+import re
 import shutil
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -28,6 +31,9 @@ import torch
 CHECKPOINT_VERSION = 1
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 TMP_PREFIX = ".tmp_iter_"
+OLD_PREFIX = TMP_PREFIX + "old_"  # the previous copy of an iteration being re-saved
+_OLD_NAME = re.compile(re.escape(OLD_PREFIX) + r"(\d+)_\d+")
+_ITER_NAME = re.compile(r"iter_(\d{7})")
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +90,32 @@ def set_rng_state(state: dict) -> None:
 
 
 # --------------------------------------------------------------------------------------------- save
+def _disk_full(exc: BaseException) -> bool:
+    text = str(exc)
+    return (isinstance(exc, OSError) and exc.errno == errno.ENOSPC) or "No space left" in text \
+        or "unexpected pos" in text  # torch's zip writer reports a short write this way
+
+
+@contextlib.contextmanager
+def checkpoint_write_errors(staging: Path) -> Iterator[None]:
+    """Turn a failed write into a CheckpointError naming the folder (ENOSPC said as such) and remove the partial
+    staging folder; the previous checkpoint and the tracker are untouched (nothing is committed yet)."""
+    try:
+        yield
+    except (OSError, RuntimeError) as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        if _disk_full(exc):
+            try:
+                free = f"{shutil.disk_usage(staging.parent).free / 2**20:.0f} MiB free now"
+            except OSError:
+                free = "free space unknown"
+            raise CheckpointError(f"no space left on device (ENOSPC) while writing a checkpoint into {staging.parent} "
+                                  f"({free}); the previous checkpoint is intact. Free space or point --save "
+                                  "elsewhere, then resume with --load") from exc
+        raise CheckpointError(f"could not write a checkpoint into {staging.parent}: {exc.__class__.__name__}: "
+                              f"{str(exc)[:300]}; the previous checkpoint is intact") from exc
+
+
 def save_checkpoint(save_dir: str | os.PathLike, iteration: int, payload: dict, train_state: dict,
                     config: dict, mp_rank: int = 0,
                     _before_commit: Optional[Callable[[Path], None]] = None) -> Path:
@@ -97,18 +129,44 @@ def save_checkpoint(save_dir: str | os.PathLike, iteration: int, payload: dict, 
     sweep_stale_saves(root)
     tmp = root / f"{TMP_PREFIX}{iteration:07d}_{os.getpid()}"
     target = model_file(tmp, mp_rank)
-    target.parent.mkdir(parents=True)
     body = dict(payload, checkpoint_version=CHECKPOINT_VERSION, iteration=iteration)
-    with open(target, "wb") as f:
-        torch.save(body, f)
-        f.flush()
-        os.fsync(f.fileno())
-    fsync_path(target.parent)
+    with checkpoint_write_errors(tmp):
+        target.parent.mkdir(parents=True)
+        with open(target, "wb") as f:
+            torch.save(body, f)
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_path(target.parent)
     return commit_checkpoint(root, tmp, iteration, train_state, config, _before_commit=_before_commit)
 
 
+def recover_interrupted_resave(root: Path) -> None:
+    """Put back the previous copy of an iteration whose re-save was killed between its two renames.
+
+    Re-saving iteration N moves iter_N aside (`.tmp_iter_old_N_<pid>`) before the new copy takes its name. A crash
+    in between leaves no iter_N: the aside copy is then the only one, and is renamed back. When iter_N exists the
+    new copy was committed and the aside one is stale. Safe when several ranks call it at once (a rename that
+    another rank already did is skipped).
+    """
+    for old in sorted(root.glob(OLD_PREFIX + "*")):
+        match = _OLD_NAME.fullmatch(old.name)
+        if match is None:
+            continue
+        final = iteration_dir(root, int(match.group(1)))
+        if final.exists():
+            continue
+        try:
+            os.rename(old, final)
+        except FileNotFoundError:  # another rank recovered it first
+            continue
+        fsync_path(root)
+        logger.warning("recovered %s from %s: a re-save of that iteration was interrupted before its commit", final, old)
+
+
 def sweep_stale_saves(root: Path) -> None:
-    """Remove the temporary folders of earlier saves that crashed before their commit."""
+    """Remove the temporary folders of earlier saves that crashed before their commit (after recovering the
+    previous copy of an interrupted re-save: it is never deleted before its replacement is committed)."""
+    recover_interrupted_resave(root)
     for stale in root.glob(TMP_PREFIX + "*"):
         shutil.rmtree(stale, ignore_errors=True)
 
@@ -122,17 +180,21 @@ def commit_checkpoint(root: Path, staging: Path, iteration: int, train_state: di
     then calls this: JSON files, fsync, rename to `iter_XXXXXXX`, and only then the tracker file (and
     any extra `pointers`, file name -> content, such as DeepSpeed's `latest`), each replaced atomically.
     """
-    write_json(staging / "train_state.json", train_state)
-    write_json(staging / "config.json", config)
-    fsync_path(staging)
-    if _before_commit is not None:
+    with checkpoint_write_errors(staging):
+        write_json(staging / "train_state.json", train_state)
+        write_json(staging / "config.json", config)
+        fsync_path(staging)
+    if _before_commit is not None and not getattr(_before_commit, "between_renames", False):
         _before_commit(staging)
     final = iteration_dir(root, iteration)
     if final.exists():  # re-saving the same iteration: move the old one aside, then replace it
-        old = root / f"{TMP_PREFIX}old_{iteration:07d}_{os.getpid()}"
+        old = root / f"{OLD_PREFIX}{iteration:07d}_{os.getpid()}"
         os.rename(final, old)
+        if _before_commit is not None and getattr(_before_commit, "between_renames", False):
+            _before_commit(old)  # test hook: a crash with the old copy aside and the new one not yet in place
         os.rename(staging, final)
-        shutil.rmtree(old, ignore_errors=True)
+        fsync_path(root)
+        shutil.rmtree(old, ignore_errors=True)  # only now: the new copy is committed
     else:
         os.rename(staging, final)
     fsync_path(root)
@@ -149,11 +211,45 @@ def commit_checkpoint(root: Path, staging: Path, iteration: int, train_state: di
 
 
 # --------------------------------------------------------------------------------------------- load
+def read_json(path: Path) -> Any:
+    """A checkpoint's JSON file; a missing or damaged one is a CheckpointError naming it."""
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing: the checkpoint folder is incomplete; resume from another "
+                              f"iteration (write it into {TRACKER_FILE})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path} is damaged ({exc}); resume from another iteration (write it into "
+                              f"{TRACKER_FILE}) or restore the file") from None
+def complete_iterations(root: Path) -> list[int]:
+    """Iterations with a committed folder (`iter_*` names are given only to fully written folders)."""
+    found = []
+    for path in root.glob("iter_*"):
+        match = _ITER_NAME.fullmatch(path.name)
+        if match and (path / "train_state.json").exists():
+            found.append(int(match.group(1)))
+    return sorted(found)
+
+
 def read_tracker(load_dir: str | os.PathLike) -> Optional[int]:
-    """The iteration in `latest_checkpointed_iteration.txt`, or None when there is no checkpoint."""
-    tracker = Path(load_dir) / TRACKER_FILE
+    """The iteration in `latest_checkpointed_iteration.txt`, or None when there is no checkpoint.
+
+    Recovers an interrupted re-save first. Without a tracker but with committed `iter_*` folders (the tracker was
+    deleted or lost), the newest of them is the checkpoint, with a warning: starting from scratch would overwrite
+    them.
+    """
+    root = Path(load_dir)
+    if root.is_dir():
+        recover_interrupted_resave(root)
+    tracker = root / TRACKER_FILE
     if not tracker.exists():
-        return None
+        found = complete_iterations(root) if root.is_dir() else []
+        if not found:
+            return None
+        logger.warning("%s is missing but %s holds checkpoints of iterations %s: resuming from the newest, %d (write "
+                       "another iteration into %s to resume from it; use a new --save folder to start from scratch)",
+                       tracker, root, found, found[-1], TRACKER_FILE)
+        return found[-1]
     text = tracker.read_text().strip()
     if text == "release":
         raise CheckpointError(f"{tracker} says 'release': release checkpoints are not supported yet; "
@@ -180,9 +276,8 @@ def load_checkpoint_files(load_dir: str | os.PathLike, mp_rank: int = 0) -> Opti
     except Exception as exc:  # pickle.UnpicklingError for code objects, RuntimeError for corruption
         raise CheckpointError(f"refusing to load {path}: {exc.__class__.__name__}: {str(exc)[:300]}. "
                               "Checkpoints may only hold tensors and plain data.") from exc
-    with open(ckpt / "train_state.json") as f:
-        train_state = json.load(f)
-    config = json.loads((ckpt / "config.json").read_text()) if (ckpt / "config.json").exists() else {}
+    train_state = read_json(ckpt / "train_state.json")
+    config = read_json(ckpt / "config.json") if (ckpt / "config.json").exists() else {}
     return {"payload": payload, "train_state": train_state, "config": config, "path": ckpt}
 
 

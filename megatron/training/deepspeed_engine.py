@@ -29,7 +29,6 @@ scale per *partition* (all matrices of a rank's slice share it); use `--fp8-opti
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 from pathlib import Path
@@ -239,7 +238,8 @@ def save_checkpoint(engine, save_dir: str, iteration: int, client_state: dict, t
         root.mkdir(parents=True, exist_ok=True)
         ckpt.sweep_stale_saves(root)
     comm.barrier(comm.world_group())
-    engine.save_checkpoint(str(root), tag=tmp_tag, client_state={CLIENT_KEY: client_state}, save_latest=False)
+    with ckpt.checkpoint_write_errors(root / tmp_tag):  # ENOSPC and other write errors named, partial folder removed
+        engine.save_checkpoint(str(root), tag=tmp_tag, client_state={CLIENT_KEY: client_state}, save_latest=False)
     # DeepSpeed's save ends with a barrier: every rank's files are complete here.
     if rank0:
         tmp = root / tmp_tag
@@ -267,9 +267,9 @@ def load_checkpoint(engine, load_dir: str, load_optimizer: bool, module_only: bo
                                                load_module_only=module_only)
     if load_path is None:
         raise ckpt.CheckpointError(f"DeepSpeed could not load the checkpoint in {folder}")
-    train_state = json.loads((folder / "train_state.json").read_text())
+    train_state = ckpt.read_json(folder / "train_state.json")
     config_path = folder / "config.json"
-    config = json.loads(config_path.read_text()) if config_path.exists() else {}
+    config = ckpt.read_json(config_path) if config_path.exists() else {}
     return {"payload": (client or {}).get(CLIENT_KEY, {}), "train_state": train_state, "config": config,
             "path": folder}
 
