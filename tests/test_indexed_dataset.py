@@ -1,5 +1,6 @@
 """The Megatron mmap `.bin/.idx` format: round trips, byte compatibility with a pair written by hand
-following Megatron-LM's layout, and a clear error for each kind of corrupt or missing file."""
+following Megatron-LM's layout, and a clear error for each kind of corrupt or missing file (with the
+format checks alone for pairs written elsewhere, and through the manifest for ours)."""
 import os
 import pickle
 import struct
@@ -9,6 +10,7 @@ import pytest
 
 from megatron.data.indexed_dataset import (
     CorruptIndexedDatasetError,
+    DatasetNotFoundError,
     MMapIndexedDataset,
     MMapIndexedDatasetBuilder,
     best_fitting_dtype,
@@ -55,7 +57,7 @@ def test_writer_reader_roundtrip(tmp_path, dtype):
     assert ds.get(3, offset=10, length=5).tolist() == [10, 11, 12, 13, 14]
     assert ds.sizes.tolist() == [len(d) for d in docs]
     assert pickle.loads(pickle.dumps(ds))[3].tolist() == DOCS[3]  # DataLoader workers reopen the files
-    assert sorted(os.listdir(tmp_path)) == ["ds.bin", "ds.idx"]  # no temporary files left
+    assert sorted(os.listdir(tmp_path)) == ["ds.bin", "ds.idx", "ds.manifest.json"]  # no temporary files left
 
 
 @pytest.mark.parametrize("dtype, code", [(np.uint16, 8), (np.int32, 4)])
@@ -87,7 +89,7 @@ def corrupt_idx(path, offset: int, data: bytes) -> None:
     path.write_bytes(bytes(raw))
 
 
-@pytest.mark.parametrize("damage, message", [
+DAMAGES = [
     (lambda idx, bin_: corrupt_idx(idx, 0, b"NOTMAGIC!"), "bad magic"),
     (lambda idx, bin_: corrupt_idx(idx, 9, struct.pack("<Q", 2)), "unknown version 2"),
     (lambda idx, bin_: corrupt_idx(idx, 17, struct.pack("<B", 9)), "unknown dtype code 9"),
@@ -97,19 +99,32 @@ def corrupt_idx(path, offset: int, data: bytes) -> None:
     (lambda idx, bin_: bin_.write_bytes(bin_.read_bytes()[:-2]), "beyond the end of"),
     (lambda idx, bin_: corrupt_idx(idx, 34 + 4 * 4, struct.pack("<q", 10**6)), "beyond the end of"),
     (lambda idx, bin_: corrupt_idx(idx, 34 + 12 * 4, struct.pack("<q", 3)), "document index"),
-])
+]
+
+
+@pytest.mark.parametrize("damage, message", DAMAGES)
 def test_corrupt_files_fail_naming_the_file(tmp_path, damage, message):
     write(tmp_path / "ds", DOCS)
+    os.remove(tmp_path / "ds.manifest.json")  # a pair written by another tool: the format checks alone
     damage(tmp_path / "ds.idx", tmp_path / "ds.bin")
     with pytest.raises(CorruptIndexedDatasetError, match=message) as err:
         MMapIndexedDataset(str(tmp_path / "ds"))
     assert str(tmp_path / "ds.idx") in str(err.value)
 
 
+@pytest.mark.parametrize("damage", [d for d, _ in DAMAGES])
+def test_corrupt_files_with_a_manifest_fail_on_the_manifest(tmp_path, damage):
+    write(tmp_path / "ds", DOCS)
+    damage(tmp_path / "ds.idx", tmp_path / "ds.bin")
+    with pytest.raises(CorruptIndexedDatasetError, match="does not match .*ds.manifest.json") as err:
+        MMapIndexedDataset(str(tmp_path / "ds"))
+    assert "re-run tools/preprocess_data.py" in str(err.value)
+
+
 @pytest.mark.parametrize("missing", ["ds.bin", "ds.idx"])
 def test_missing_file_names_path_and_tool(tmp_path, missing):
     write(tmp_path / "ds", DOCS)
     os.remove(tmp_path / missing)
-    with pytest.raises(FileNotFoundError, match="tools/preprocess_data.py") as err:
+    with pytest.raises(DatasetNotFoundError, match="tools/preprocess_data.py") as err:
         MMapIndexedDataset(str(tmp_path / "ds"))
     assert str(tmp_path / missing) in str(err.value)

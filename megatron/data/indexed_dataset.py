@@ -14,17 +14,34 @@ byte for byte as Megatron-LM writes it (all little-endian):
 
 GPT data has one sequence per document. The reader checks the header and the tables against the
 file sizes on open, so a corrupt or truncated pair fails at once with the file named, rather than
-as garbage tokens later. The writer streams tokens into temporary files and renames them in
-`finalize()`, so an interrupted run never leaves a pair under the final name.
+as garbage tokens later. The writer streams tokens into temporary files (`PREFIX.bin.tmp-PID`) and
+publishes them in `finalize()` under the protocol of `megatron.data.manifest`: a `PREFIX.manifest.json`
+(sizes, head/tail hashes, token-id range) is written last and checked by the reader, so a run killed
+between the two renames cannot pass for a consistent pair. The `.bin/.idx` bytes stay Megatron's.
+The next writer of a prefix removes the temporary files that killed writers left behind.
 """
 from __future__ import annotations
 
 import array
+import contextlib
+import fcntl
+import logging
 import os
+import re
+import signal
 import struct
-from typing import Optional, Sequence, Union
+import threading
+from typing import Iterator, Optional, Sequence, Union
 
 import numpy as np
+
+from megatron.data.errors import CorruptIndexedDatasetError, DatasetNotFoundError
+from megatron.data.manifest import TokenRange, mark_publishing, read_manifest, verify_manifest, write_manifest
+
+__all__ = ["CorruptIndexedDatasetError", "DatasetNotFoundError", "MMapIndexedDataset", "MMapIndexedDatasetBuilder",
+           "best_fitting_dtype", "dtype_code", "remove_stale_temporaries"]
+
+logger = logging.getLogger(__name__)
 
 HDR_MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -53,12 +70,11 @@ def index_file_path(prefix: str) -> str:
     return prefix + ".idx"
 
 
-class CorruptIndexedDatasetError(ValueError):
-    """A `.bin/.idx` pair whose contents contradict the format or each other."""
-
-
 class MMapIndexedDataset:
-    """Read-only view of a `.bin/.idx` pair; `ds[i]` is sequence i as a numpy array (no copy)."""
+    """Read-only view of a `.bin/.idx` pair; `ds[i]` is sequence i as a numpy array (no copy).
+
+    `recorded_token_range` is the token-id range from the pair's manifest (None for a pair without one).
+    """
 
     def __init__(self, path_prefix: str) -> None:
         self.path_prefix = path_prefix
@@ -66,11 +82,16 @@ class MMapIndexedDataset:
 
     def _open(self) -> None:
         idx_path, bin_path = index_file_path(self.path_prefix), data_file_path(self.path_prefix)
+        # The manifest first: for a half-published pair it says what happened, where the format checks
+        # below would only report a symptom (a missing or short file) or, worse, pass.
+        manifest = read_manifest(self.path_prefix)
         for path in (idx_path, bin_path):
             if not os.path.isfile(path):
-                raise FileNotFoundError(f"indexed dataset file {path} not found: check the data path "
-                                        f"{self.path_prefix!r} (the prefix, without .bin/.idx) or create it "
-                                        "with tools/preprocess_data.py --output-prefix ...")
+                raise DatasetNotFoundError(f"indexed dataset file {path} not found: check the data path "
+                                           f"{self.path_prefix!r} (the prefix, without .bin/.idx) or create it "
+                                           "with tools/preprocess_data.py --output-prefix ...")
+        self.recorded_token_range: Optional[TokenRange] = (
+            None if manifest is None else verify_manifest(self.path_prefix, manifest))
         idx_size, bin_size = os.path.getsize(idx_path), os.path.getsize(bin_path)
 
         def corrupt(why: str) -> CorruptIndexedDatasetError:
@@ -102,6 +123,7 @@ class MMapIndexedDataset:
         self.pointers = np.frombuffer(self._idx_mmap, np.int64, num_seqs, HEADER_BYTES + 4 * num_seqs)
         self.doc_idx = np.frombuffer(self._idx_mmap, np.int64, num_doc_idx, HEADER_BYTES + 12 * num_seqs)
 
+        self.data_bytes = 0  # end of the last sequence in the .bin
         if num_seqs:
             if self.sizes.min() < 0:
                 raise corrupt("negative sequence length")
@@ -110,6 +132,7 @@ class MMapIndexedDataset:
                 worst = int(np.argmax(ends))
                 raise corrupt(f"sequence {worst} ends at byte {int(ends[worst])} beyond the end of "
                               f"{bin_path} ({bin_size} bytes): the .bin is truncated or belongs to another .idx")
+            self.data_bytes = int(ends.max())
         if num_doc_idx == 0 or self.doc_idx[0] != 0 or self.doc_idx[-1] != num_seqs \
                 or np.any(np.diff(self.doc_idx) < 0):
             raise corrupt(f"document index must rise from 0 to the {num_seqs} sequences")
@@ -147,10 +170,89 @@ class MMapIndexedDataset:
         return self.get(int(idx) % len(self))
 
 
+_TEMP_SUFFIX = re.compile(r"\.(?:bin|idx|manifest\.json)\.tmp-(\d+)")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def _locked_by_a_writer(path: str) -> bool:
+    """Whether a live writer holds `path` (writers keep an exclusive flock on their temporary .bin). This
+    covers a writer on another host of a shared filesystem, whose PID means nothing here."""
+    try:
+        with open(path, "rb") as f:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:  # gone, or a filesystem without locks: the PID test alone decides
+        return False
+    return False
+
+
+def remove_stale_temporaries(prefix: str) -> list[str]:
+    """Remove `PREFIX.{bin,idx,manifest.json}.tmp-PID` files whose writer is dead; returns their paths."""
+    folder, base = os.path.split(os.path.abspath(prefix))
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        match = _TEMP_SUFFIX.fullmatch(name[len(base):]) if name.startswith(base) else None
+        if match is None:
+            continue
+        pid = int(match.group(1))
+        if pid == os.getpid() or _pid_alive(pid) or _locked_by_a_writer(os.path.join(folder, f"{base}.bin.tmp-{pid}")):
+            continue
+        path = os.path.join(folder, name)
+        try:
+            size = os.path.getsize(path)
+            os.remove(path)
+        except FileNotFoundError:  # another writer cleaned it first
+            continue
+        removed.append(path)
+        logger.warning("removed %s (%d bytes), left by an interrupted run (pid %d, not running)", path, size, pid)
+    return removed
+
+
+@contextlib.contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """Hold SIGINT/SIGTERM back while the pair is published, so Ctrl-C or a scheduler's SIGTERM lands after the
+    manifest is written; only SIGKILL or a crash can stop a publication halfway (the manifest then says so).
+
+    The Python handlers are swapped for recorders rather than the signals masked: a process-directed signal
+    would reach another thread (torch and multiprocessing start some) that does not mask it.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+    previous = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        handler = signal.getsignal(sig)
+        if handler is not None:  # None: installed outside Python, which could not be put back
+            previous[sig] = signal.signal(sig, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for sig in dict.fromkeys(received):  # now delivered to the handlers they were meant for
+            signal.raise_signal(sig)
+
+
 class MMapIndexedDatasetBuilder:
     """Streams documents into `PREFIX.bin/.idx` through temporary files; `finalize()` publishes them.
 
     Use as a context manager: leaving the block by an exception removes the temporary files.
+    The builder records the smallest and largest token id as it goes, for the manifest.
     """
 
     def __init__(self, out_prefix: str, dtype: type = np.uint16) -> None:
@@ -161,11 +263,17 @@ class MMapIndexedDatasetBuilder:
         self._tmp_bin = data_file_path(out_prefix) + tag
         self._tmp_idx = index_file_path(out_prefix) + tag
         os.makedirs(os.path.dirname(os.path.abspath(out_prefix)), exist_ok=True)
+        remove_stale_temporaries(out_prefix)
         self._bin = open(self._tmp_bin, "wb")
+        try:
+            fcntl.flock(self._bin.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)  # "alive" for remove_stale_temporaries
+        except OSError:
+            pass  # a filesystem without locks: the PID alone marks the file as ours
         self._sizes = array.array("i")  # 4 bytes a sequence, not a Python int object each
         self._doc_idx = array.array("q", [0])
         self._lo, self._hi = (np.iinfo(self.dtype).min, np.iinfo(self.dtype).max) \
             if self.dtype.kind in "iu" else (-np.inf, np.inf)
+        self.token_range = TokenRange()
 
     def add_item(self, tokens: Union[Sequence[int], np.ndarray]) -> None:
         """Append one sequence (call `end_document` after the last sequence of a document)."""
@@ -173,8 +281,20 @@ class MMapIndexedDatasetBuilder:
         if arr.size and arr.dtype != self.dtype and (arr.min() < self._lo or arr.max() > self._hi):
             raise ValueError(f"token ids in [{arr.min()}, {arr.max()}] do not fit the dataset dtype {self.dtype}: "
                              "use int32 for vocabularies of 65500 ids or more")
-        self._bin.write(arr.astype(self.dtype, copy=False).tobytes())
+        out = arr.astype(self.dtype, copy=False)
+        if out.size:
+            self._track_range(out)
+        self._bin.write(out.tobytes())
         self._sizes.append(arr.size)
+
+    def _track_range(self, tokens: np.ndarray) -> None:
+        r, seq = self.token_range, len(self._sizes)
+        lo, hi = int(tokens.min()), int(tokens.max())
+        if r.min is None or lo < r.min:
+            r = TokenRange(lo, seq, r.max, r.max_sequence)
+        if r.max is None or hi > r.max:
+            r = TokenRange(r.min, r.min_sequence, hi, seq)
+        self.token_range = r
 
     def end_document(self) -> None:
         self._doc_idx.append(len(self._sizes))
@@ -185,8 +305,9 @@ class MMapIndexedDatasetBuilder:
         self.end_document()
 
     def finalize(self) -> None:
-        """Write the index and rename both files to their final names (.bin first, .idx last)."""
-        self._bin.close()
+        """Write the index, then publish: manifest marker, `.bin`, `.idx`, complete manifest (in this order)."""
+        self._bin.flush()
+        os.fsync(self._bin.fileno())  # renamed data must be on disk before a manifest vouches for it
         sizes = np.frombuffer(self._sizes, np.int32) if len(self._sizes) else np.zeros(0, np.int32)
         pointers = np.zeros(len(sizes), np.int64)
         np.cumsum(sizes[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
@@ -200,11 +321,17 @@ class MMapIndexedDatasetBuilder:
             f.write(sizes.tobytes(order="C"))
             f.write(pointers.tobytes(order="C"))
             f.write(doc_idx.tobytes(order="C"))
-        os.replace(self._tmp_bin, data_file_path(self.out_prefix))
-        os.replace(self._tmp_idx, index_file_path(self.out_prefix))
+            f.flush()
+            os.fsync(f.fileno())
+        with _signals_deferred():
+            mark_publishing(self.out_prefix)
+            os.replace(self._tmp_bin, data_file_path(self.out_prefix))
+            os.replace(self._tmp_idx, index_file_path(self.out_prefix))
+            write_manifest(self.out_prefix, self.dtype.name, len(sizes), len(doc_idx) - 1, self.token_range)
+        self._bin.close()  # only now: the flock marked the temporary .bin as alive until it was renamed
 
     def abort(self) -> None:
-        """Drop everything written so far (nothing appears under the final names)."""
+        """Drop everything written so far (nothing new appears under the final names)."""
         self._bin.close()
         for path in (self._tmp_bin, self._tmp_idx):
             if os.path.exists(path):
