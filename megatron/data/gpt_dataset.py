@@ -15,7 +15,8 @@ Megatron builds the sample index with a C++ loop over samples; here the same pos
 one `cumsum` over document lengths and one `searchsorted` (vectorised numpy, memory linear in the
 number of documents and samples; see bench/bench_data.py for a 10B-token corpus). Indices are
 cached by `megatron.data.index_cache`. Dataset selection (`--data-path`, `--split`, per-split
-paths, blends) is in `build_train_valid_test_datasets`.
+paths, blends) is in `build_train_valid_test_datasets`, which also checks every token id of every
+file against the tokenizer (`megatron.data.token_range`) and says which file leaves a split empty.
 """
 from __future__ import annotations
 
@@ -27,12 +28,16 @@ import numpy as np
 
 from megatron.config import DataConfig
 from megatron.data.blended_dataset import BlendedDataset, build_blending_indices
+from megatron.data.errors import DataError
 from megatron.data.index_cache import array_digest, load_or_build, resolve_cache_dir
 from megatron.data.indexed_dataset import MMapIndexedDataset
+from megatron.data.token_range import check_token_ids
 
 logger = logging.getLogger(__name__)
 
 INDEX_FORMAT_VERSION = 1  # bump when the index construction changes: old cache entries are then ignored
+SPLIT_NAMES = ("train", "valid", "test")
+PER_SPLIT_FLAGS = ("--train-data-path", "--valid-data-path", "--test-data-path")
 
 
 def num_epochs_for(tokens_per_epoch: int, seq_length: int, num_samples: int) -> int:
@@ -107,9 +112,11 @@ class GPTDataset:
         self.seq_length = seq_length
         start, end = documents
         if not 0 <= start < end <= len(indexed_dataset):
-            raise ValueError(f"document range [{start}, {end}) is empty or outside the "
-                             f"{len(indexed_dataset)} documents of {indexed_dataset.path_prefix}")
+            raise DataError(f"document range [{start}, {end}) is empty or outside the "
+                            f"{len(indexed_dataset)} documents of {indexed_dataset.path_prefix}")
         sizes = indexed_dataset.sizes
+        if not sizes[start:end].any():
+            raise DataError(f"documents [{start}, {end}) of {indexed_dataset.path_prefix} hold no tokens")
         description = {
             "class": "GPTDataset", "version": INDEX_FORMAT_VERSION,
             "path_prefix": os.path.abspath(indexed_dataset.path_prefix),
@@ -144,15 +151,20 @@ class GPTDataset:
         return {"text": tokens.astype(np.int64)}
 
 
-def parse_split(split: str, num_documents: int) -> list[tuple[int, int]]:
-    """Megatron's `--split 969,30,1`: weights -> train/valid/test document ranges."""
+def parse_split_weights(split: str) -> list[float]:
+    """`--split 969,30,1` -> its (up to three) weights, validated."""
     try:
         weights = [float(w) for w in split.replace("/", ",").split(",")]
     except ValueError:
         raise ValueError(f"--split {split!r} must be comma-separated numbers, e.g. 969,30,1") from None
     if len(weights) > 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
         raise ValueError(f"--split {split!r} needs up to three non-negative weights with a positive sum")
-    weights = (weights + [0.0, 0.0])[:3]
+    return weights
+
+
+def parse_split(split: str, num_documents: int) -> list[tuple[int, int]]:
+    """Megatron's `--split 969,30,1`: weights -> train/valid/test document ranges."""
+    weights = (parse_split_weights(split) + [0.0, 0.0])[:3]
     total = sum(weights)
     bounds = [0]
     for w in weights:
@@ -183,27 +195,44 @@ def parse_blend(paths: Sequence[str], flag: str) -> tuple[list[str], Optional[li
     return prefixes, values
 
 
-def _check_tokenizer(ds: MMapIndexedDataset, tokenizer) -> None:
-    """Catch data preprocessed with another tokenizer early: ids must be below its vocabulary size."""
-    if tokenizer is None or len(ds) == 0:
+def _check_tokenizer(ds: MMapIndexedDataset, tokenizer, data_cache_path: Optional[str]) -> None:
+    """Every token id of `ds` must be one of the tokenizer's (read from the manifest or a cached scan)."""
+    if tokenizer is None:
         return
-    head = np.concatenate([ds[i] for i in range(min(len(ds), 32))]).astype(np.int64)
-    if head.size and head.max() >= tokenizer.vocab_size:
-        raise ValueError(f"{ds.path_prefix} holds token id {head.max()} but the tokenizer has only "
-                         f"{tokenizer.vocab_size} ids: pass the --tokenizer-type/--tokenizer-model that "
-                         "tools/preprocess_data.py used for this data")
+    check_token_ids(ds, tokenizer.vocab_size, resolve_cache_dir(data_cache_path, ds.path_prefix),
+                    f"the tokenizer ({type(tokenizer).__name__})")
+
+
+def _tokens(part: tuple[MMapIndexedDataset, tuple[int, int]]) -> int:
+    ds, (a, b) = part
+    return int(ds.sizes[a:b].sum(dtype=np.int64))
+
+
+def _describe_parts(parts: list[tuple[MMapIndexedDataset, tuple[int, int]]]) -> str:
+    """Why each part of a split is empty, for messages: '{prefix}: documents [a, b) of N, T tokens'."""
+    out = []
+    for ds, (a, b) in parts:
+        text = f"{ds.path_prefix}: documents [{a}, {b}) of its {len(ds)}, {_tokens((ds, (a, b)))} tokens"
+        if len(ds) == 0 or not ds.sizes.any():
+            text += (f" ({ds.path_prefix}.bin/.idx hold no tokens at all: was the input of tools/preprocess_data.py "
+                     "empty?)")
+        out.append(text)
+    return "; ".join(out)
 
 
 def _build_split(name: str, parts: list[tuple[MMapIndexedDataset, tuple[int, int]]],
                  weights: Optional[list[float]], seq_length: int, seed: int, num_samples: int,
                  cache_path: Optional[str]):
     """One split: a GPTDataset, a BlendedDataset of several, or None when there is nothing to build."""
+    tokens = [_tokens(part) for part in parts]
     if weights is None:  # unweighted prefixes: blend in proportion to their tokens (plain concatenation)
-        weights = [float(ds.sizes[a:b].sum(dtype=np.int64)) for ds, (a, b) in parts]
-    kept = [(ds, docs, w) for (ds, docs), w in zip(parts, weights) if docs[1] > docs[0] and w > 0]
-    for ds, docs in parts:
-        if docs[1] <= docs[0] and len(parts) > 1:
-            logger.warning("%s split of %s is empty (--split): left out of the blend", name, ds.path_prefix)
+        weights = [float(t) for t in tokens]
+    kept = [(ds, docs, w) for (ds, docs), w, t in zip(parts, weights, tokens) if t > 0 and w > 0]
+    if len(parts) > 1 and num_samples:
+        for (ds, docs), t in zip(parts, tokens):
+            if t == 0:
+                logger.warning("the %s split of %s holds no tokens (documents [%d, %d) of its %d; --split): left out "
+                               "of the blend", name, ds.path_prefix, docs[0], docs[1], len(ds))
     if not kept or num_samples == 0:
         return None
     if len(kept) == 1:
@@ -225,6 +254,31 @@ def _build_split(name: str, parts: list[tuple[MMapIndexedDataset, tuple[int, int
     return BlendedDataset(datasets, blend_weights, arrays["dataset_index"], arrays["dataset_sample_index"])
 
 
+def _split_weight(split: str, k: int) -> float:
+    return (parse_split_weights(split) + [0.0, 0.0])[k]
+
+
+def _report_empty_split(k: int, source: str, why: str, wanted: int, surprising: bool) -> None:
+    """An empty train split is an error; an empty validation or test split is skipped, and says so.
+
+    `surprising`: the flags asked for this split's data (a positive --split share, or a path), so its absence
+    is a warning; a split left out on purpose (a 0 share for test, no --test-data-path) is only logged.
+    """
+    detail = f" ({why})" if why else ""
+    if k == 0:
+        fix = ("pass --train-data-path PREFIX" if not why else
+               "pass data that holds tokens, or give training a share of --split (e.g. --split 969,30,1)")
+        raise DataError(f"the training split is empty: {source}{detail}: {fix}")
+    name = ("training", "validation", "test")[k]
+    message = (f"{source} leaves the {name} split without data{detail}, but --eval-iters asks for {wanted} "
+               f"{name} samples: {name} is skipped. Give it data (a share of --split such as 969,30,1, or "
+               f"{PER_SPLIT_FLAGS[k]}), or pass --eval-iters 0 to silence this")
+    if k == 1 or surprising:
+        logger.warning(message)
+    else:
+        logger.info(message)
+
+
 def build_train_valid_test_datasets(cfg: DataConfig, tokenizer, seq_length: int, seed: int,
                                     num_samples: tuple[int, int, int]) -> tuple:
     """(train, valid, test) datasets of at least `num_samples[k]` samples each (None: no data or 0 asked).
@@ -244,23 +298,31 @@ def build_train_valid_test_datasets(cfg: DataConfig, tokenizer, seq_length: int,
     def open_prefix(prefix: str) -> MMapIndexedDataset:
         if prefix not in opened:
             opened[prefix] = MMapIndexedDataset(prefix)
-            _check_tokenizer(opened[prefix], tokenizer)
+            _check_tokenizer(opened[prefix], tokenizer, cfg.data_cache_path)
         return opened[prefix]
 
-    names = ("train", "valid", "test")
+    out = []
     if cfg.data_path:
         prefixes, weights = parse_blend(cfg.data_path, "--data-path")
         datasets = [open_prefix(p) for p in prefixes]
         ranges = [parse_split(cfg.split, len(ds)) for ds in datasets]
-        return tuple(_build_split(names[k], [(ds, r[k]) for ds, r in zip(datasets, ranges)], weights,
-                                  seq_length, seed, num_samples[k], cfg.data_cache_path) for k in range(3))
-    out = []
-    for k, (paths, flag) in enumerate(zip(per_split, ("--train-data-path", "--valid-data-path",
-                                                      "--test-data-path"))):
+        for k in range(3):
+            parts = [(ds, r[k]) for ds, r in zip(datasets, ranges)]
+            out.append(_build_split(SPLIT_NAMES[k], parts, weights, seq_length, seed, num_samples[k],
+                                    cfg.data_cache_path))
+            if out[k] is None and num_samples[k]:
+                _report_empty_split(k, f"--data-path {' '.join(cfg.data_path)} --split {cfg.split}",
+                                    _describe_parts(parts), num_samples[k], _split_weight(cfg.split, k) > 0)
+        return tuple(out)
+    for k, (paths, flag) in enumerate(zip(per_split, PER_SPLIT_FLAGS)):
         if not paths:
             out.append(None)
+            if num_samples[k]:
+                _report_empty_split(k, f"no {flag}", "", num_samples[k], False)
             continue
         prefixes, weights = parse_blend(paths, flag)
         parts = [(open_prefix(p), (0, len(open_prefix(p)))) for p in prefixes]
-        out.append(_build_split(names[k], parts, weights, seq_length, seed, num_samples[k], cfg.data_cache_path))
+        out.append(_build_split(SPLIT_NAMES[k], parts, weights, seq_length, seed, num_samples[k], cfg.data_cache_path))
+        if out[k] is None and num_samples[k]:
+            _report_empty_split(k, f"{flag} {' '.join(paths)}", _describe_parts(parts), num_samples[k], True)
     return tuple(out)
