@@ -4,8 +4,10 @@
         --tokenizer-type GPTSentencePieceTokenizer --tokenizer-model tok.model --append-eod --workers 4
 
 writes `data/my_text_document.bin/.idx`. `--input` is JSONL when it ends in .jsonl/.json, otherwise
-plain text with one document per line. A malformed line stops the run (exit status 1) with its file
-and line number, unless `--skip-bad-lines`. Interrupted runs leave no files under the final names.
+plain text with one document per line, and `data/my_text_document.manifest.json`, which the training
+reader checks (sizes, hashes, largest token id). A malformed line stops the run (exit status 1) with its
+file and line number, unless `--skip-bad-lines`; so does an input without documents. Errors print one
+line, without a traceback. Interrupted runs leave no new files under the final names.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from typing import Optional
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.data.preprocess import preprocess  # noqa: E402
+from megatron.errors import show_tracebacks  # noqa: E402
 from megatron.tokenizer.flags import add_tokenizer_args, tokenizer_config  # noqa: E402
 
 
@@ -47,12 +50,17 @@ def main(argv: Optional[list[str]] = None) -> int:
         stats = preprocess(args.input, args.output_prefix, tokenizer_config(args), args.json_keys,
                            append_eod=args.append_eod, workers=args.workers, skip_bad_lines=args.skip_bad_lines,
                            progress=not args.no_progress)
-    except ValueError as err:  # bad flags, files or lines: the message says what and how to fix it
+    except (ValueError, OSError) as err:  # bad flags, files or lines, a full disk: the message names them
+        if show_tracebacks():  # MEGATRON_TRACEBACK=1, as for the other entry points
+            raise
         print(f"preprocess_data.py: error: {err}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # the temporary files are already removed
+        print("preprocess_data.py: interrupted; unfinished outputs were removed", file=sys.stderr)
+        return 130
     print(stats.summary())
     for prefix in stats.output_prefixes:
-        print(f"wrote {prefix}.bin and {prefix}.idx")
+        print(f"wrote {prefix}.bin, {prefix}.idx and {prefix}.manifest.json")
     return 0
 
 

@@ -6,8 +6,11 @@ parsed and tokenized in a multiprocessing pool (order preserved) and written by 
 
 A malformed line (bad JSON or UTF-8, a missing key, text the tokenizer rejects) stops the run
 with `BadLineError` naming file and line, unless `skip_bad_lines`, in which case it is counted and
-the first few are listed in the summary. Outputs are written under temporary names and renamed
-only after the last line: an error, Ctrl-C or SIGTERM leaves nothing under the final names.
+the first few are listed in the summary. Outputs are written under temporary names and published
+only after the last line, with a manifest recording their sizes, hashes and token-id range (see
+`megatron.data.manifest`): an error, Ctrl-C or SIGTERM leaves nothing new under the final names.
+An input without any document is refused (`DataError`, nothing written): a 0-document pair is never
+what a user means, and training on it can only fail later.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from typing import Iterable, Iterator, Optional, Sequence
 import numpy as np
 
 from megatron.config import DataConfig
+from megatron.data.errors import DataError
 from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder, best_fitting_dtype
 from megatron.data.text_input import BadLineError, check_keys, is_json_input, iter_raw_lines, parse_line
 from megatron.tokenizer import build_tokenizer
@@ -113,7 +117,7 @@ def preprocess(input_path: str, output_prefix: str, tokenizer_cfg: DataConfig, j
     tokenizer = tokenizer or build_tokenizer(tokenizer_cfg)
     dtype = best_fitting_dtype(tokenizer.vocab_size)
     stats = PreprocessStats(output_prefixes=[output_prefix_for(output_prefix, k) for k in json_keys])
-    builders = {k: MMapIndexedDatasetBuilder(p, dtype) for k, p in zip(json_keys, stats.output_prefixes)}
+    builders: dict[str, MMapIndexedDatasetBuilder] = {}
     pool = None
     start = time.perf_counter()
     bar = _progress(progress)
@@ -125,7 +129,15 @@ def preprocess(input_path: str, output_prefix: str, tokenizer_cfg: DataConfig, j
             results: Iterable = pool.imap(_encode_in_worker, lines, chunksize=64)
         else:
             results = map(Encoder(tokenizer, json_keys, as_json, append_eod).encode, lines)
+        # After the fork: workers must not inherit the output files (they would hold their locks, and so keep
+        # them "in use", if this process were killed and they lingered).
+        builders = {k: MMapIndexedDatasetBuilder(p, dtype) for k, p in zip(json_keys, stats.output_prefixes)}
         _write_all(results, builders, stats, input_path, skip_bad_lines, bar, start)
+        if stats.documents == 0:
+            why = (f"all {stats.bad_lines} non-blank line(s) were bad and skipped ({stats.bad_line_messages[0]} ...)"
+                   if stats.bad_lines else "it is empty or holds only blank lines")
+            raise DataError(f"--input {input_path} holds no documents ({why}): nothing was written under "
+                            f"{output_prefix}; check the input file")
         for builder in builders.values():
             builder.finalize()
     except BaseException:

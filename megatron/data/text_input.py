@@ -10,10 +10,12 @@ from __future__ import annotations
 import json
 from typing import Iterator, Sequence
 
+from megatron.data.errors import DataError
+
 JSON_SUFFIXES = (".jsonl", ".json")
 
 
-class BadLineError(ValueError):
+class BadLineError(DataError):
     """A malformed input line; `str()` reads `FILE:LINE: reason`."""
 
     def __init__(self, path: str, line_no: int, reason: str) -> None:
