@@ -1,12 +1,17 @@
 """Process groups of a run, built once at initialization and passed down explicitly.
 
-Ranks are laid out as Megatron does. Without pipeline parallelism: the
-`tp` consecutive ranks [i*tp, ..., i*tp + tp - 1] form tensor-parallel group i (they hold the shards
-of one model replica, so they should share a node), and the ranks with the same TP rank form a
-data-parallel group (they hold the same shard: DDP all-reduces gradients there). The FP8 amax group
-is every rank holding a piece or a replica of the same logical tensors: with PP = 1, the whole
-TP x DP world. With pipeline parallelism (DeepSpeed, TP = 1) see `_pipeline_parallel_state`. Model code
-never reads process-group globals: these objects are passed down.
+Ranks are laid out as DeepSpeed's `PipeModelDataParallelTopology(num_pp, num_mp=tp, num_dp)` orders them
+(axes pipe, data, model; the model axis fastest):
+
+    rank = (stage * dp + replica) * tp + tp_rank
+
+so the `tp` ranks of one model replica's stage are consecutive (they exchange activations every layer
+and should share a node), and without pipeline parallelism this is Megatron's layout: tensor-parallel
+group i is ranks [i*tp, ..., i*tp + tp - 1]. The ranks with the same stage and TP rank form a
+data-parallel group (they hold the same shard: DDP or ZeRO reduce gradients there, and ZeRO partitions
+the optimizer there). The FP8 amax group is every rank holding a piece or a replica of the same
+logical tensors: with PP = 1 the whole TP x DP world, with PP > 1 the stage's TP x DP ranks (other
+stages hold other tensors). Model code never reads process-group globals: these objects are passed down.
 
 `host_group` spans every rank on gloo: host-side flags (the loop's exit checks) are reduced there as CPU
 tensors, without a device synchronisation (a CPU tensor may not go through an NCCL/HCCL group at all).
@@ -110,30 +115,8 @@ def initialize_parallel_state(cfg: ParallelConfig, accelerator: Accelerator) -> 
         atexit.register(_destroy_process_groups)
     rank, world = dist.get_rank(), dist.get_world_size()
     host_group = _host_group(world)
-    if cfg.pipeline_model_parallel_size > 1:
-        return _pipeline_parallel_state(rank, world, cfg.pipeline_model_parallel_size, host_group)
-    tp = cfg.tensor_model_parallel_size
-    if world % tp:
-        raise ValueError(f"world size {world} is not divisible by --tensor-model-parallel-size {tp}")
-    dp = world // tp
-    # Every rank must create every group, in the same order (torch.distributed's rule for new_group).
-    world_group = dist.new_group(list(range(world)))
-    tp_group = dp_group = None
-    for i in range(dp):
-        ranks = list(range(i * tp, (i + 1) * tp))
-        group = dist.new_group(ranks) if tp > 1 else None
-        if rank in ranks:
-            tp_group = group
-    for j in range(tp):
-        ranks = list(range(j, world, tp))
-        group = dist.new_group(ranks) if tp > 1 else world_group
-        if rank in ranks:
-            dp_group = group
-    logger.info("initialized torch.distributed: rank %d of %d (tensor parallel %d x data parallel %d)",
-                rank, world, tp, dp)
-    return ParallelState(world_size=world, rank=rank, data_parallel_size=dp, data_parallel_rank=rank // tp,
-                         data_parallel_group=dp_group, tensor_parallel_size=tp, tensor_parallel_rank=rank % tp,
-                         tensor_parallel_group=tp_group, amax_group=world_group, host_group=host_group)
+    return _build_parallel_state(rank, world, cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
+                                 host_group)
 
 
 def _host_group(world: int) -> object:
@@ -143,21 +126,60 @@ def _host_group(world: int) -> object:
     return dist.new_group(list(range(world)), backend="gloo")
 
 
-def _pipeline_parallel_state(rank: int, world: int, pp: int, host_group: object) -> ParallelState:
-    """PP stages x DP replicas (TP = 1), laid out as DeepSpeed's PipeModelDataParallelTopology(pp, 1, dp):
-    rank = stage * dp + replica. The ranks of one stage hold the same layers: they form its data-parallel
-    group and its FP8 amax group (other stages hold other tensors)."""
-    if world % pp:
-        raise ValueError(f"world size {world} is not divisible by --pipeline-model-parallel-size {pp}")
-    dp = world // pp
-    stage_group = None
-    for stage in range(pp):  # every rank creates every group, in the same order
-        ranks = list(range(stage * dp, (stage + 1) * dp))
+@dataclass(frozen=True)
+class RankLayout:
+    """Which global ranks form which group, for `pp` stages x `dp` replicas x `tp` TP ranks (module docstring)."""
+
+    tp: int
+    pp: int
+    dp: int
+
+    def rank(self, stage: int, replica: int, tp_rank: int) -> int:
+        return (stage * self.dp + replica) * self.tp + tp_rank
+
+    def coordinates(self, rank: int) -> tuple[int, int, int]:
+        """(stage, replica, TP rank) of global `rank`."""
+        return rank // (self.dp * self.tp), rank // self.tp % self.dp, rank % self.tp
+
+    def tensor_parallel_groups(self) -> list[list[int]]:
+        return [[self.rank(s, d, t) for t in range(self.tp)] for s in range(self.pp) for d in range(self.dp)]
+
+    def data_parallel_groups(self) -> list[list[int]]:
+        return [[self.rank(s, d, t) for d in range(self.dp)] for s in range(self.pp) for t in range(self.tp)]
+
+    def stage_groups(self) -> list[list[int]]:
+        """Every rank of a stage (its TP x DP ranks): the FP8 amax group under pipeline parallelism."""
+        return [[self.rank(s, d, t) for d in range(self.dp) for t in range(self.tp)] for s in range(self.pp)]
+
+
+def _new_groups(rank: int, rank_lists: list[list[int]]) -> Optional[object]:
+    """Create a group for every list (all ranks must, in the same order); return the one holding `rank`."""
+    mine = None
+    for ranks in rank_lists:
         group = dist.new_group(ranks)
         if rank in ranks:
-            stage_group = group
-    logger.info("initialized torch.distributed: rank %d of %d (pipeline stage %d of %d x data parallel %d)",
-                rank, world, rank // dp, pp, dp)
-    return ParallelState(world_size=world, rank=rank, data_parallel_size=dp, data_parallel_rank=rank % dp,
-                         data_parallel_group=stage_group, amax_group=stage_group,
-                         pipeline_parallel_size=pp, pipeline_parallel_rank=rank // dp, host_group=host_group)
+            mine = group
+    return mine
+
+
+def _build_parallel_state(rank: int, world: int, tp: int, pp: int, host_group: object) -> ParallelState:
+    if world % (tp * pp):
+        raise ValueError(f"world size {world} is not divisible by --tensor-model-parallel-size {tp} x "
+                         f"--pipeline-model-parallel-size {pp}")
+    layout = RankLayout(tp=tp, pp=pp, dp=world // (tp * pp))
+    stage, replica, tp_rank = layout.coordinates(rank)
+    tp_group = _new_groups(rank, layout.tensor_parallel_groups()) if tp > 1 else None
+    if pp == 1:
+        world_group = _new_groups(rank, [list(range(world))])
+        dp_group = world_group if tp == 1 else _new_groups(rank, layout.data_parallel_groups())
+        amax_group = world_group
+    else:
+        dp_group = _new_groups(rank, layout.data_parallel_groups())
+        # With TP = 1 a stage's ranks are exactly its data-parallel group.
+        amax_group = dp_group if tp == 1 else _new_groups(rank, layout.stage_groups())
+    logger.info("initialized torch.distributed: rank %d of %d (pipeline stage %d of %d x data parallel %d x tensor "
+                "parallel %d)", rank, world, stage, pp, layout.dp, tp)
+    return ParallelState(world_size=world, rank=rank, data_parallel_size=layout.dp, data_parallel_rank=replica,
+                         data_parallel_group=dp_group, tensor_parallel_size=tp, tensor_parallel_rank=tp_rank,
+                         tensor_parallel_group=tp_group, amax_group=amax_group, pipeline_parallel_size=pp,
+                         pipeline_parallel_rank=stage, host_group=host_group)
