@@ -175,12 +175,6 @@ def _require(value, flag: str, hint: str = "") -> None:
 
 
 def _not_supported_yet(a: argparse.Namespace) -> None:
-    unsupported = {
-        "--deepspeed with --tensor-model-parallel-size > 1": a.deepspeed and a.tensor_model_parallel_size > 1,
-    }
-    for flag, used in unsupported.items():
-        if used:
-            raise ValueError(f"{flag} is not supported yet in megatron-fp8; remove it from the command line")
     if not a.deepspeed and (a.deepspeed_config is not None or a.zero_stage is not None):
         raise ValueError("--deepspeed_config and --zero-stage need --deepspeed; add it, or drop them for torch DDP")
     if a.zero_stage is not None and a.zero_stage not in (0, 1, 2, 3):
@@ -211,7 +205,6 @@ def _pipeline_parallel_checks(a: argparse.Namespace, model: ModelConfig) -> None
         (not a.deepspeed, "needs --deepspeed (the stages run under DeepSpeed's PipelineEngine)"),
         (a.zero_stage not in (None, 0, 1), f"needs --zero-stage 0 or 1 (got {a.zero_stage}): DeepSpeed's pipeline "
                                            "engine refuses ZeRO 2/3"),
-        (a.tensor_model_parallel_size > 1, "with --tensor-model-parallel-size > 1 is not supported yet"),
         (not model.untie_embeddings_and_output_weights,
          "needs --untie-embeddings-and-output-weights: a tied embedding would live on the first and the last stage"),
         (a.reset_position_ids or a.reset_attention_mask,

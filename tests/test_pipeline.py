@@ -97,7 +97,6 @@ def test_pp2_bf16_fp8adam_tracks_pp1():
     ((), {}, "needs --deepspeed"),
     (("--deepspeed",), dict(zero_stage=2), "needs --zero-stage 0 or 1 (got 2)"),
     (("--deepspeed",), dict(zero_stage=3), "needs --zero-stage 0 or 1 (got 3)"),
-    (("--deepspeed", "--sequence-parallel"), dict(tensor_model_parallel_size=2), "--tensor-model-parallel-size > 1"),
     (("--deepspeed", "--reset-position-ids"), {}, "--reset-position-ids / --reset-attention-mask"),
     (("--deepspeed",), dict(recompute_granularity="full"), "--recompute-granularity full"),
     (("--deepspeed",), dict(num_layers=3), "needs --num-layers (3) divisible by it"),

@@ -4,14 +4,15 @@ The flags stay the single source of truth. A user JSON (`--deepspeed_config ds.j
 DeepSpeed-only settings (bucket sizes, overlap, ...); every key that our flags also decide must agree
 with them, and keys it omits are filled from the flags:
 
-| DeepSpeed key                               | our flag                                         |
-|---------------------------------------------|--------------------------------------------------|
-| `train_batch_size`                          | `--global-batch-size`                            |
-| `train_micro_batch_size_per_gpu`            | `--micro-batch-size`                             |
-| `gradient_accumulation_steps`               | global / (micro x data-parallel size)            |
-| `gradient_clipping`                         | `--clip-grad` (0 = off in both)                  |
-| `zero_optimization.stage`                   | `--zero-stage` (default 0)                       |
-| `torch_autocast.enabled`, `.dtype`          | `--bf16` (BF16 autocast, FP32 master weights)    |
+| DeepSpeed key                                   | our flag                                       |
+|-------------------------------------------------|------------------------------------------------|
+| `train_batch_size`                              | `--global-batch-size`                          |
+| `train_micro_batch_size_per_gpu`                | `--micro-batch-size`                           |
+| `gradient_accumulation_steps`                   | global / (micro x data-parallel size)          |
+| `gradient_clipping`                             | `--clip-grad` (0 = off in both)                |
+| `zero_optimization.stage`                       | `--zero-stage` (default 0)                     |
+| `torch_autocast.enabled`, `.dtype`              | `--bf16` (BF16 autocast, FP32 master weights)  |
+| `pipeline.pipe_partitioned`, `.grad_partitioned`| false under `--sequence-parallel` with PP x TP |
 
 Why `--bf16` is DeepSpeed's `torch_autocast` and not its `bf16` section: our `--bf16` means FP32
 weights with BF16 autocast around the forward (the FP32 weights are the master weights). DeepSpeed's
@@ -22,6 +23,16 @@ instead. `torch_autocast` (DeepSpeed >= 0.17) keeps the module in FP32 and runs 
 under `torch.autocast`, which is exactly our recipe. We generate `lower_precision_safe_modules: []`
 so gradients are communicated in FP32 as with torch DDP; a user JSON may list modules there to
 reduce their gradients in BF16 instead.
+
+Pipeline x tensor parallelism: DeepSpeed's pipeline sends each TP rank only its 1/tp slice of the stage's
+output (and of the gradient coming back), and the receiving stage all-gathers the slices from its TP peers.
+That assumes every TP rank holds the same tensor, which is true between stages without sequence parallelism
+and false with it (each TP rank holds its own part of the sequence), so `--sequence-parallel` turns both
+partitionings off, and a JSON asking for them is refused.
+
+ZeRO-3 with `--tensor-model-parallel-size > 1` is refused: DeepSpeed's consolidation of ZeRO-3 partitions
+(`zero_to_fp32`, which our checkpoint reader and its tools use) reads model-parallel rank 0 only, and
+ZeRO-3's parameter gathering has not been run on our TP-sharded modules. ZeRO 0, 1 and 2 work with TP.
 
 Refused because they would silently fight our own components: an `optimizer` or `scheduler` section
 (our AdamW/Fp8AdamW and LR schedule drive the run), `fp16` (use `--bf16`), ZeRO offload (not tested
@@ -141,6 +152,16 @@ def _check_zero(ds: dict, flag_stage: Optional[int], source: str, bucket: int) -
     return stage
 
 
+def _check_pipeline_partitioning(ds: dict, source: str) -> None:
+    """Sequence parallel between pipeline stages: each TP rank sends its own sequence part whole (module docstring)."""
+    pipeline = _section(ds, "pipeline", source)
+    for key in ("pipe_partitioned", "grad_partitioned"):
+        if pipeline.setdefault(key, False) is not False:
+            raise DeepSpeedConfigError(f"{source}: `pipeline.{key}` must be false with --sequence-parallel: DeepSpeed "
+                                       "would split the stage's activations over the TP ranks assuming they are "
+                                       "identical, but each TP rank holds its own part of the sequence")
+
+
 def build_deepspeed_config(config: MegatronConfig, user_json: Optional[dict] = None,
                            num_parameters: Optional[int] = None) -> dict:
     """The DeepSpeed config dict for `deepspeed.initialize`, validated against the flags.
@@ -171,6 +192,13 @@ def build_deepspeed_config(config: MegatronConfig, user_json: Optional[dict] = N
         raise DeepSpeedConfigError("ZeRO stage 3 (--zero-stage 3 or `zero_optimization.stage` 3) is not supported yet "
                                    "with FP8 linears (--fp8-format) or Fp8AdamW (--optimizer fp8adam): use "
                                    "--zero-stage 0, 1 or 2")
+    if stage == 3 and p.tensor_model_parallel_size > 1:
+        raise DeepSpeedConfigError(f"ZeRO stage 3 (--zero-stage 3 or `zero_optimization.stage` 3) is not supported with "
+                                   f"--tensor-model-parallel-size {p.tensor_model_parallel_size}: DeepSpeed's ZeRO-3 "
+                                   "consolidation (zero_to_fp32) reads model-parallel rank 0 only, so the checkpoint "
+                                   "could not be read back; use --zero-stage 0, 1 or 2")
+    if p.pipeline_model_parallel_size > 1 and p.tensor_model_parallel_size > 1 and p.sequence_parallel:
+        _check_pipeline_partitioning(ds, source)
     if ds.setdefault("zero_allow_untested_optimizer", True) is not True:
         raise DeepSpeedConfigError(f"{source}: `zero_allow_untested_optimizer` must be true: megatron-fp8 passes its "
                                    "own AdamW/Fp8AdamW to DeepSpeed, which ZeRO calls 'untested'")

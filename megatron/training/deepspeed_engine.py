@@ -10,15 +10,26 @@ drives it exactly like `TorchEngine`, through these primitives:
   are reduced only after the last micro-batch, as with DDP's `no_sync`.
 - `backward(loss)` calls DeepSpeed's backward with `scale_wrt_gas=False`: the loop has already divided
   the loss by the number of micro-batches, so gradients equal the torch path's.
-- `step(iteration, loss_finite)` sets the LR from our scheduler, then lets DeepSpeed clip (its
-  `gradient_clipping` is `--clip-grad`, same formula as torch's) and step. Non-finite steps change
-  nothing: without ZeRO we compute the norm of the all-reduced gradients and skip ourselves; with
-  ZeRO, DeepSpeed computes the norm of the partitioned gradients and, when it is not finite, skips
-  the step and clears its partitions (its own overflow path). A non-finite *loss* with finite
+- `step(iteration, loss_finite)` sets the LR from our scheduler, clips and steps. Without ZeRO the gradients
+  are full and all-reduced: we clip them with TorchEngine's function (`megatron.parallel.clip_grad_norm`,
+  tensor-parallel aware; DeepSpeed's own `gradient_clipping` is set to 0 then) and skip a non-finite step
+  ourselves. With ZeRO, DeepSpeed clips (its `gradient_clipping` is `--clip-grad`, same formula as torch's),
+  computes the norm of the partitioned gradients and, when it is not finite, skips the step and clears its
+  partitions (its own overflow path). Non-finite steps change nothing. A non-finite *loss* with finite
   gradients (possible when the non-finite token is masked out) must skip too: its last backward is
   multiplied by NaN instead of 1.0, so the gradients become non-finite and take the same path on
   every rank (multiplying by 1.0 is exact, and the flag stays a tensor: no host sync per micro-batch).
 - Checkpoints: `save_checkpoint` / `load_checkpoint` at the end of this file.
+
+Tensor parallelism (`--tensor-model-parallel-size`, ZeRO 0-2): DeepSpeed gets `ModelParallelUnit` as its `mpu`, so
+it sizes the batch, broadcasts the initial weights, reduces gradients and partitions the optimizer over the
+data-parallel group only, and names its files per TP rank (mp_rank_<tp>_model_states.pt,
+zero_pp_rank_<dp>_mp_rank_<tp>_optim_states.pt). ZeRO's gradient norm sums over the TP group, counting a
+parameter on every TP rank when it is marked `model_parallel` (our TP shards: `mark_model_parallel_params`) and
+on TP rank 0 only otherwise (the replicated norms). Under sequence parallelism each replicated parameter's
+gradient of a micro-batch covers only this rank's part of the sequence: `sum_sequence_parallel_grads_in_backward`
+sums it over the TP group as backward produces it, before DeepSpeed accumulates, reduces or partitions it.
+ZeRO-3 is refused with TP (`deepspeed_config.py` says why).
 
 Fp8AdamW: ZeRO 1-3 hand the optimizer one flattened 1-D FP32 partition per param group, which defeats
 its "matrices get FP8 states" rule, so every group is tagged with `"fp8_states"` before wrapping: our
@@ -41,6 +52,9 @@ from torch import nn
 from megatron import comm
 from megatron.accelerator import Accelerator
 from megatron.optimizer.lr_scheduler import LrScheduler
+from megatron.parallel import clip_grad_norm
+from megatron.parallel.layers import SEQUENCE_PARALLEL_GRAD, TP_SHARD_DIM
+from megatron.parallel.tensor_parallel import all_reduce_sum
 from megatron.parallel_state import ParallelState
 from megatron.training import checkpointing as ckpt
 from megatron.training.deepspeed_config import build_deepspeed_config, zero_stage
@@ -66,6 +80,63 @@ def tag_fp8_state_groups(optimizer: torch.optim.Optimizer, stage: int) -> None:
     if stage >= 1 and optimizer.block_size == 0:
         logger.warning("Fp8AdamW under ZeRO stage %d with per-tensor scaling: each rank's flattened partition of "
                        "all matrices shares one scale; --fp8-optimizer-block-size 128 keeps scales local", stage)
+
+
+class ModelParallelUnit:
+    """Our tensor-parallel and data-parallel groups under the getter names of DeepSpeed's `mpu` (Megatron's).
+
+    For `deepspeed.initialize(mpu=...)` without pipeline parallelism (the pipeline engine builds the equivalent,
+    its grid, from `PipeModelDataParallelTopology`). "Model parallel" is tensor parallel here.
+    """
+
+    def __init__(self, parallel: ParallelState) -> None:
+        if parallel.pipeline_parallel_size != 1 or parallel.tensor_parallel_group is None:
+            raise ValueError("ModelParallelUnit is for tensor parallelism without pipeline parallelism")
+        self._parallel = parallel
+
+    def get_model_parallel_rank(self) -> int:
+        return self._parallel.tensor_parallel_rank
+
+    def get_model_parallel_world_size(self) -> int:
+        return self._parallel.tensor_parallel_size
+
+    def get_model_parallel_group(self):
+        return self._parallel.tensor_parallel_group
+
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_group = get_model_parallel_group
+
+    def get_data_parallel_rank(self) -> int:
+        return self._parallel.data_parallel_rank
+
+    def get_data_parallel_world_size(self) -> int:
+        return self._parallel.data_parallel_size
+
+    def get_data_parallel_group(self):
+        return self._parallel.data_parallel_group
+
+
+def mark_model_parallel_params(model: nn.Module) -> None:
+    """Set DeepSpeed's `model_parallel` on our TP shards (`tensor_parallel_dim`): its norms count them on every TP
+    rank (each holds a different piece) and the unmarked, replicated parameters on TP rank 0 only."""
+    for param in model.parameters():
+        if hasattr(param, TP_SHARD_DIM):
+            param.model_parallel = True
+
+
+def sum_sequence_parallel_grads_in_backward(model: nn.Module, tp_group) -> None:
+    """Sum each micro-batch's gradient of the sequence-parallel replicated parameters over the TP group.
+
+    TorchEngine does it once per step on the accumulated gradients (`reduce_sequence_parallel_grads`). Under
+    DeepSpeed the gradients leave `.grad` during backward (ZeRO reduces or partitions them as they become ready,
+    the pipeline reduces them in its schedule), so the sum happens earlier: a tensor hook sees the gradient of
+    this backward before it is accumulated, and sums are linear, so the result is the same up to rounding. It costs
+    one small all-reduce per replicated parameter (the norms: 2 per layer + 1) per micro-batch.
+    """
+    for param in model.parameters():
+        if getattr(param, SEQUENCE_PARALLEL_GRAD, False) and param.requires_grad:
+            param.register_hook(lambda grad: all_reduce_sum(grad.clone(), tp_group))
 
 
 def _ensure_process_group(parallel: ParallelState) -> None:
@@ -95,11 +166,14 @@ class DeepSpeedBase:
         self.config = config
         self.model, self.optimizer, self.scheduler, self.parallel = model, optimizer, scheduler, parallel
         tag_fp8_state_groups(optimizer, self.zero_stage)
+        mark_model_parallel_params(model)
+        if config.parallel.sequence_parallel and parallel.tensor_parallel_size > 1:
+            sum_sequence_parallel_grads_in_backward(model, parallel.tensor_parallel_group)
 
-    def _wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def _wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer, mpu: Optional[ModelParallelUnit] = None) -> None:
         import deepspeed
 
-        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.ds_config)
+        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.ds_config, mpu=mpu)
         _use_weights_only_loading(self.engine)
         # The loop calls `module(...)`, `.train()` and `.eval()`: the DeepSpeed engine is itself an nn.Module
         # whose forward runs ZeRO-3 gathering and the torch_autocast section around our model.
@@ -142,8 +216,12 @@ class DeepSpeedEngine(DeepSpeedBase, MicroBatchEngine):
 
         self._initialize(config, model, optimizer, scheduler, parallel, (0, 1, 2, 3), "--deepspeed")
         self.accel = accel
+        self.clip_grad = float(self.ds_config.get("gradient_clipping", 0.0))
+        if self.zero_stage == 0:  # we clip (step), TP-aware; DeepSpeed's clipping would only repeat it
+            self.ds_config = {**self.ds_config, "gradient_clipping": 0.0}
         _ensure_process_group(parallel)
-        self._wrap(model, optimizer)
+        tensor_parallel = parallel.tensor_parallel_size > 1
+        self._wrap(model, optimizer, ModelParallelUnit(parallel) if tensor_parallel else None)
         logger.info("DeepSpeed %s: ZeRO stage %d, %s, optimizer %s wrapped by %s", deepspeed.__version__,
                     self.zero_stage, "BF16 autocast" if config.training.bf16 else "FP32", type(optimizer).__name__,
                     type(self.engine.optimizer).__name__)
@@ -177,9 +255,11 @@ class DeepSpeedEngine(DeepSpeedBase, MicroBatchEngine):
         """
         self._loss_nonfinite = None
         if self.zero_stage == 0:
-            # Gradients are full and already all-reduced: check them the way TorchEngine does.
-            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-            grad_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+            # Gradients are full and already all-reduced over data parallelism: clip and check them the way
+            # TorchEngine does (the norm of the whole model over the TP shards, the same on every rank).
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            max_norm = self.clip_grad if self.clip_grad > 0 else float("inf")
+            grad_norm = clip_grad_norm(params, max_norm, self.parallel.tensor_parallel_group)
             if not bool(loss_finite & torch.isfinite(grad_norm)):  # the step's decision: one host read
                 self.engine.zero_grad()
                 return grad_norm, False
@@ -204,9 +284,10 @@ class DeepSpeedEngine(DeepSpeedBase, MicroBatchEngine):
 #     latest_checkpointed_iteration.txt            our tracker: the newest complete checkpoint
 #     latest                                       DeepSpeed's tracker (same tag), for its tools
 #     iter_0000100/
-#         mp_rank_00_model_states.pt               weights + {"megatron": scheduler, RNG, FP8 state}
+#         mp_rank_00_model_states.pt               weights + {"megatron": scheduler, RNG, FP8 state}; one
+#                                                  mp_rank_<tp> per TP rank (a pipeline: stage x TP + TP rank)
 #                                                  (ZeRO-3: zero_pp_rank_<dp>_mp_rank_00_model_states.pt)
-#         zero_pp_rank_<dp>_mp_rank_00_optim_states.pt   one per rank: its ZeRO partition (ZeRO >= 1)
+#         zero_pp_rank_<dp>_mp_rank_<tp>_optim_states.pt   one per rank: its ZeRO partition (ZeRO >= 1)
 #         train_state.json, config.json            as in our own layout
 #         zero_to_fp32.py                          DeepSpeed's script to consolidate the partitions
 # Atomicity as in `checkpointing.save_checkpoint`: every rank writes into a hidden temporary tag,

@@ -1,6 +1,6 @@
 """Pipeline parallelism: our GPT cut into DeepSpeed `PipelineModule` stages, run by DeepSpeed's PipelineEngine.
 
-`--pipeline-model-parallel-size P` (with `--deepspeed`, ZeRO 0 or 1, TP = 1) splits the model into
+`--pipeline-model-parallel-size P` (with `--deepspeed`, ZeRO 0 or 1, any TP size) splits the model into
 
     EmbeddingStage | TransformerLayerStage x num_layers | OutputStage (final norm + LM head)
 
@@ -8,7 +8,18 @@ and DeepSpeed partitions it so every stage gets num_layers / P transformer layer
 the first stage, the head the last). Stages exchange one tensor, the hidden state [b, s, h]: positions
 are the plain 0..s-1 (so `--reset-position-ids`/`--reset-attention-mask` are refused with PP) and each
 layer stage recomputes its rotary table from them. The loss, the same token-weighted mean per
-micro-batch as `Trainer._forward_loss`, is `pipeline_loss` on the last stage.
+micro-batch as `Trainer._forward_loss`, is `pipeline_loss` on the last stage, where `HeadLoss` (the only
+place the labels reach) computes the cross-entropy of the head's logits: under tensor parallelism the
+vocab-parallel one, which never gathers the [b, s, vocab] logits.
+
+Tensor parallelism: the model is sharded before it is cut, and DeepSpeed gets the topology
+`PipeModelDataParallelTopology(P, num_mp=tp, dp)`, the rank layout of `megatron.parallel_state` (checked at
+build). DeepSpeed's grid then reduces gradients over the data-parallel group, sends each TP rank's activations
+to the same TP rank of the next stage, and ZeRO's norm counts TP shards (`model_parallel`) on every TP rank and
+replicated parameters on TP rank 0 of each stage. Under sequence parallelism the hidden state between stages is
+[b, s/tp, h] (so layer stages build the rotary table for tp times its length) and DeepSpeed's partitioning of
+activations over the TP ranks, which assumes identical copies, is off (`deepspeed_config.py`). FP8 amaxes are
+reduced over the stage's TP x DP ranks.
 
 Every rank builds the whole `GPTModel` (same seed, hence the same weights as PP = 1), converts it to FP8,
 then keeps only its stage's modules: the others are dropped with the full model. FP8 amaxes are reduced
@@ -19,8 +30,9 @@ pipelined sends, the data-parallel reduction and the ZeRO 0/1 step) and reports 
 Non-finite steps change nothing: a non-finite loss multiplies itself by NaN, so its gradients become
 non-finite on every stage; ZeRO-1's overflow check (reduced over data and pipeline ranks) skips the step,
 and without ZeRO `_guard_non_finite_steps` does the same (and the clipping) around our optimizer.
-Checkpoints use DeepSpeed's pipeline layout (one `layer_XX-model_states.pt` per layer, one
-`mp_rank_XX_model_states.pt` per stage with our scheduler/RNG/FP8 state) inside our atomic folders.
+Checkpoints use DeepSpeed's pipeline layout inside our atomic folders: one `layer_XX-model_<t>-model_states.pt`
+per layer and TP rank t, and one `mp_rank_YY_model_states.pt` per stage s and TP rank (YY = s x tp + t) with
+our scheduler/RNG/FP8 state.
 """
 from __future__ import annotations
 
@@ -34,6 +46,9 @@ from torch import nn
 
 from megatron.data.provider import Batch
 from megatron.optimizer.lr_scheduler import LrScheduler
+from megatron.parallel import vocab_parallel_cross_entropy
+from megatron.parallel.layers import TP_SHARD_DIM
+from megatron.parallel.tensor_parallel import enter_tensor_parallel_region
 from megatron.parallel_state import ParallelState
 from megatron.training.deepspeed_engine import DeepSpeedBase
 from megatron.training.engine import Engine
@@ -41,8 +56,9 @@ from megatron.training.engine import Engine
 logger = logging.getLogger("megatron")
 
 
-def _positions(x: torch.Tensor) -> torch.Tensor:
-    b, s = x.shape[:2]
+def _positions(x: torch.Tensor, sequence_shards: int = 1) -> torch.Tensor:
+    """Positions 0..s-1 of the whole sequence, of which `x` [b, s / sequence_shards, ...] may hold one part."""
+    b, s = x.shape[0], x.shape[1] * sequence_shards
     return torch.arange(s, device=x.device).unsqueeze(0).expand(b, s)
 
 
@@ -56,37 +72,61 @@ class EmbeddingStage(nn.Module):
 
 
 class TransformerLayerStage(nn.Module):
-    def __init__(self, layer: nn.Module, rotary: Optional[nn.Module]) -> None:
+    def __init__(self, layer: nn.Module, rotary: Optional[nn.Module], sequence_shards: int = 1) -> None:
         super().__init__()
         self.layer = layer
         # Shared by every layer stage and parameter-free (its tables are non-persistent buffers): kept out of
         # the module tree so that no stage's state dict or parameter list repeats it.
         self.__dict__["rotary"] = rotary
+        # Sequence parallel: the hidden state holds 1/tp of the sequence, but attention runs on all of it
+        # (gathered inside the layer's TP region), so the rotary table covers the whole sequence.
+        self.sequence_shards = sequence_shards
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        rotary = self.rotary(_positions(hidden)) if self.rotary is not None else None
+        rotary = self.rotary(_positions(hidden, self.sequence_shards)) if self.rotary is not None else None
         return self.layer(hidden, rotary, None)
 
 
 class OutputStage(nn.Module):
-    """Final norm and LM head: logits [b, s, vocab]."""
+    """Final norm and the LM head's matmul: logits [b, s, vocab], under tensor parallelism this rank's vocabulary
+    shard [b, s, vocab / tp] (`VocabParallelOutputHead`'s layout; sequence-parallel hidden states are gathered
+    first). The cross-entropy is computed by the loss (`HeadLoss`), the only place the labels reach."""
 
-    def __init__(self, final_layernorm: nn.Module, output_layer: nn.Linear, output_head: nn.Module) -> None:
+    def __init__(self, final_layernorm: nn.Module, output_layer: nn.Linear, tp_group=None,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
         self.final_layernorm = final_layernorm
         self.output_layer = output_layer
-        self.output_head = output_head
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.output_head(self.final_layernorm(hidden), self.output_layer.weight)
+        hidden = enter_tensor_parallel_region(self.final_layernorm(hidden), self.tp_group, self.sequence_parallel)
+        return F.linear(hidden, self.output_layer.weight)
 
 
-def pipeline_loss(logits: torch.Tensor, target: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Token-weighted mean FP32 cross-entropy of one micro-batch; NaN-poisoned when not finite."""
-    labels, loss_mask = target
-    b, s = labels.shape
-    per_token = F.cross_entropy(logits.float().reshape(b * s, -1), labels.reshape(b * s), reduction="none")
-    loss = (per_token.view(b, s) * loss_mask).sum() / loss_mask.sum().clamp(min=1.0)
+class HeadLoss:
+    """The PipelineModule's `loss_fn`: the per-token FP32 cross-entropy of `OutputStage`'s logits (vocab-parallel
+    under TP: the [b, s, vocab] logits are never gathered), then `pipeline_loss`.
+
+    Called by DeepSpeed outside the engine's autocast: the logits' matmul stays in the stage, under it, as in the
+    model's own head."""
+
+    def __init__(self, tp_group=None) -> None:
+        self.tp_group = tp_group
+
+    def __call__(self, logits: torch.Tensor, target: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        labels = target[0]
+        if self.tp_group is not None:
+            per_token = vocab_parallel_cross_entropy(logits, labels, self.tp_group)
+        else:
+            per_token = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")
+        return pipeline_loss(per_token.view_as(labels), target)
+
+
+def pipeline_loss(per_token: torch.Tensor, target: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Token-weighted mean of one micro-batch's per-token losses [b, s]; NaN-poisoned when not finite."""
+    _, loss_mask = target
+    loss = (per_token * loss_mask).sum() / loss_mask.sum().clamp(min=1.0)
     # A non-finite token masked out of the loss leaves finite gradients; multiplying by NaN (or exactly 1.0)
     # makes every gradient non-finite instead, so the step is skipped on all stages.
     ok = torch.isfinite(loss.detach())
@@ -104,18 +144,33 @@ def build_pipeline_module(model: nn.Module, parallel: ParallelState) -> nn.Modul
 
     if model.output_layer is None:
         raise ValueError("pipeline parallelism needs --untie-embeddings-and-output-weights")
-    topology = PipeModelDataParallelTopology(num_pp=parallel.pipeline_parallel_size, num_mp=1,
-                                             num_dp=parallel.data_parallel_size)
+    topology = PipeModelDataParallelTopology(num_pp=parallel.pipeline_parallel_size,
+                                             num_mp=parallel.tensor_parallel_size, num_dp=parallel.data_parallel_size)
+    # Tensor-parallel heads carry the model's sequence-parallel flag (the plain head is TP = 1).
+    sequence_shards = parallel.tensor_parallel_size if getattr(model.output_head, "sequence_parallel", False) else 1
+    output = OutputStage(model.decoder.final_layernorm, model.output_layer, parallel.tensor_parallel_group,
+                         sequence_shards > 1)
     layers = [EmbeddingStage(model.embedding),
-              *(TransformerLayerStage(layer, model.rotary) for layer in model.decoder.layers),
-              OutputStage(model.decoder.final_layernorm, model.output_layer, model.output_head)]
-    pipe = PipelineModule(layers=layers, loss_fn=pipeline_loss, topology=topology,
+              *(TransformerLayerStage(layer, model.rotary, sequence_shards) for layer in model.decoder.layers),
+              output]
+    pipe = PipelineModule(layers=layers, loss_fn=HeadLoss(parallel.tensor_parallel_group), topology=topology,
                           partition_method="type:TransformerLayerStage")
+    _check_grid(pipe.mpu(), parallel)
     local = [i for i, f in enumerate(layers) if any(f is g for g in pipe.forward_funcs)]
     logger.info("pipeline stage %d of %d: layers %d..%d of %d (embedding = 0, transformer layers 1..%d, head = %d)",
                 parallel.pipeline_parallel_rank, parallel.pipeline_parallel_size, local[0], local[-1],
                 len(layers) - 1, len(layers) - 2, len(layers) - 1)
     return pipe
+
+
+def _check_grid(grid, parallel: ParallelState) -> None:
+    """DeepSpeed's grid (its own process groups) must place this rank where `megatron.parallel_state` did: our TP
+    and amax groups and its data-parallel reduction then cover the same ranks."""
+    ours = (parallel.pipeline_parallel_rank, parallel.data_parallel_rank, parallel.tensor_parallel_rank)
+    theirs = (grid.get_stage_id(), grid.get_data_parallel_rank(), grid.get_slice_parallel_rank())
+    if ours != theirs:
+        raise RuntimeError(f"rank {parallel.rank}: megatron.parallel_state places it at (stage, replica, TP rank) "
+                           f"{ours}, DeepSpeed's PipeModelDataParallelTopology at {theirs}")
 
 
 class _StageLayers:
@@ -130,24 +185,29 @@ def stage_layers_view(pipe: nn.Module) -> _StageLayers:
     return _StageLayers(pipe)
 
 
-def _guard_non_finite_steps(optimizer: torch.optim.Optimizer, clip_grad: float, data_parallel_size: int) -> None:
+def _guard_non_finite_steps(optimizer: torch.optim.Optimizer, clip_grad: float, data_parallel_size: int,
+                            tensor_parallel_rank: int = 0) -> None:
     """ZeRO-0 pipelines: make `optimizer.step()` clip by the global norm and skip when it is not finite.
 
     DeepSpeed's pipeline calls `optimizer.step()` once per batch on every rank, after the data-parallel
     gradient reduction, then reads `optimizer.overflow` (a skipped step: `was_step_applied()` is False) and
     `optimizer._global_grad_norm` (`get_global_grad_norm()`). The norm is summed over all ranks: every stage
-    contributes its layers, and each of the DP replicas holds the same reduced gradients, hence the division.
+    contributes its layers, each TP rank its shards (replicated parameters count on TP rank 0 only), and each of
+    the DP replicas holds the same reduced gradients, hence the division.
     """
     from megatron import comm
 
     real_step = optimizer.step
     params = [p for group in optimizer.param_groups for p in group["params"]]
 
+    counted = [p for p in params if tensor_parallel_rank == 0 or hasattr(p, TP_SHARD_DIM)]
+
     def step(closure=None):
         grads = [p.grad for p in params if p.grad is not None]
         squares = torch.zeros((), dtype=torch.float32, device=params[0].device)
-        for g in grads:
-            squares += g.detach().float().pow(2).sum()
+        for p in counted:
+            if p.grad is not None:
+                squares += p.grad.detach().float().pow(2).sum()
         comm.all_reduce(squares, comm.world_group())
         norm = float((squares / data_parallel_size).sqrt())  # host read: the skip decision needs it
         optimizer._global_grad_norm = norm
@@ -174,11 +234,12 @@ class PipelineEngine(DeepSpeedBase, Engine):
         if self.zero_stage == 0:
             # Without ZeRO, DeepSpeed's pipeline clips and steps whatever the gradients hold: the guard does both.
             _guard_non_finite_steps(optimizer, self.ds_config.get("gradient_clipping", 0.0),
-                                    parallel.data_parallel_size)
+                                    parallel.data_parallel_size, parallel.tensor_parallel_rank)
             self.ds_config = {**self.ds_config, "gradient_clipping": 0.0}
         self._wrap(model, optimizer)
-        logger.info("DeepSpeed %s pipeline: %d stages x %d data-parallel, ZeRO stage %d, %s, optimizer %s",
-                    deepspeed.__version__, parallel.pipeline_parallel_size, parallel.data_parallel_size, self.zero_stage,
+        logger.info("DeepSpeed %s pipeline: %d stages x %d data-parallel x %d tensor-parallel, ZeRO stage %d, %s, "
+                    "optimizer %s", deepspeed.__version__, parallel.pipeline_parallel_size, parallel.data_parallel_size,
+                    parallel.tensor_parallel_size, self.zero_stage,
                     "BF16 autocast" if config.training.bf16 else "FP32", type(optimizer).__name__)
 
     @staticmethod
