@@ -6,11 +6,17 @@ An iteration folder (`iter_XXXXXXX/`) holds one of these layouts; `detect_layout
     single            mp_rank_00/model_optim_rng.pt                          its "model" entry
     tensor_parallel   mp_rank_00/.., mp_rank_01/.., ...                      every rank's shard, merged by
                                                                              `megatron.parallel.layout`
-    deepspeed         mp_rank_00_model_states.pt (ZeRO 0, 1, 2)              its "module" entry (full weights)
+    deepspeed         mp_rank_<t>_model_states.pt (ZeRO 0, 1, 2), one per    its "module" entry (full weights at
+                      TP rank t                                              TP = 1, else TP shards, merged)
     deepspeed_zero3   zero_pp_rank_<r>_mp_rank_00_model_states.pt + optim    the fp32 partitions, consolidated by
                       partitions                                             DeepSpeed's zero_to_fp32 functions
-    pipeline          layer_<i>-model_00-model_states.pt per pipeline layer  embedding (0), transformer layers
-                                                                             (1..L), final norm + head (L+1)
+    pipeline          layer_<i>-model_<t>-model_states.pt per pipeline       embedding (0), transformer layers
+                      layer i and TP rank t                                  (1..L), final norm + head (L+1); TP
+                                                                             shards merged per layer
+
+Tensor parallelism under DeepSpeed keeps the layout's name (the files say how many TP ranks wrote it): DeepSpeed
+numbers its files by "model-parallel rank", which is the TP rank without a pipeline and stage x TP + TP rank in
+a pipeline's mp_rank_XX_model_states.pt (its layer files name the TP rank alone, `model_<t>`).
 
 Every file is read with `torch.load(weights_only=True)` (DeepSpeed's few data classes allowed, nothing that
 runs code); the DeepSpeed layouts need the deepspeed package only for ZeRO-3's consolidation.
@@ -31,7 +37,7 @@ from megatron.training import checkpointing as ckpt
 SINGLE, TENSOR_PARALLEL, DEEPSPEED, DEEPSPEED_ZERO3, PIPELINE = (
     "single", "tensor_parallel", "deepspeed", "deepspeed_zero3", "pipeline")
 _DS_MODEL_FILE = "mp_rank_00_model_states.pt"
-_PIPE_LAYER = re.compile(r"layer_(\d+)-model_00-model_states\.pt")
+_PIPE_LAYER = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt")
 
 
 def detect_layout(path: Path) -> str | None:
@@ -67,6 +73,14 @@ def load_file(file: Path) -> Any:
         raise ckpt.CheckpointError(f"refusing to load {file}: {exc.__class__.__name__}: {str(exc)[:300]}") from exc
 
 
+def deepspeed_model_files(path: Path) -> list[Path]:
+    """mp_rank_00_model_states.pt, mp_rank_01_..., in rank order: one per TP rank of a DeepSpeed (ZeRO 0-2) run."""
+    files = []
+    while (path / f"mp_rank_{len(files):02d}_model_states.pt").exists():
+        files.append(path / f"mp_rank_{len(files):02d}_model_states.pt")
+    return files
+
+
 def _tensor_parallel_shards(path: Path) -> Iterator[dict]:
     rank = 0
     while ckpt.model_file(path, rank).exists():
@@ -74,25 +88,37 @@ def _tensor_parallel_shards(path: Path) -> Iterator[dict]:
         rank += 1
 
 
-def _pipeline_state(path: Path, num_layers: int) -> dict[str, torch.Tensor]:
+def _pipeline_state(path: Path, model_config: ModelConfig) -> dict[str, torch.Tensor]:
     """GPTModel keys from DeepSpeed's per-layer files: layer 0 is the embedding stage (its keys are already
-    `embedding.*`), layers 1..L hold `layer.*` of transformer layer i-1, layer L+1 the final norm and head."""
-    files = {int(m.group(1)): p for p in path.iterdir() if (m := _PIPE_LAYER.fullmatch(p.name))}
+    `embedding.*`), layers 1..L hold `layer.*` of transformer layer i-1, layer L+1 the final norm and head. With
+    tensor parallelism each layer has one file per TP rank (`model_<t>`), merged like our TP shards."""
+    num_layers = model_config.num_layers
+    files: dict[int, dict[int, Path]] = {}
+    for p in path.iterdir():
+        if m := _PIPE_LAYER.fullmatch(p.name):
+            files.setdefault(int(m.group(2)), {})[int(m.group(1))] = p
     expected = set(range(num_layers + 2))
-    if set(files) != expected:
-        raise ckpt.CheckpointError(f"{path}: pipeline layer files {sorted(files)} do not match a model of "
+    if set(files.get(0, {})) != expected:
+        raise ckpt.CheckpointError(f"{path}: pipeline layer files {sorted(files.get(0, {}))} do not match a model of "
                                    f"{num_layers} transformer layers (expected layers 0..{num_layers + 1})")
-    state: dict[str, torch.Tensor] = {}
-    for index, file in sorted(files.items()):
-        for key, tensor in load_file(file).items():
-            if index == 0:
-                name = key
-            elif index <= num_layers:
-                name = f"decoder.layers.{index - 1}.{key.removeprefix('layer.')}"
-            else:
-                name = key if key.startswith("output_layer.") else f"decoder.{key}"
-            state[name] = tensor
-    return state
+    tp = len(files)
+    if set(files) != set(range(tp)) or any(set(files[t]) != expected for t in files):
+        raise ckpt.CheckpointError(f"{path}: pipeline layer files of TP ranks {sorted(files)} are incomplete: every "
+                                   f"TP rank 0..{tp - 1} needs layers 0..{num_layers + 1}")
+    shards = []
+    for t in range(tp):
+        state: dict[str, torch.Tensor] = {}
+        for index, file in sorted(files[t].items()):
+            for key, tensor in load_file(file).items():
+                if index == 0:
+                    name = key
+                elif index <= num_layers:
+                    name = f"decoder.layers.{index - 1}.{key.removeprefix('layer.')}"
+                else:
+                    name = key if key.startswith("output_layer.") else f"decoder.{key}"
+                state[name] = tensor
+        shards.append(state)
+    return shards[0] if tp == 1 else merge_state_dicts(shards, model_config)
 
 
 @contextlib.contextmanager
@@ -129,6 +155,23 @@ def _zero3_state(path: Path) -> dict[str, torch.Tensor]:
                                    f"{exc.__class__.__name__}: {str(exc)[:300]}") from exc
 
 
+def _deepspeed_state(path: Path, model_config: ModelConfig) -> tuple[dict[str, torch.Tensor], dict]:
+    """The "module" weights of every TP rank's mp_rank_<t>_model_states.pt, merged (one file: TP = 1), and our
+    client state from TP rank 0's file."""
+    from megatron.training.deepspeed_engine import CLIENT_KEY
+
+    modules, extras = [], {}
+    for rank, file in enumerate(deepspeed_model_files(path)):
+        data = load_file(file)
+        if not data.get("module"):
+            raise ckpt.CheckpointError(f"{file} holds no 'module' weights")
+        modules.append(dict(data["module"]))
+        if rank == 0:
+            extras = data.get(CLIENT_KEY, {}) or {}
+    state = modules[0] if len(modules) == 1 else merge_state_dicts(modules, model_config)
+    return state, extras
+
+
 def read_model_state(path: Path, model_config: ModelConfig) -> tuple[dict[str, torch.Tensor], dict, str]:
     """(full-model state dict, our payload extras, layout name) of iteration folder `path`.
 
@@ -147,18 +190,15 @@ def read_model_state(path: Path, model_config: ModelConfig) -> tuple[dict[str, t
         state = shards[0]["model"] if len(shards) == 1 else merge_state_dicts([s["model"] for s in shards],
                                                                                 model_config)
         return state, {k: v for k, v in shards[0].items() if k != "model"}, layout
+    if layout == DEEPSPEED:
+        return *_deepspeed_state(path, model_config), layout
     extras: dict = {}
     # Our client state (LR schedule, RNG, FP8) sits in DeepSpeed's model-states file (rank 0's under ZeRO-3).
     model_states = path / (_DS_MODEL_FILE if layout != DEEPSPEED_ZERO3 else "zero_pp_rank_0_mp_rank_00_model_states.pt")
     if model_states.exists():
-        data = load_file(model_states)
         from megatron.training.deepspeed_engine import CLIENT_KEY
 
-        extras = data.get(CLIENT_KEY, {}) or {}
-        if layout == DEEPSPEED:
-            if not data.get("module"):
-                raise ckpt.CheckpointError(f"{model_states} holds no 'module' weights")
-            return dict(data["module"]), extras, layout
+        extras = load_file(model_states).get(CLIENT_KEY, {}) or {}
     if layout == PIPELINE:
-        return _pipeline_state(path, model_config.num_layers), extras, layout
+        return _pipeline_state(path, model_config), extras, layout
     return _zero3_state(path), extras, layout
