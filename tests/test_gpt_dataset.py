@@ -107,7 +107,7 @@ def test_indices_are_deterministic_and_cached(tmp_path, monkeypatch):
     def no_rebuild(*args):
         raise RuntimeError("indices rebuilt")
 
-    monkeypatch.setattr("megatron.data.gpt_dataset.build_gpt_indices", no_rebuild)
+    monkeypatch.setattr("megatron.data.gpt_dataset.write_gpt_indices", no_rebuild)
     again = GPTDataset("train", ds, (0, 120), SEQ, 5, 300, str(cache))
     assert isinstance(again.sample_idx, np.memmap)
     assert [again[i]["text"].tolist() for i in range(20)] == [first[i]["text"].tolist() for i in range(20)]

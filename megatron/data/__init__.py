@@ -5,13 +5,22 @@
 * `token_range`: every token id checked against the tokenizer before training (manifest, or one cached scan);
 * `errors`: `DataError` and its kinds, printed by the entry points without a traceback;
 * `gpt_dataset`: `GPTDataset` and `build_train_valid_test_datasets(cfg.data, tokenizer, ...)`;
+* `gpt_index`: its document / sample / shuffle indices, built in bounded memory straight into the cache;
 * `blended_dataset`: weighted blends; `index_cache`: the cached index arrays;
 * `preprocess`, `text_input`: raw JSONL/text to `.bin/.idx` (tools/preprocess_data.py);
 * `provider`, `mock`: batches, samplers and the synthetic dataset (separate owners).
 """
-from megatron.data.blended_dataset import BlendedDataset
-from megatron.data.gpt_dataset import GPTDataset, build_train_valid_test_datasets
-from megatron.data.indexed_dataset import MMapIndexedDataset, MMapIndexedDatasetBuilder
+import importlib
 
-__all__ = ["BlendedDataset", "GPTDataset", "MMapIndexedDataset", "MMapIndexedDatasetBuilder",
-           "build_train_valid_test_datasets"]
+# Exported lazily: importing one submodule (the index builder in a memory-limited child, the tools) must not
+# import them all (gpt_dataset pulls in megatron.config, and with it torch).
+_EXPORTS = {"BlendedDataset": "blended_dataset", "GPTDataset": "gpt_dataset",
+            "build_train_valid_test_datasets": "gpt_dataset", "MMapIndexedDataset": "indexed_dataset",
+            "MMapIndexedDatasetBuilder": "indexed_dataset"}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

@@ -9,7 +9,8 @@ Megatron-LM gets this with a greedy C++ loop (each step picks the dataset laggin
 its target). We compute an equivalent error-minimising schedule without a loop over samples:
 dataset k's j-th sample is due at "time" `(j + 0.5) / w_k`, and the blend takes all due times in
 order (a stable sort, ties going to the earlier dataset). It is deterministic and O(n log n) in numpy;
-the exact tie-breaking differs from Megatron's loop, so the order is not bit-identical to it.
+the exact tie-breaking differs from Megatron's loop, so the order is not bit-identical to it. The due
+times are sorted window by window (bounded memory at 488M samples), written to the cache as they come.
 """
 from __future__ import annotations
 
@@ -17,25 +18,76 @@ from typing import Sequence
 
 import numpy as np
 
+from megatron.data.gpt_index import CHUNK, MemorySinks, SinkFactory, index_dtype
 
-def build_blending_indices(weights: Sequence[float], size: int) -> tuple[np.ndarray, np.ndarray]:
-    """(dataset_index, dataset_sample_index) for a blend of `size` samples."""
+
+def _normalised(weights: Sequence[float]) -> np.ndarray:
     w = np.asarray(weights, dtype=np.float64)
     if w.ndim != 1 or len(w) == 0 or np.any(w < 0) or w.sum() <= 0:
         raise ValueError(f"blend weights must be non-negative with a positive sum, got {list(weights)}")
-    w = w / w.sum()
-    due, owner, rank = [], [], []
-    for k, wk in enumerate(w):
-        if wk == 0:
-            continue
-        # Dataset k never takes more than size * w_k + 1 + K/2 of the first `size` samples.
-        count = int(np.ceil(size * wk)) + len(w) + 1
-        j = np.arange(count, dtype=np.int64)
-        due.append((j + 0.5) / wk)
-        owner.append(np.full(count, k, dtype=np.int16))
-        rank.append(j)
-    order = np.argsort(np.concatenate(due), kind="stable")[:size]
-    return np.concatenate(owner)[order], np.concatenate(rank)[order]
+    return w / w.sum()
+
+
+def write_blending_indices(weights: Sequence[float], size: int, sinks: SinkFactory) -> np.ndarray:
+    """Build (dataset_index, dataset_sample_index) for a blend of `size` samples into `sinks`; returns the
+    number of samples drawn from each dataset.
+
+    Dataset k's j-th sample is due at `(j + 0.5) / w_k`; the blend is the `size` earliest due times in a
+    stable order (ties: the earlier dataset, then the earlier sample). They are taken window by window of
+    about CHUNK due times, so memory stays bounded whatever `size`: a window holds the due times in
+    [t0, t0 + CHUNK), computed exactly as a whole-array construction computes them, so the order is the same.
+    """
+    w = _normalised(weights)
+    # Dataset k never takes more than size * w_k + 1 + K/2 of the first `size` samples.
+    limits = [int(np.ceil(size * wk)) + len(w) + 1 if wk > 0 else 0 for wk in w]
+    owner_dtype = np.dtype(np.int16 if len(w) < 2**15 else np.int32)
+    index_sink = sinks.create("dataset_index", owner_dtype, (size,))
+    sample_sink = sinks.create("dataset_sample_index", index_dtype(max(max(limits) - 1, 0)), (size,))
+    counts = np.zeros(len(w), dtype=np.int64)
+    t0, emitted = 0.0, 0
+    while emitted < size:
+        t1 = t0 + CHUNK
+        due, owner, rank = [], [], []
+        for k, wk in enumerate(w):
+            if wk == 0:
+                continue
+            # Candidates from a float estimate, widened; the exact due times decide membership.
+            lo = max(0, int(np.floor(t0 * wk - 0.5)) - 2)
+            hi = min(limits[k], int(np.ceil(t1 * wk - 0.5)) + 2)
+            if lo >= hi:
+                continue
+            j = np.arange(lo, hi, dtype=np.int64)
+            d = (j + 0.5) / wk
+            keep = (d >= t0) & (d < t1)
+            due.append(d[keep])
+            owner.append(np.full(int(keep.sum()), k, dtype=owner_dtype))
+            rank.append(j[keep])
+        if due:
+            order = np.argsort(np.concatenate(due), kind="stable")[:size - emitted]
+            chosen_owner, chosen_rank = np.concatenate(owner)[order], np.concatenate(rank)[order]
+            index_sink.append(chosen_owner)
+            sample_sink.append(chosen_rank)
+            counts += np.bincount(chosen_owner, minlength=len(w))
+            emitted += len(order)
+        t0 = t1
+    index_sink.close()
+    sample_sink.close()
+    return counts
+
+
+def build_blending_indices(weights: Sequence[float], size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(dataset_index, dataset_sample_index) for a blend of `size` samples, in memory."""
+    sinks = MemorySinks()
+    write_blending_indices(weights, size, sinks)
+    return sinks.arrays["dataset_index"], sinks.arrays["dataset_sample_index"]
+
+
+def samples_per_dataset(dataset_index: np.ndarray, num_datasets: int) -> np.ndarray:
+    """How many samples the blend draws from each dataset (chunked: no intp copy of a long index)."""
+    counts = np.zeros(num_datasets, dtype=np.int64)
+    for start in range(0, len(dataset_index), CHUNK):
+        counts += np.bincount(dataset_index[start:start + CHUNK], minlength=num_datasets)
+    return counts
 
 
 class BlendedDataset:
@@ -49,7 +101,7 @@ class BlendedDataset:
         self.weights = [float(w) for w in weights]
         self.dataset_index = dataset_index
         self.dataset_sample_index = dataset_sample_index
-        counts = np.bincount(np.asarray(dataset_index), minlength=len(datasets))
+        counts = samples_per_dataset(dataset_index, len(datasets))
         for k, (ds, needed) in enumerate(zip(self.datasets, counts)):
             if needed and (ds is None or len(ds) < needed):
                 raise ValueError(f"blended dataset {k} has {0 if ds is None else len(ds)} samples, "

@@ -12,9 +12,9 @@ Three arrays define the samples, as in Megatron-LM's GPTDataset:
   epoch is seen before any sample of the next.
 
 Megatron builds the sample index with a C++ loop over samples; here the same positions come from
-one `cumsum` over document lengths and one `searchsorted` (vectorised numpy, memory linear in the
-number of documents and samples; see bench/bench_data.py for a 10B-token corpus). Indices are
-cached by `megatron.data.index_cache`. Dataset selection (`--data-path`, `--split`, per-split
+a `cumsum` over document lengths and a `searchsorted`, chunk by chunk, in dtypes as narrow as the
+values allow, written to the cache as they are built (`megatron.data.gpt_index`: bounded memory at
+2T tokens; bench/bench_index_build.py). Indices are cached by `megatron.data.index_cache`. Dataset selection (`--data-path`, `--split`, per-split
 paths, blends) is in `build_train_valid_test_datasets`, which also checks every token id of every
 file against the tokenizer (`megatron.data.token_range`) and says which file leaves a split empty.
 """
@@ -27,8 +27,15 @@ from typing import Optional, Sequence
 import numpy as np
 
 from megatron.config import DataConfig
-from megatron.data.blended_dataset import BlendedDataset, build_blending_indices
+from megatron.data.blended_dataset import BlendedDataset, samples_per_dataset, write_blending_indices
 from megatron.data.errors import DataError
+from megatron.data.gpt_index import (  # noqa: F401  (re-exported: the index functions' former home)
+    build_gpt_indices,
+    build_sample_index,
+    build_shuffle_index,
+    num_epochs_for,
+    write_gpt_indices,
+)
 from megatron.data.index_cache import array_digest, load_or_build, resolve_cache_dir
 from megatron.data.indexed_dataset import MMapIndexedDataset
 from megatron.data.token_range import check_token_ids
@@ -38,68 +45,6 @@ logger = logging.getLogger(__name__)
 INDEX_FORMAT_VERSION = 1  # bump when the index construction changes: old cache entries are then ignored
 SPLIT_NAMES = ("train", "valid", "test")
 PER_SPLIT_FLAGS = ("--train-data-path", "--valid-data-path", "--test-data-path")
-
-
-def num_epochs_for(tokens_per_epoch: int, seq_length: int, num_samples: int) -> int:
-    """Fewest epochs whose token stream yields `num_samples` samples of `seq_length + 1` tokens."""
-    # Samples available from e epochs: (e * T - 1) // L (the last sample needs one extra token).
-    return max(1, -(-(num_samples * seq_length + 1) // tokens_per_epoch))
-
-
-def build_document_index(documents: np.ndarray, num_epochs: int, rng: np.random.Generator) -> np.ndarray:
-    """`documents` repeated `num_epochs` times, each repetition in its own random order."""
-    tiled = np.broadcast_to(documents.astype(np.int32), (num_epochs, len(documents)))
-    return rng.permuted(tiled, axis=1).reshape(-1)
-
-
-def build_sample_index(sizes: np.ndarray, doc_idx: np.ndarray, seq_length: int, num_samples: int) -> np.ndarray:
-    """(position in `doc_idx`, offset) of the first token of samples 0..num_samples (inclusive)."""
-    # cum[k] = stream position of the first token of doc_idx[k]; cum[-1] = stream length.
-    cum = np.zeros(len(doc_idx) + 1, dtype=np.int64)
-    np.cumsum(sizes[doc_idx], dtype=np.int64, out=cum[1:])
-    starts = np.arange(num_samples + 1, dtype=np.int64) * seq_length
-    if num_samples and starts[-1] >= cum[-1]:
-        raise ValueError(f"{num_samples} samples of {seq_length} tokens need more than the {cum[-1]} tokens given")
-    # side="right" skips empty documents, as Megatron's loop does.
-    position = np.searchsorted(cum, starts, side="right") - 1
-    sample_idx = np.empty((num_samples + 1, 2), dtype=np.int64)
-    sample_idx[:, 0] = position
-    sample_idx[:, 1] = starts - cum[position]
-    return sample_idx
-
-
-def build_shuffle_index(num_samples: int, seq_length: int, tokens_per_epoch: int,
-                        rng: np.random.Generator) -> np.ndarray:
-    """A permutation of the samples that only mixes samples of the same epoch."""
-    # Sample i belongs to the epoch holding its first token.
-    num_epochs = (max(num_samples - 1, 0) * seq_length) // tokens_per_epoch + 1
-    if num_epochs <= 1024:  # few epochs: one permutation each (faster than a global sort)
-        first = -(-np.arange(num_epochs + 1, dtype=np.int64) * tokens_per_epoch // seq_length)
-        first[-1] = num_samples
-        shuffle = np.empty(num_samples, dtype=np.int64)
-        for a, b in zip(first[:-1], first[1:]):
-            shuffle[a:b] = a + rng.permutation(b - a)
-        return shuffle
-    # Many tiny epochs: sorting epoch + U[0, 1) keys shuffles inside epochs and keeps their order.
-    epoch = np.arange(num_samples, dtype=np.int64) * seq_length // tokens_per_epoch
-    return np.argsort(epoch + rng.random(num_samples))
-
-
-def build_gpt_indices(sizes: np.ndarray, documents: np.ndarray, seq_length: int, num_samples: int,
-                      seed: int) -> dict[str, np.ndarray]:
-    """The document, sample and shuffle indices for at least `num_samples` samples (pure function)."""
-    if seq_length <= 0:
-        raise ValueError(f"--seq-length must be positive, got {seq_length}")
-    tokens_per_epoch = int(sizes[documents].sum(dtype=np.int64))
-    if tokens_per_epoch == 0:
-        raise ValueError("the selected documents hold no tokens")
-    num_epochs = num_epochs_for(tokens_per_epoch, seq_length, num_samples)
-    total_samples = (num_epochs * tokens_per_epoch - 1) // seq_length
-    rng = np.random.default_rng(seed)
-    doc_idx = build_document_index(documents, num_epochs, rng)
-    sample_idx = build_sample_index(sizes, doc_idx, seq_length, total_samples)
-    shuffle_idx = build_shuffle_index(total_samples, seq_length, tokens_per_epoch, rng)
-    return {"doc_idx": doc_idx, "sample_idx": sample_idx, "shuffle_idx": shuffle_idx}
 
 
 class GPTDataset:
@@ -126,8 +71,8 @@ class GPTDataset:
         cache_dir = resolve_cache_dir(cache_dir, indexed_dataset.path_prefix)
         tag = f"{os.path.basename(indexed_dataset.path_prefix)}-{name}"
         arrays = load_or_build(cache_dir, tag, description, ("doc_idx", "sample_idx", "shuffle_idx"),
-                               lambda: build_gpt_indices(sizes, np.arange(start, end), seq_length,
-                                                         num_samples, seed))
+                               lambda sinks: write_gpt_indices(sizes, (start, end), seq_length, num_samples, seed,
+                                                               sinks))
         self.doc_idx, self.sample_idx, self.shuffle_idx = (
             arrays["doc_idx"], arrays["sample_idx"], arrays["shuffle_idx"])
 
@@ -246,9 +191,8 @@ def _build_split(name: str, parts: list[tuple[MMapIndexedDataset, tuple[int, int
     first = kept[0][0].path_prefix
     arrays = load_or_build(resolve_cache_dir(cache_path, first), f"blend-{name}", description,
                            ("dataset_index", "dataset_sample_index"),
-                           lambda: dict(zip(("dataset_index", "dataset_sample_index"),
-                                            build_blending_indices(blend_weights, num_samples))))
-    counts = np.bincount(arrays["dataset_index"], minlength=len(kept))
+                           lambda sinks: write_blending_indices(blend_weights, num_samples, sinks))
+    counts = samples_per_dataset(arrays["dataset_index"], len(kept))
     datasets = [GPTDataset(name, ds, docs, seq_length, seed, int(n), cache_path) if n else None
                 for (ds, docs, _), n in zip(kept, counts)]
     return BlendedDataset(datasets, blend_weights, arrays["dataset_index"], arrays["dataset_sample_index"])

@@ -3,9 +3,15 @@
 Arrays are stored as `.npy` files named by a hash of a description of everything that determines
 them (data file contents via a hash of the sequence lengths, document range, sequence length, seed,
 sample count, index-format version). A changed input therefore gets a new name instead of silently
-reusing stale indices. Each file is written to a temporary name and `os.replace`d into place, so
-several ranks building the same index at once, or a crash mid-write, never expose a partial file.
-The description is saved next to the arrays as JSON for humans.
+reusing stale indices. The description is saved next to the arrays as JSON for humans.
+
+Builders write through sinks (`megatron.data.gpt_index.ArraySink`): each array goes to
+`{name}.npy.tmp-{host}-{pid}` as it is built, so a 2T-token index never sits whole in memory, and is
+`os.replace`d into place when every array is complete. Several ranks or nodes building the same entry at
+once, or a crash mid-write, never expose a partial file (the host in the name keeps writers on different
+nodes of a shared filesystem apart; their outputs are identical, so whichever rename lands last is right).
+Temporary files of writers that died on this host are removed by the next build of the same entry.
+Cached arrays are returned as read-only memory maps.
 
 Location: `--data-cache-path` if given, else `index-cache/` next to the data prefix, else (that
 folder not writable) `~/.cache/megatron-fp8/index-cache`.
@@ -16,9 +22,13 @@ import hashlib
 import json
 import logging
 import os
+import re
+import socket
 from typing import Callable, Optional, Sequence
 
 import numpy as np
+
+from megatron.data.gpt_index import MemorySinks, NpyFileSink, SinkFactory
 
 logger = logging.getLogger(__name__)
 
@@ -50,25 +60,98 @@ def description_hash(description: dict) -> str:
     return hashlib.md5(json.dumps(description, sort_keys=True).encode()).hexdigest()
 
 
-def _save_atomic(path: str, write: Callable[[object], None]) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
+def temporary_suffix() -> str:
+    """`.tmp-{host}-{pid}`: unique among the writers of a filesystem shared by several nodes."""
+    return f".tmp-{socket.gethostname()}-{os.getpid()}"
+
+
+_TEMPORARY = re.compile(r"\.tmp-(?P<host>.+)-(?P<pid>\d+)$")
+
+
+def _pid_alive(pid: int) -> bool:
     try:
-        with open(tmp, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_dead_writers_files(stem: str) -> None:
+    """Temporary files of this entry left by writers on this host that are no longer running."""
+    folder, base = os.path.split(stem)
+    host = socket.gethostname()
+    for name in os.listdir(folder):
+        match = _TEMPORARY.search(name) if name.startswith(base) else None
+        if match and match["host"] == host and not _pid_alive(int(match["pid"])):
+            try:
+                os.remove(os.path.join(folder, name))
+                logger.warning("removed %s, left by an index build that stopped", os.path.join(folder, name))
+            except FileNotFoundError:
+                pass
+
+
+class CacheWriter:
+    """A `SinkFactory` writing each array to its temporary file; `commit` publishes them all."""
+
+    def __init__(self, paths: dict[str, str]) -> None:
+        self.paths = paths
+        self.sinks: dict[str, NpyFileSink] = {}
+
+    def create(self, name: str, dtype: np.dtype, shape: tuple[int, ...]) -> NpyFileSink:
+        self.sinks[name] = NpyFileSink(self.paths[name] + temporary_suffix(), dtype, shape)
+        return self.sinks[name]
+
+    def commit(self, description_path: str, description: dict) -> None:
+        missing = set(self.paths) - set(self.sinks)
+        if missing:
+            raise RuntimeError(f"the index build wrote no {sorted(missing)}")
+        for sink in self.sinks.values():
+            sink.close()
+        for name, sink in self.sinks.items():
+            os.replace(sink.path, self.paths[name])
+        tmp = description_path + temporary_suffix()
+        with open(tmp, "w") as f:
+            json.dump(description, f, indent=2, sort_keys=True)
+        os.replace(tmp, description_path)
+
+    def discard(self) -> None:
+        for sink in self.sinks.values():
+            sink.discard()
+            if os.path.exists(sink.path):
+                os.remove(sink.path)
+
+
+def entry_paths(cache_dir: str, tag: str, description: dict, names: Sequence[str]) -> tuple[str, dict[str, str]]:
+    """The stem `{cache_dir}/{tag}-{hash}` of an entry and the `.npy` path of each of its arrays."""
+    stem = os.path.join(cache_dir, f"{tag}-{description_hash(description)}")
+    return stem, {name: f"{stem}-{name}.npy" for name in names}
+
+
+def build_entry(cache_dir: str, tag: str, description: dict, names: Sequence[str],
+                build: Callable[[SinkFactory], None]) -> dict[str, str]:
+    """Build an entry into the cache (files written as built, then published); returns the arrays' paths."""
+    stem, paths = entry_paths(cache_dir, tag, description, names)
+    _remove_dead_writers_files(stem)
+    writer = CacheWriter(paths)
+    try:
+        build(writer)
+        writer.commit(f"{stem}-description.json", description)
     finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        writer.discard()  # after a commit, nothing is left to remove
+    logger.info("built and cached indices %s-*.npy", stem)
+    return paths
 
 
 def load_or_build(cache_dir: str, tag: str, description: dict, names: Sequence[str],
-                  build: Callable[[], dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    """The arrays `names` for `description`: memory-mapped from the cache, or built and saved.
+                  build: Callable[[SinkFactory], None]) -> dict[str, np.ndarray]:
+    """The arrays `names` for `description`: memory-mapped from the cache, or built (and saved, then mapped).
 
-    Files are `{cache_dir}/{tag}-{hash}-{name}.npy`; cached arrays come back as read-only memmaps.
+    `build(sinks)` creates every array with `sinks.create(name, dtype, shape)` and appends its rows.
+    Files are `{cache_dir}/{tag}-{hash}-{name}.npy`; they come back as read-only memory maps.
     """
-    stem = os.path.join(cache_dir, f"{tag}-{description_hash(description)}")
-    paths = {name: f"{stem}-{name}.npy" for name in names}
+    stem, paths = entry_paths(cache_dir, tag, description, names)
     if all(os.path.isfile(p) for p in paths.values()):
         try:
             arrays = {name: np.load(p, mmap_mode="r", allow_pickle=False) for name, p in paths.items()}
@@ -76,14 +159,11 @@ def load_or_build(cache_dir: str, tag: str, description: dict, names: Sequence[s
             return arrays
         except (OSError, ValueError) as err:  # unreadable cache entry: rebuild it
             logger.warning("rebuilding unreadable cached indices %s: %s", stem, err)
-    arrays = build()
     if not _writable_dir(cache_dir):
-        logger.warning("index cache %s is not writable (--data-cache-path): indices are rebuilt every run",
+        logger.warning("index cache %s is not writable (--data-cache-path): indices are rebuilt every run, in memory",
                        cache_dir)
-        return arrays
-    for name, path in paths.items():
-        _save_atomic(path, lambda f, a=arrays[name]: np.save(f, a, allow_pickle=False))
-    _save_atomic(f"{stem}-description.json",
-                 lambda f: f.write(json.dumps(description, indent=2, sort_keys=True).encode()))
-    logger.info("built and cached indices %s-*.npy", stem)
-    return arrays
+        sinks = MemorySinks()
+        build(sinks)
+        return sinks.arrays
+    paths = build_entry(cache_dir, tag, description, names, build)
+    return {name: np.load(p, mmap_mode="r", allow_pickle=False) for name, p in paths.items()}
