@@ -128,3 +128,33 @@ def test_missing_file_names_path_and_tool(tmp_path, missing):
     with pytest.raises(DatasetNotFoundError, match="tools/preprocess_data.py") as err:
         MMapIndexedDataset(str(tmp_path / "ds"))
     assert str(tmp_path / missing) in str(err.value)
+
+
+@pytest.mark.parametrize("with_manifest", [True, False])
+def test_opening_checks_the_tables_in_constant_memory(tmp_path, monkeypatch, with_manifest):
+    """A merged 2T-token pair holds ~1.8B documents (36 GB of tables): opening it must not copy them. Without a
+    manifest the tables are checked chunk by chunk; with one, only the last sequence's end (O(1))."""
+    import tracemalloc
+
+    from megatron.data import indexed_dataset
+
+    from megatron.data.manifest import TokenRange, write_manifest
+
+    n = 2_000_000
+    sizes = (np.arange(n) % 3).astype(np.int32)
+    pointers = np.zeros(n, np.int64)
+    np.cumsum(sizes[:-1].astype(np.int64) * 2, out=pointers[1:])
+    with open(tmp_path / "ds.idx", "wb") as f:
+        f.write(b"MMIDIDX\x00\x00" + struct.pack("<QBQQ", 1, 8, n, n + 1))
+        f.write(sizes.tobytes() + pointers.tobytes() + np.arange(n + 1, dtype=np.int64).tobytes())
+    (tmp_path / "ds.bin").write_bytes(bytes(int(sizes.sum()) * 2))
+    if with_manifest:
+        write_manifest(str(tmp_path / "ds"), "uint16", n, n, TokenRange(0, 1, 0, 1))
+    del sizes, pointers
+    monkeypatch.setattr(indexed_dataset, "TABLE_CHUNK", 1000)
+    tracemalloc.start()
+    ds = MMapIndexedDataset(str(tmp_path / "ds"))
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert len(ds) == n and ds.data_bytes == (n // 3) * 3 * 2 + (n % 3 == 2) * 2
+    assert peak < 2_500_000  # the tables are 40 MB; int64 temporaries of them were 16 MB each (+ 1 MiB reads)

@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 HDR_MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 HEADER_BYTES = len(HDR_MAGIC) + 8 + 1 + 8 + 8
+TABLE_CHUNK = 1 << 22  # index entries checked per step on open
 DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32,
           8: np.uint16}
 
@@ -123,21 +124,41 @@ class MMapIndexedDataset:
         self.pointers = np.frombuffer(self._idx_mmap, np.int64, num_seqs, HEADER_BYTES + 4 * num_seqs)
         self.doc_idx = np.frombuffer(self._idx_mmap, np.int64, num_doc_idx, HEADER_BYTES + 12 * num_seqs)
 
-        self.data_bytes = 0  # end of the last sequence in the .bin
-        if num_seqs:
-            if self.sizes.min() < 0:
-                raise corrupt("negative sequence length")
-            ends = self.pointers + self.sizes.astype(np.int64) * self.dtype.itemsize
-            if self.pointers.min() < 0 or ends.max() > bin_size:
-                worst = int(np.argmax(ends))
-                raise corrupt(f"sequence {worst} ends at byte {int(ends[worst])} beyond the end of "
-                              f"{bin_path} ({bin_size} bytes): the .bin is truncated or belongs to another .idx")
-            self.data_bytes = int(ends.max())
-        if num_doc_idx == 0 or self.doc_idx[0] != 0 or self.doc_idx[-1] != num_seqs \
-                or np.any(np.diff(self.doc_idx) < 0):
+        if num_doc_idx == 0 or self.doc_idx[0] != 0 or self.doc_idx[-1] != num_seqs:
             raise corrupt(f"document index must rise from 0 to the {num_seqs} sequences")
+        if self.recorded_token_range is not None:
+            # A complete manifest that matches both files vouches for the tables our writer laid out (offsets are
+            # the running sum of the lengths): only the last sequence's end is checked, in O(1), so opening a
+            # 1.8B-document pair does not read its 36 GB index on every rank at every start.
+            self.data_bytes = 0
+            if num_seqs:
+                self.data_bytes = int(self.pointers[-1]) + int(self.sizes[-1]) * self.dtype.itemsize
+                if self.data_bytes != bin_size:
+                    raise corrupt(f"the last sequence ends at byte {self.data_bytes}, but {bin_path} has {bin_size}")
+        else:
+            self.data_bytes = self._check_tables(bin_path, bin_size, corrupt)
         # np.memmap refuses empty files; an empty dataset needs no buffer.
         self._bin = np.memmap(bin_path, mode="r", dtype=np.uint8) if bin_size else np.empty(0, np.uint8)
+
+    def _check_tables(self, bin_path: str, bin_size: int, corrupt) -> int:
+        """Lengths, offsets and document index against the `.bin` size, chunk by chunk (constant memory);
+        returns the end of the last byte any sequence uses."""
+        data_bytes, itemsize = 0, self.dtype.itemsize
+        for start in range(0, len(self.sizes), TABLE_CHUNK):
+            sizes = self.sizes[start:start + TABLE_CHUNK]
+            pointers = self.pointers[start:start + TABLE_CHUNK]
+            if sizes.min() < 0:
+                raise corrupt("negative sequence length")
+            ends = pointers + sizes.astype(np.int64) * itemsize
+            if pointers.min() < 0 or ends.max() > bin_size:
+                worst = start + int(np.argmax(ends))
+                raise corrupt(f"sequence {worst} ends at byte {int(ends.max())} beyond the end of "
+                              f"{bin_path} ({bin_size} bytes): the .bin is truncated or belongs to another .idx")
+            data_bytes = max(data_bytes, int(ends.max()))
+        for start in range(0, len(self.doc_idx) - 1, TABLE_CHUNK):
+            if np.any(np.diff(self.doc_idx[start:start + TABLE_CHUNK + 1]) < 0):
+                raise corrupt(f"document index must rise from 0 to the {len(self.sizes)} sequences")
+        return data_bytes
 
     def __getstate__(self) -> dict:
         # DataLoader workers reopen the maps instead of pickling their contents.
