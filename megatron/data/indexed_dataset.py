@@ -39,7 +39,7 @@ from megatron.data.errors import CorruptIndexedDatasetError, DatasetNotFoundErro
 from megatron.data.manifest import TokenRange, mark_publishing, read_manifest, verify_manifest, write_manifest
 
 __all__ = ["CorruptIndexedDatasetError", "DatasetNotFoundError", "MMapIndexedDataset", "MMapIndexedDatasetBuilder",
-           "best_fitting_dtype", "dtype_code", "remove_stale_temporaries"]
+           "TemporaryPair", "best_fitting_dtype", "dtype_code", "remove_stale_temporaries", "write_index_header"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +61,21 @@ def dtype_code(dtype: np.dtype) -> int:
 def best_fitting_dtype(vocab_size: Optional[int]) -> type:
     """uint16 when every id fits (Megatron's threshold, 65500), else int32."""
     return np.uint16 if vocab_size is not None and vocab_size < 65500 else np.int32
+
+
+def search_table(table: np.ndarray, value: int) -> int:
+    """`np.searchsorted(table, value, side="right")` for a sorted `.idx` table, without copying it.
+
+    The tables sit at offsets that are not 8-byte aligned (a 34-byte header, then 4-byte lengths), and numpy
+    copies an unaligned array whole before searching it: 14 GB for the offsets of 1.8B documents. Here one
+    strided sample of every TABLE_CHUNK-th entry, then one block, are copied.
+    """
+    starts = np.array(table[::TABLE_CHUNK])
+    block = int(np.searchsorted(starts, value, side="right"))
+    if block == 0:
+        return 0
+    first = (block - 1) * TABLE_CHUNK
+    return first + int(np.searchsorted(np.array(table[first:first + TABLE_CHUNK]), value, side="right"))
 
 
 def data_file_path(prefix: str) -> str:
@@ -269,27 +284,71 @@ def _signals_deferred() -> Iterator[None]:
             signal.raise_signal(sig)
 
 
+def write_index_header(f, dtype: np.dtype, num_sequences: int, num_doc_idx: int) -> None:
+    """The `.idx` header; the three tables follow (lengths, byte offsets, document index)."""
+    f.write(HDR_MAGIC)
+    f.write(struct.pack("<Q", VERSION))
+    f.write(struct.pack("<B", dtype_code(dtype)))
+    f.write(struct.pack("<Q", num_sequences))
+    f.write(struct.pack("<Q", num_doc_idx))
+
+
+class TemporaryPair:
+    """`PREFIX.bin/.idx.tmp-PID`, filled by a writer and then published as one (or removed).
+
+    Creating it removes the temporaries that dead writers left under the prefix and locks the temporary `.bin`
+    (which marks it as alive for `remove_stale_temporaries` on other hosts). `publish` runs the manifest protocol:
+    marker, `.bin`, `.idx`, complete manifest, with SIGINT/SIGTERM held until it is done. Shared by the builder
+    (preprocessing) and the merge (`megatron.data.merge`).
+    """
+
+    def __init__(self, out_prefix: str) -> None:
+        self.out_prefix = out_prefix
+        tag = f".tmp-{os.getpid()}"
+        self.bin_path = data_file_path(out_prefix) + tag
+        self.idx_path = index_file_path(out_prefix) + tag
+        os.makedirs(os.path.dirname(os.path.abspath(out_prefix)), exist_ok=True)
+        remove_stale_temporaries(out_prefix)
+        self.bin = open(self.bin_path, "wb")
+        try:
+            fcntl.flock(self.bin.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)  # "alive" for remove_stale_temporaries
+        except OSError:
+            pass  # a filesystem without locks: the PID alone marks the file as ours
+
+    def publish(self, dtype: np.dtype, sequences: int, documents: int, token_range: TokenRange) -> None:
+        """Publish the temporary pair (its `.idx` written and synced by the caller) under the final names."""
+        self.bin.flush()
+        os.fsync(self.bin.fileno())  # renamed data must be on disk before a manifest vouches for it
+        with _signals_deferred():
+            mark_publishing(self.out_prefix)
+            os.replace(self.bin_path, data_file_path(self.out_prefix))
+            os.replace(self.idx_path, index_file_path(self.out_prefix))
+            write_manifest(self.out_prefix, np.dtype(dtype).name, sequences, documents, token_range)
+        self.bin.close()  # only now: the flock marked the temporary .bin as alive until it was renamed
+
+    def abort(self) -> None:
+        """Drop everything written so far (nothing new appears under the final names)."""
+        self.bin.close()
+        for path in (self.bin_path, self.idx_path):
+            if os.path.exists(path):
+                os.remove(path)
+
+
 class MMapIndexedDatasetBuilder:
     """Streams documents into `PREFIX.bin/.idx` through temporary files; `finalize()` publishes them.
 
     Use as a context manager: leaving the block by an exception removes the temporary files.
-    The builder records the smallest and largest token id as it goes, for the manifest.
+    The builder records the smallest and largest token id as it goes, for the manifest. The lengths and the
+    document index stay in memory until `finalize` (12 bytes a document: cut very large inputs with
+    `--partitions`, whose outputs are merged by streaming).
     """
 
     def __init__(self, out_prefix: str, dtype: type = np.uint16) -> None:
         self.out_prefix = out_prefix
         self.dtype = np.dtype(dtype)
-        self._code = dtype_code(self.dtype)
-        tag = f".tmp-{os.getpid()}"
-        self._tmp_bin = data_file_path(out_prefix) + tag
-        self._tmp_idx = index_file_path(out_prefix) + tag
-        os.makedirs(os.path.dirname(os.path.abspath(out_prefix)), exist_ok=True)
-        remove_stale_temporaries(out_prefix)
-        self._bin = open(self._tmp_bin, "wb")
-        try:
-            fcntl.flock(self._bin.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)  # "alive" for remove_stale_temporaries
-        except OSError:
-            pass  # a filesystem without locks: the PID alone marks the file as ours
+        dtype_code(self.dtype)  # a dtype outside Megatron's table fails here, before any file is made
+        self._pair = TemporaryPair(out_prefix)
+        self._bin = self._pair.bin
         self._sizes = array.array("i")  # 4 bytes a sequence, not a Python int object each
         self._doc_idx = array.array("q", [0])
         self._lo, self._hi = (np.iinfo(self.dtype).min, np.iinfo(self.dtype).max) \
@@ -302,10 +361,10 @@ class MMapIndexedDatasetBuilder:
         if arr.size and arr.dtype != self.dtype and (arr.min() < self._lo or arr.max() > self._hi):
             raise ValueError(f"token ids in [{arr.min()}, {arr.max()}] do not fit the dataset dtype {self.dtype}: "
                              "use int32 for vocabularies of 65500 ids or more")
-        out = arr.astype(self.dtype, copy=False)
+        out = np.ascontiguousarray(arr, dtype=self.dtype)
         if out.size:
             self._track_range(out)
-        self._bin.write(out.tobytes())
+            self._bin.write(out.data.cast("B"))
         self._sizes.append(arr.size)
 
     def _track_range(self, tokens: np.ndarray) -> None:
@@ -327,36 +386,22 @@ class MMapIndexedDatasetBuilder:
 
     def finalize(self) -> None:
         """Write the index, then publish: manifest marker, `.bin`, `.idx`, complete manifest (in this order)."""
-        self._bin.flush()
-        os.fsync(self._bin.fileno())  # renamed data must be on disk before a manifest vouches for it
         sizes = np.frombuffer(self._sizes, np.int32) if len(self._sizes) else np.zeros(0, np.int32)
         pointers = np.zeros(len(sizes), np.int64)
         np.cumsum(sizes[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
         doc_idx = np.frombuffer(self._doc_idx, np.int64)
-        with open(self._tmp_idx, "wb") as f:
-            f.write(HDR_MAGIC)
-            f.write(struct.pack("<Q", VERSION))
-            f.write(struct.pack("<B", self._code))
-            f.write(struct.pack("<Q", len(sizes)))
-            f.write(struct.pack("<Q", len(doc_idx)))
+        with open(self._pair.idx_path, "wb") as f:
+            write_index_header(f, self.dtype, len(sizes), len(doc_idx))
             f.write(sizes.tobytes(order="C"))
             f.write(pointers.tobytes(order="C"))
             f.write(doc_idx.tobytes(order="C"))
             f.flush()
             os.fsync(f.fileno())
-        with _signals_deferred():
-            mark_publishing(self.out_prefix)
-            os.replace(self._tmp_bin, data_file_path(self.out_prefix))
-            os.replace(self._tmp_idx, index_file_path(self.out_prefix))
-            write_manifest(self.out_prefix, self.dtype.name, len(sizes), len(doc_idx) - 1, self.token_range)
-        self._bin.close()  # only now: the flock marked the temporary .bin as alive until it was renamed
+        self._pair.publish(self.dtype, len(sizes), len(doc_idx) - 1, self.token_range)
 
     def abort(self) -> None:
         """Drop everything written so far (nothing new appears under the final names)."""
-        self._bin.close()
-        for path in (self._tmp_bin, self._tmp_idx):
-            if os.path.exists(path):
-                os.remove(path)
+        self._pair.abort()
 
     def __enter__(self) -> "MMapIndexedDatasetBuilder":
         return self

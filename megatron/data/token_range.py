@@ -24,7 +24,7 @@ from typing import Optional
 import numpy as np
 
 from megatron.data.errors import TokenIdOutOfRangeError
-from megatron.data.indexed_dataset import MMapIndexedDataset
+from megatron.data.indexed_dataset import TABLE_CHUNK, MMapIndexedDataset, search_table
 from megatron.data.manifest import FileFingerprint, TokenRange, write_json_atomic
 
 logger = logging.getLogger(__name__)
@@ -75,12 +75,16 @@ def scan_token_range(ds: MMapIndexedDataset, chunk_bytes: int = SCAN_CHUNK_BYTES
         return TokenRange()
     def sequence_at(byte: int) -> int:
         """The sequence whose bytes hold `byte`: a binary search, as writers lay sequences out in order."""
-        k = max(int(np.searchsorted(ds.pointers, byte, side="right")) - 1, 0)
+        k = max(search_table(ds.pointers, byte) - 1, 0)
         if ds.pointers[k] <= byte < ds.pointers[k] + int(ds.sizes[k]) * itemsize:
             return k
-        ends = ds.pointers + ds.sizes.astype(np.int64) * itemsize  # sequences out of order: search them all
-        hits = np.flatnonzero((ds.pointers <= byte) & (byte < ends))
-        return int(hits[0]) if hits.size else k
+        for first in range(0, len(ds), TABLE_CHUNK):  # sequences out of order: search them all, chunk by chunk
+            pointers = ds.pointers[first:first + TABLE_CHUNK]
+            ends = pointers + ds.sizes[first:first + TABLE_CHUNK].astype(np.int64) * itemsize
+            hits = np.flatnonzero((pointers <= byte) & (byte < ends))
+            if hits.size:
+                return first + int(hits[0])
+        return k
 
     return TokenRange(int(lo), sequence_at(lo_at), int(hi), sequence_at(hi_at))
 
@@ -123,7 +127,7 @@ def dataset_token_range(ds: MMapIndexedDataset, cache_dir: Optional[str]) -> Tok
 
 
 def document_of(ds: MMapIndexedDataset, sequence: int) -> int:
-    return int(np.searchsorted(ds.doc_idx, sequence, side="right")) - 1
+    return search_table(ds.doc_idx, sequence) - 1
 
 
 def check_token_ids(ds: MMapIndexedDataset, vocab_size: int, cache_dir: Optional[str],
