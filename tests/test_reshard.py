@@ -1,7 +1,8 @@
 """Resharding on resume: a checkpoint written at one TP / PP / DP layout (or engine) continues at another.
 
-Three source runs (2 iterations, FP8 linears + Fp8AdamW with blocks of 24, which straddle the boundaries of
-the new pieces: rows of 32 or 64, ZeRO partitions): torch TP=2, DeepSpeed ZeRO-1 DP=2, DeepSpeed pipeline PP=2 (ZeRO-1). Each is loaded at other
+Four source runs (2 iterations, FP8 linears + Fp8AdamW with blocks of 24, which straddle the boundaries of
+the new pieces: rows of 32 or 64, ZeRO partitions): torch TP=2, DeepSpeed ZeRO-1 DP=2, DeepSpeed pipeline PP=2
+(ZeRO-1), DeepSpeed ZeRO-1 TP=2. Each is loaded at other
 layouts, covering TP 2->1 and 1->2, DP 2->1 and 1->2 under ZeRO-1, PP 2->1 and 1->2 (and engine switches).
 
 Two kinds of checks:
@@ -37,7 +38,7 @@ V256 = ("--make-vocab-size-divisible-by", "256")
 TP2 = ("--tensor-model-parallel-size", "2")
 Z1 = ("--deepspeed", "--zero-stage", "1")
 PP2 = (*Z1, "--pipeline-model-parallel-size", "2")
-SOURCES = {"tp2": (2, TP2), "zero1_dp2": (2, (*Z1, *V256)), "pp2": (2, (*PP2, *V256))}
+SOURCES = {"tp2": (2, TP2), "zero1_dp2": (2, (*Z1, *V256)), "pp2": (2, (*PP2, *V256)), "zero1_tp2": (2, (*Z1, *TP2))}
 
 
 def free_port() -> int:
@@ -118,6 +119,7 @@ TARGETS = [  # (source, nproc, switches at the new layout, what changes): all si
     ("zero1_dp2", 2, TP2, "TP 1 -> 2, DeepSpeed -> torch"),
     ("pp2", 2, (*Z1, *V256), "PP 2 -> 1, DP 1 -> 2 under ZeRO-1"),
     ("zero1_dp2", 2, (*PP2, *V256), "PP 1 -> 2, DP 2 -> 1 under ZeRO-1"),
+    ("zero1_tp2", 2, (*PP2, *V256), "TP 2 -> 1 under ZeRO-1, into a pipeline"),
 ]
 
 

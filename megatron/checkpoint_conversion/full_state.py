@@ -160,8 +160,9 @@ def _torch_optimizer_moments(states: list[dict], names: list[str], model: dict[s
     return out
 
 
-def _zero_moments(files: list[Path], rename, model: dict[str, torch.Tensor]) -> tuple[dict[str, dict], dict]:
-    """Per-name moments from the ZeRO 1/2 partition files of one model-parallel rank, in data-parallel order."""
+def _zero_moments(files: list[Path], rename) -> tuple[dict[str, dict], dict]:
+    """Per-name flat moments from the ZeRO 1/2 partition files of one model-parallel rank, in data-parallel order
+    (a parameter's slices are consecutive across ranks)."""
     pieces: dict[str, dict[str, list]] = {}
     steps: dict[str, float] = {}
     base0: dict = {}
@@ -185,18 +186,34 @@ def _zero_moments(files: list[Path], rename, model: dict[str, torch.Tensor]) -> 
                 for m in MOMENTS:
                     slot[m].append(flat[m][address.start:address.start + address.numel])
                 steps[name] = _step(saved)
-    out = {}
-    for name, slot in pieces.items():
-        shape = model[name].shape
-        entry = {"step": steps[name]}
-        for m in MOMENTS:
-            values = torch.cat(slot[m])
-            if values.numel() != shape.numel():
-                raise ckpt.CheckpointError(f"ZeRO partitions of {name} hold {values.numel()} values, the parameter "
-                                           f"{shape.numel()}: the checkpoint's partition files are incomplete")
-            entry[m] = values.reshape(shape)
-        out[name] = entry
+    out = {name: {"step": steps[name], **{m: torch.cat(slot[m]) for m in MOMENTS}} for name, slot in pieces.items()}
     return out, base0
+
+
+def _merge_tensor_parallel(per_rank: list[dict[str, dict]], model: dict[str, torch.Tensor],
+                           model_config: ModelConfig) -> dict[str, dict]:
+    """Full moments from each TP rank's flat per-name moments (TP shards merged along the TP layout)."""
+    tp = len(per_rank)
+    out = {}
+    for name in per_rank[0]:
+        shape = model[name].shape
+        spec = shard_spec(name, model_config) if tp > 1 else None
+        local = list(shape)
+        if spec is not None:
+            local[spec.dim] //= tp
+        entry = {"step": per_rank[0][name]["step"]}
+        for m in MOMENTS:
+            pieces = []
+            for rank in per_rank:
+                values = rank.get(name, {}).get(m)
+                if values is None or values.numel() != torch.Size(local).numel():
+                    raise ckpt.CheckpointError(f"ZeRO partitions of {name} hold {None if values is None else values.numel()} "
+                                               f"values per tensor-parallel rank, the parameter "
+                                               f"{torch.Size(local).numel()}: the partition files are incomplete")
+                pieces.append(values.reshape(local))
+            entry[m] = pieces[0] if spec is None else merge_shards(pieces, spec)
+        out[name] = entry
+    return out
 
 
 def _zero_files(folder: Path, mp_rank: int) -> list[Path]:
@@ -228,43 +245,50 @@ def _read_torch_layouts(folder: Path, names, model, model_config) -> tuple[Optio
     return {"params": _torch_optimizer_moments(states, names, model, model_config), **_optimizer_meta(states[0])}, extras
 
 
-def _read_deepspeed(folder: Path, names, model, model_config) -> tuple[Optional[dict], dict]:
+def _saved_tp(config: dict) -> int:
+    return int(config.get("parallel", {}).get("tensor_model_parallel_size", 1) or 1)
+
+
+def _read_stage_optimizer(folder: Path, mp_ranks: list[int], rename, names, model, model_config):
+    """(moments, base state) of the model-parallel ranks `mp_ranks` (one per TP rank, in order); None: none saved."""
+    zero = [_zero_files(folder, r) for r in mp_ranks]
+    if all(zero):
+        results = [_zero_moments(files, rename) for files in zero]
+        return _merge_tensor_parallel([r[0] for r in results], model, model_config), results[0][1]
+    states = [layouts.load_file(folder / f"mp_rank_{r:02d}_model_states.pt").get("optimizer") for r in mp_ranks]
+    if not all(states):
+        return None, None
+    return _torch_optimizer_moments(states, names, model, model_config), states[0]
+
+
+def _read_deepspeed(folder: Path, names, model, model_config, tp: int) -> tuple[Optional[dict], dict]:
     data = layouts.load_file(folder / DS_MODEL_FILE)
     extras = dict(data.get(CLIENT_KEY) or {})
-    zero = _zero_files(folder, 0)
-    if zero:
-        params, base = _zero_moments(zero, lambda n: n, model)
-        return {"params": params, **_optimizer_meta(base)}, extras
-    state = data.get("optimizer")
-    if not state:
-        return None, extras
-    return {"params": _torch_optimizer_moments([state], names, model, model_config), **_optimizer_meta(state)}, extras
+    params, base = _read_stage_optimizer(folder, list(range(tp)), lambda n: n, names, model, model_config)
+    return (None if params is None else {"params": params, **_optimizer_meta(base)}), extras
 
 
-def _read_pipeline(folder: Path, names, model, model_config, stages: int) -> tuple[Optional[dict], dict]:
-    """Stage s wrote mp_rank_<s>_model_states.pt (its client state, and with ZeRO 0 its optimizer)."""
+def _read_pipeline(folder: Path, names, model, model_config, stages: int, tp: int) -> tuple[Optional[dict], dict]:
+    """Stage s, TP rank t wrote mp_rank_<s x TP + t>_model_states.pt (client state; with ZeRO 0 its optimizer)."""
     num_layers = model_config.num_layers
     params: dict[str, dict] = {}
     meta: dict = {}
     fp8_layers: dict = {}
     extras: dict = {}
     has_optimizer = True
+    rename = lambda n: pipeline_to_full_name(n, num_layers)  # noqa: E731
     for stage in range(stages):
-        data = layouts.load_file(folder / f"mp_rank_{stage:02d}_model_states.pt")
+        data = layouts.load_file(folder / f"mp_rank_{stage * tp:02d}_model_states.pt")
         client = dict(data.get(CLIENT_KEY) or {})
         if stage == 0:
             extras = client
         fp8 = client.get("fp8")
         if fp8:
-            fp8_layers.update({pipeline_to_full_name(k, num_layers): v for k, v in fp8["layers"].items()})
-        zero = _zero_files(folder, stage)
-        if zero:
-            stage_params, base = _zero_moments(zero, lambda n: pipeline_to_full_name(n, num_layers), model)
-        elif data.get("optimizer"):
-            base = data["optimizer"]
-            stage_names = pipeline_stage_names(names, num_layers, stages, stage)
-            stage_params = _torch_optimizer_moments([base], stage_names, model, model_config)
-        else:
+            fp8_layers.update({rename(k): v for k, v in fp8["layers"].items()})
+        stage_names = pipeline_stage_names(names, num_layers, stages, stage)
+        stage_params, base = _read_stage_optimizer(folder, [stage * tp + t for t in range(tp)], rename, stage_names,
+                                                   model, model_config)
+        if stage_params is None:
             has_optimizer = False
             continue
         params.update(stage_params)
@@ -286,11 +310,12 @@ def read_full_state(folder: Path) -> FullState:
     if layout in (layouts.SINGLE, layouts.TENSOR_PARALLEL):
         optimizer, extras = _read_torch_layouts(folder, names, model, model_config)
     elif layout == layouts.DEEPSPEED:
-        optimizer, extras = _read_deepspeed(folder, names, model, model_config)
+        optimizer, extras = _read_deepspeed(folder, names, model, model_config, _saved_tp(config))
     elif layout == layouts.PIPELINE:
+        tp = _saved_tp(config)
         stages = int(config.get("parallel", {}).get("pipeline_model_parallel_size", 0)) or \
-            len(list(folder.glob("mp_rank_*_model_states.pt")))
-        optimizer, extras = _read_pipeline(folder, names, model, model_config, stages)
+            len(list(folder.glob("mp_rank_*_model_states.pt"))) // tp
+        optimizer, extras = _read_pipeline(folder, names, model, model_config, stages, tp)
     else:  # ZeRO-3: the weights are consolidated by layouts.py; its partitioned moments are not read (yet)
         optimizer = None
         extras = dict(layouts.load_file(folder / "zero_pp_rank_0_mp_rank_00_model_states.pt").get(CLIENT_KEY) or {})
