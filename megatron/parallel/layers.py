@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.parallel.cross_entropy import vocab_parallel_cross_entropy
-from megatron.parallel.layout import ShardSpec, shard_tensor
+from megatron.parallel.layout import TP_SHARD_DIM, ShardSpec, shard_tensor
 from megatron.parallel.tensor_parallel import (
     enter_tensor_parallel_region,
     gather_from_tensor_parallel_region,
@@ -36,8 +36,9 @@ from megatron.parallel.tensor_parallel import (
     sequence_shard,
 )
 
-# Parameter attribute: the dimension along which this parameter is sharded over the TP group.
-TP_SHARD_DIM = "tensor_parallel_dim"
+__all__ = ["SEQUENCE_PARALLEL_GRAD", "TP_SHARD_DIM", "SequenceShardedEmbedding", "VocabParallelEmbedding",
+           "VocabParallelOutputHead", "make_tensor_parallel_region", "shard_column_parallel", "shard_row_parallel"]
+
 # Parameter attribute: a replicated parameter whose gradient comes from this rank's sequence shard only
 # (sequence parallel): it must be summed over the TP group before the optimizer step.
 SEQUENCE_PARALLEL_GRAD = "sequence_parallel_grad"

@@ -17,7 +17,10 @@
   layer, at 1/tp of the width. `linear_fc2` columns are split like those channels.
 - The padded vocabulary is a multiple of tp (`--make-vocab-size-divisible-by` x tp).
 
-`shard_tensor` and `merge_shards` are exact inverses; they work on checkpoints as well as modules.
+`shard_tensor` and `merge_shards` are exact inverses; they work on checkpoints as well as modules, and on
+meta tensors (the model is sharded before its parameters exist, `megatron/model/build.py`).
+`shard_indices` says which positions of the full tensor a piece holds, by cutting an index vector with
+`shard_tensor` itself: the per-tensor initialization generates only those (`megatron/model/init.py`).
 """
 from __future__ import annotations
 
@@ -27,6 +30,10 @@ from typing import Optional
 import torch
 
 from megatron.config import ModelConfig
+
+
+# Parameter attribute: the dimension along which this parameter is sharded over the TP group.
+TP_SHARD_DIM = "tensor_parallel_dim"
 
 
 @dataclass(frozen=True)
@@ -56,6 +63,12 @@ def shard_tensor(full: torch.Tensor, spec: ShardSpec, rank: int, size: int) -> t
         raise ValueError(f"dimension {spec.dim} of size {length} does not split into {spec.chunks} x {size} pieces")
     blocks = full.chunk(spec.chunks, dim=spec.dim)
     return torch.cat([b.chunk(size, dim=spec.dim)[rank] for b in blocks], dim=spec.dim).clone()
+
+
+def shard_indices(length: int, spec: ShardSpec, rank: int, size: int) -> torch.Tensor:
+    """Positions along `spec.dim` of the full tensor (of that length there) that rank `rank`'s piece holds,
+    in the piece's order; int64 on the CPU. Defined by `shard_tensor`, so the two cannot disagree."""
+    return shard_tensor(torch.arange(length), ShardSpec(0, spec.chunks), rank, size)
 
 
 def merge_shards(shards: list[torch.Tensor], spec: ShardSpec) -> torch.Tensor:
