@@ -145,24 +145,27 @@ def test_a_torch_checkpoint_resumes_under_deepspeed(reference, tmp_path):
 @pytest.mark.isa_sensitive
 def test_fp8adam_and_fp8_linears_under_zero1_track_the_torch_engine(tmp_path):
     """FP8 linears + Fp8AdamW under ZeRO-1 (2 ranks) against the same run on the torch engine (1 process, the
-    same 8 samples per step). The bound is FP8's own effect in this run: the torch engine with and without the
-    FP8 linears. A DeepSpeed run whose FP8 weights or scales went their own way (a stale FP8 weight cache after
-    DeepSpeed's update, a missing scaling update) would differ from the torch run by at least that much; the
-    correct one differs only where summation order flips a rounding (FP8 GEMM inputs, Fp8AdamW moments)."""
+    same 8 samples per step), within the run's own noise (tests/run_noise.py): the control is the torch run with
+    micro-batches of 1. The correct DeepSpeed run differs only where summation order flips a rounding (FP8 GEMM
+    inputs, Fp8AdamW moments of its partitions), which in FP8 moves a value by a whole FP8 step: as much as the
+    control's reordering does, and of the order of the FP8 linears' whole effect in this short run (measured
+    0.2x and 0.9x of it under two initializations), so that effect is no bound. A DeepSpeed run whose FP8 weights
+    went their own way is far outside: skipping `fp8_optimizer_step` (the stale FP8 weight cache after
+    DeepSpeed's update) moved the losses by 0.04-0.15, against a bound of ~4e-3."""
     adam = ("--optimizer", "fp8adam", "--fp8-optimizer-block-size", "128")
     log = run(2, "--deepspeed", "--zero-stage", "1", *adam, "--fp8-format", "hybrid", save=tmp_path / "c",
               train_iters=8, eval_iters=0)
     ls = losses(log)
     torch_fp8 = losses(run(1, *adam, "--fp8-format", "hybrid", train_iters=8, eval_iters=0))
+    control = losses(run(1, *adam, "--fp8-format", "hybrid", train_iters=8, eval_iters=0, micro_batch_size=1))
     torch_no_fp8_linears = losses(run(1, *adam, train_iters=8, eval_iters=0))
 
     def distance(a, b) -> float:
         return sum(abs(x - y) for x, y in zip(a, b, strict=True)) / len(b)
 
     assert len(ls) == 8 and all(math.isfinite(x) for x in ls)
-    noise = distance(torch_fp8, torch_no_fp8_linears)
-    assert noise > 1e-4, noise  # the FP8 linears really quantize
-    assert distance(ls, torch_fp8) < noise / 2, (ls, torch_fp8, noise)
+    assert distance(torch_fp8, torch_no_fp8_linears) > 1e-4  # the FP8 linears really quantize
+    assert_losses_within_noise(ls, torch_fp8, control)
     assert ls[-1] < ls[0] - 0.4, ls
     # ZeRO hands Fp8AdamW one flat partition per group: the matrix group keeps FP8 states, the vector one FP32.
     # Each rank's partition holds half of the matrix elements (90,112 in the unwrapped optimizer).

@@ -2,6 +2,10 @@
 
 A plain single-device `nn.Module`. Parallelism (DDP, DeepSpeed, tensor parallel sharding) and FP8
 (module swap) are applied to it afterwards by functions that receive it, never built into it.
+
+Construction always happens on the meta device; the parameters then get storage and their per-tensor initial
+values (`megatron/model/init.py`), unless the target is meta itself: `build_model` (megatron/model/build.py)
+shards and stages such a meta model before materializing only this rank's pieces, with the same values.
 """
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from megatron.config import ModelConfig, PositionEmbedding, RecomputeGranularity
+from megatron.model.init import materialize
 from megatron.model.layers import RotaryEmbedding, at_least_fp32, build_norm
 from megatron.model.transformer import TransformerLayer
 
@@ -21,11 +26,9 @@ class Embedding(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.word_embeddings = nn.Embedding(config.padded_vocab_size, config.hidden_size)
-        nn.init.normal_(self.word_embeddings.weight, mean=0.0, std=config.init_method_std)
         self.position_embeddings = None
         if config.position_embedding_type is PositionEmbedding.LEARNED_ABSOLUTE:
             self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
-            nn.init.normal_(self.position_embeddings.weight, mean=0.0, std=config.init_method_std)
         self.dropout = config.hidden_dropout
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
@@ -88,19 +91,29 @@ class TransformerBlock(nn.Module):
 
 
 class GPTModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """The whole model on `device` (default: the default device, so `with torch.device("meta")` builds shapes
+    only), initialized per tensor under `seed`. `seed=None` takes `torch.initial_seed()`, the seed of the last
+    `torch.manual_seed`: `torch.manual_seed(s); GPTModel(config)` is the model that `--seed s` starts from.
+    Building it consumes no global random numbers."""
+
+    def __init__(self, config: ModelConfig, seed: Optional[int] = None,
+                 device: Optional[torch.device | str] = None) -> None:
         super().__init__()
         self.config = config
-        self.embedding = Embedding(config)
-        self.rotary = None
-        if config.position_embedding_type is PositionEmbedding.ROPE:
-            self.rotary = RotaryEmbedding(config.kv_channels, config.max_position_embeddings, config.rotary_base)
-        self.decoder = TransformerBlock(config)
-        self.output_layer: Optional[nn.Linear] = None
-        if config.untie_embeddings_and_output_weights:
-            self.output_layer = nn.Linear(config.hidden_size, config.padded_vocab_size, bias=False)
-            nn.init.normal_(self.output_layer.weight, mean=0.0, std=config.init_method_std)
-        self.output_head = OutputHead()
+        target = torch.device(device) if device is not None else torch.get_default_device()
+        with torch.device("meta"):  # no storage, no initialization work yet: materialize() does both once
+            self.embedding = Embedding(config)
+            self.rotary = None
+            if config.position_embedding_type is PositionEmbedding.ROPE:
+                self.rotary = RotaryEmbedding(config.kv_channels, config.max_position_embeddings,
+                                              config.rotary_base)
+            self.decoder = TransformerBlock(config)
+            self.output_layer: Optional[nn.Linear] = None
+            if config.untie_embeddings_and_output_weights:
+                self.output_layer = nn.Linear(config.hidden_size, config.padded_vocab_size, bias=False)
+            self.output_head = OutputHead()
+        if target.type != "meta":
+            materialize(self, target, torch.initial_seed() if seed is None else seed)
 
     def forward(self, tokens: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None,

@@ -40,8 +40,11 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_positions: int, base: float) -> None:
         super().__init__()
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-        angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
+        # Computed on the CPU whatever the default device: under the meta device (`build_model`) the tables
+        # still exist, and every device gets the CPU's values (`materialize` moves them).
+        cpu = torch.device("cpu")
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=cpu) / head_dim))
+        angles = torch.outer(torch.arange(max_positions, dtype=torch.float64, device=cpu), inv_freq)
         # Not saved in checkpoints: fully determined by the config. FP32 (no float64 on some accelerators);
         # `model.double()` widens them like any buffer, so a float64 model rotates in float64.
         self.register_buffer("cos", angles.cos().float(), persistent=False)

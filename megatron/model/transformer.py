@@ -28,6 +28,8 @@ from megatron.model.smooth_swiglu import SmoothSwiGLU, swiglu_product
 
 
 def _init_linear(linear: nn.Linear, std: float) -> None:
+    # For a layer built on its own (the Smooth-SwiGLU experiments). Inside `GPTModel` the layers are built on
+    # the meta device and initialized per tensor with the same distributions (megatron/model/init.py).
     nn.init.normal_(linear.weight, mean=0.0, std=std)
     if linear.bias is not None:
         nn.init.zeros_(linear.bias)
