@@ -1,9 +1,11 @@
-"""`parallelize_tensor`: shard an already built single-device `GPTModel` in place for tensor parallelism.
+"""`parallelize_tensor`: shard a single-device `GPTModel` in place for tensor parallelism.
 
-The model is first built whole on every rank with the same seed (so a TP=2 run starts from exactly the
-weights of the TP=1 run), then each rank keeps its piece (`layout.py`) and the parents of the sharded
-linears become tensor-parallel regions (`layers.py`). Call it before `convert_to_fp8` (so the FP8 swap
-sees the sharded linears) and before building the optimizer and DDP (which must see the new parameters).
+Each rank keeps its piece of every sharded parameter (`layout.py`) and the parents of the sharded linears
+become tensor-parallel regions (`layers.py`). Training shards a model built on the meta device, before any
+storage exists (`megatron/model/build.py`): the pieces are then materialized with the per-tensor initial
+values, equal to the slices of the TP=1 model's (`megatron/model/init.py`). A model with real weights is cut
+the same way (tests, tools). Call it before `convert_to_fp8` (so the FP8 swap sees the sharded linears) and
+before building the optimizer and DDP (which must see the new parameters).
 
 Per transformer layer:
     input_layernorm        replicated (sequence parallel: on this rank's sequence shard)

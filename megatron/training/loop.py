@@ -28,10 +28,9 @@ from megatron import comm
 from megatron.accelerator import Accelerator, get_accelerator
 from megatron.config import MegatronConfig
 from megatron.data.provider import Batch, build_loader, make_batch
-from megatron.model import GPTModel
+from megatron.model.build import build_model
 from megatron.optimizer import build_optimizer
 from megatron.optimizer.lr_scheduler import LrScheduler
-from megatron.parallel import parallelize_tensor
 from megatron.parallel_state import ParallelState, initialize_parallel_state
 from megatron.training import checkpointing as ckpt
 from megatron.training.datasets import build_datasets
@@ -105,9 +104,15 @@ class Trainer:
             raise ValueError(f"config was resolved for data-parallel size {t.data_parallel_size} but "
                              f"{self.parallel.data_parallel_size} ranks are running; launch with the same WORLD_SIZE")
         seed_everything(t.seed)
-        self.model = GPTModel(config.model).to(self.accel.device)
-        # Shard before the FP8 swap, the optimizer and DDP: they must all see this rank's pieces.
-        parallelize_tensor(self.model, self.parallel, config.parallel.sequence_parallel)
+        stage = None
+        if self.parallel.pipeline_parallel_size > 1:
+            from megatron.training.pipeline_engine import pipeline_stage
+
+            stage = pipeline_stage(config.model.num_layers, self.parallel)
+        # Only this rank's pieces are ever allocated (built on meta, sharded and staged there); sharded before
+        # the FP8 swap, the optimizer and DDP, which must all see this rank's pieces.
+        self.model = build_model(config.model, self.accel.device, t.seed, self.parallel,
+                                 config.parallel.sequence_parallel, stage)
         self.fp8 = Fp8Hooks(self.model, config.fp8, self.parallel.amax_group, config.logging.log_fp8_stats)
         logger.info("> number of parameters: %d", self.model.num_parameters())
         layers_view = self.model

@@ -21,9 +21,10 @@ replicated parameters on TP rank 0 of each stage. Under sequence parallelism the
 activations over the TP ranks, which assumes identical copies, is off (`deepspeed_config.py`). FP8 amaxes are
 reduced over the stage's TP x DP ranks.
 
-Every rank builds the whole `GPTModel` (same seed, hence the same weights as PP = 1), converts it to FP8,
-then keeps only its stage's modules: the others are dropped with the full model. FP8 amaxes are reduced
-over the stage's data-parallel group (`ParallelState.amax_group`): the only ranks holding those tensors.
+No rank builds the whole model: `pipeline_stage` tells `build_model` (megatron/model/build.py) which parts
+this rank's stage holds, using DeepSpeed's own partitioning function, and only those get storage (the same
+per-tensor initial values as at PP = 1); the others stay on the meta device through the FP8 swap and are
+dropped here.
 
 `train_batch(iteration, batches)` runs DeepSpeed's schedule (forward/backward of every micro-batch, the
 pipelined sends, the data-parallel reduction and the ZeRO 0/1 step) and reports (loss, grad norm, stepped).
@@ -45,6 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron.data.provider import Batch
+from megatron.model.build import PipelineStage
 from megatron.optimizer.lr_scheduler import LrScheduler
 from megatron.parallel import vocab_parallel_cross_entropy
 from megatron.parallel.layers import TP_SHARD_DIM
@@ -134,7 +136,8 @@ def pipeline_loss(per_token: torch.Tensor, target: tuple[torch.Tensor, torch.Ten
 
 
 def build_pipeline_module(model: nn.Module, parallel: ParallelState) -> nn.Module:
-    """This rank's stage of `model` (a `GPTModel`, already FP8-converted) as a DeepSpeed PipelineModule."""
+    """This rank's stage of `model` as a DeepSpeed PipelineModule. `model` is a `GPTModel` from
+    `build_model(..., stage=pipeline_stage(...))` (the other stages' parts on meta), already FP8-converted."""
     import deepspeed
     import torch.distributed as dist
     from deepspeed.pipe import PipelineModule
@@ -153,14 +156,38 @@ def build_pipeline_module(model: nn.Module, parallel: ParallelState) -> nn.Modul
     layers = [EmbeddingStage(model.embedding),
               *(TransformerLayerStage(layer, model.rotary, sequence_shards) for layer in model.decoder.layers),
               output]
-    pipe = PipelineModule(layers=layers, loss_fn=HeadLoss(parallel.tensor_parallel_group), topology=topology,
-                          partition_method="type:TransformerLayerStage")
+    try:  # the constructor moves its stage's modules to the device: a meta one cannot move
+        pipe = PipelineModule(layers=layers, loss_fn=HeadLoss(parallel.tensor_parallel_group), topology=topology,
+                              partition_method="type:TransformerLayerStage")
+    except NotImplementedError as exc:
+        raise RuntimeError("DeepSpeed's pipeline partition holds a layer that build_model left on the meta "
+                           "device: it no longer agrees with pipeline_stage()") from exc
+    unbuilt = [n for n, t in (*pipe.named_parameters(), *pipe.named_buffers()) if t.is_meta]
+    if unbuilt:
+        raise RuntimeError(f"pipeline stage holds unmaterialized tensors {unbuilt[:4]}: DeepSpeed's partition "
+                           f"no longer agrees with pipeline_stage()")
     _check_grid(pipe.mpu(), parallel)
     local = [i for i, f in enumerate(layers) if any(f is g for g in pipe.forward_funcs)]
     logger.info("pipeline stage %d of %d: layers %d..%d of %d (embedding = 0, transformer layers 1..%d, head = %d)",
                 parallel.pipeline_parallel_rank, parallel.pipeline_parallel_size, local[0], local[-1],
                 len(layers) - 1, len(layers) - 2, len(layers) - 1)
     return pipe
+
+
+def pipeline_stage(num_layers: int, parallel: ParallelState) -> PipelineStage:
+    """The parts of the model this rank's stage holds, before any of it is built.
+
+    `build_pipeline_module` lets DeepSpeed partition [embedding | num_layers x TransformerLayerStage | head]
+    with `partition_method="type:TransformerLayerStage"`: `partition_balanced` over weights 1 for the layer
+    stages, 0 for the others. The same call here gives the same split (checked there).
+    """
+    from deepspeed.runtime.utils import partition_balanced
+
+    parts = partition_balanced(weights=[0] + [1] * num_layers + [0], num_parts=parallel.pipeline_parallel_size)
+    start, stop = parts[parallel.pipeline_parallel_rank], parts[parallel.pipeline_parallel_rank + 1]
+    # Pipeline index 0 is the embedding, 1..num_layers the transformer layers, num_layers + 1 the head.
+    return PipelineStage(layers=range(max(start - 1, 0), min(stop - 1, num_layers)), embedding=start == 0,
+                         head=stop == num_layers + 2)
 
 
 def _check_grid(grid, parallel: ParallelState) -> None:
