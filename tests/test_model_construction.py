@@ -11,7 +11,6 @@
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -176,7 +175,8 @@ def test_rotary_tables_are_those_of_a_cpu_build():
     half = torch.arange(0, cfg.kv_channels, 2, dtype=torch.float64) / cfg.kv_channels
     angles = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float64), 1.0 / cfg.rotary_base**half)
     for model in (GPTModel(cfg, seed=SEED), build_model(cfg, "cpu", SEED)):
-        assert torch.equal(model.rotary.cos, angles.cos().float()) and torch.equal(model.rotary.sin, angles.sin().float())
+        assert torch.equal(model.rotary.cos, angles.cos().float())
+        assert torch.equal(model.rotary.sin, angles.sin().float())
 
 
 def test_host_blocks_and_pieces_give_the_same_values():
