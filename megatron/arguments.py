@@ -13,8 +13,8 @@ import os
 from typing import Optional, Sequence
 
 from megatron.config import (
-    CheckpointConfig, DataConfig, LoggingConfig, LrDecayStyle, MegatronConfig, ModelConfig, Normalization,
-    OptimizerConfig, ParallelConfig, PositionEmbedding, RecomputeGranularity, SchedulerConfig,
+    CheckpointConfig, DataConfig, DivergenceConfig, LoggingConfig, LrDecayStyle, MegatronConfig, ModelConfig,
+    Normalization, OptimizerConfig, ParallelConfig, PositionEmbedding, RecomputeGranularity, SchedulerConfig,
     SmoothSwiGLUGranularity, TrainingConfig,
 )
 from megatron.fp8.recipe import AmaxComputeAlgo, Fp8Backend, Fp8Format, Fp8Recipe, Fp8Scaling
@@ -81,6 +81,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--exit-duration-in-mins", type=float, default=None)
     g.add_argument("--exit-signal-handler", action="store_true", help="on SIGTERM save a checkpoint and exit")
     g.add_argument("--max-consecutive-nan-steps", type=int, default=10)
+    g.add_argument("--divergence-guard", action=argparse.BooleanOptionalAction, default=True,
+                   help="stop a run that explodes without a NaN, before it saves (docs/reliability.md)")
+    g.add_argument("--divergence-loss-factor", type=float, default=2.5,
+                   help="the loss must stay above this x its running median for --divergence-patience iterations")
+    g.add_argument("--divergence-patience", type=int, default=20)
+    g.add_argument("--divergence-window", type=int, default=100, help="iterations in the loss's running median")
+    g.add_argument("--divergence-zero-grad-iters", type=int, default=10,
+                   help="consecutive iterations with a gradient norm of exactly 0")
+    g.add_argument("--divergence-max-weight", type=float, default=1e4, help="largest |weight| allowed")
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
     g.add_argument("--recompute-activations", action="store_true", help="same as --recompute-granularity selective")
     g.add_argument("--recompute-method", choices=["uniform", "block"], default="uniform")
@@ -158,6 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo", "hccl"], default=None)
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
+                   help="how long a collective waits for a hung rank before the run fails")
 
     g = p.add_argument_group("deepspeed")
     g.add_argument("--deepspeed", action="store_true")
@@ -425,7 +436,11 @@ def parse_config(argv: Optional[Sequence[str]] = None, world_size: Optional[int]
             # Megatron's rule: sequence parallelism is meaningless (and off) without tensor parallelism.
             sequence_parallel=a.sequence_parallel and a.tensor_model_parallel_size > 1,
             distributed_backend=a.distributed_backend, deepspeed=a.deepspeed, deepspeed_config=a.deepspeed_config,
-            zero_stage=a.zero_stage),
+            zero_stage=a.zero_stage, distributed_timeout_minutes=a.distributed_timeout_minutes),
         fp8=_fp8_recipe(a),
         device=a.device,
+        divergence=DivergenceConfig(
+            enabled=a.divergence_guard, loss_factor=a.divergence_loss_factor, patience=a.divergence_patience,
+            window=a.divergence_window, zero_grad_iters=a.divergence_zero_grad_iters,
+            max_weight=a.divergence_max_weight),
     )

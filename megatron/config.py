@@ -184,6 +184,33 @@ class ParallelConfig:
     deepspeed: bool = False
     deepspeed_config: Optional[str] = None
     zero_stage: Optional[int] = None
+    distributed_timeout_minutes: float = 10.0  # how long a collective waits for a hung rank
+
+    def __post_init__(self) -> None:
+        if not self.distributed_timeout_minutes > 0:
+            raise ValueError(f"--distributed-timeout-minutes must be > 0, got {self.distributed_timeout_minutes}")
+
+
+@dataclass(frozen=True)
+class DivergenceConfig:
+    """The divergence guard's rules (megatron/training/divergence.py); `enabled=False` is --no-divergence-guard."""
+
+    enabled: bool = True
+    loss_factor: float = 2.5
+    patience: int = 20
+    window: int = 100
+    zero_grad_iters: int = 10
+    max_weight: float = 1e4
+
+    def __post_init__(self) -> None:
+        checks = ((self.loss_factor > 1.0, f"--divergence-loss-factor must be > 1, got {self.loss_factor}"),
+                  (self.patience >= 1, f"--divergence-patience must be >= 1, got {self.patience}"),
+                  (self.window >= 1, f"--divergence-window must be >= 1, got {self.window}"),
+                  (self.zero_grad_iters >= 1, f"--divergence-zero-grad-iters must be >= 1, got {self.zero_grad_iters}"),
+                  (self.max_weight > 0, f"--divergence-max-weight must be > 0, got {self.max_weight}"))
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
 
 
 @dataclass(frozen=True)
@@ -200,6 +227,7 @@ class MegatronConfig:
     parallel: ParallelConfig
     fp8: Optional[Fp8Recipe] = None
     device: str = "auto"
+    divergence: DivergenceConfig = DivergenceConfig()
 
     def to_dict(self) -> dict:
         """Plain JSON-able dict (enums as their values); stored in checkpoints instead of a Namespace."""

@@ -105,7 +105,7 @@ def initialize_parallel_state(cfg: ParallelConfig, accelerator: Accelerator) -> 
         return ParallelState()
     if not dist.is_initialized():
         backend = cfg.distributed_backend or accelerator.distributed_backend
-        timeout = datetime.timedelta(minutes=10)
+        timeout = datetime.timedelta(minutes=cfg.distributed_timeout_minutes)  # --distributed-timeout-minutes
         if world == 1:  # forced collectives: a one-rank group; a HashStore needs no address or port
             dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         else:

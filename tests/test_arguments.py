@@ -103,3 +103,32 @@ def test_cli_error_exit_code_and_message():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert "--global-batch-size 6" in out.stderr
+
+
+def test_distributed_timeout_minutes_reaches_the_process_group(monkeypatch):
+    """Megatron's --distributed-timeout-minutes (a hung rank used to be waited for 10 minutes, hard-coded)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from megatron.accelerator import get_accelerator
+    from megatron.parallel_state import initialize_parallel_state
+
+    config = parse_config(tiny_argv("--distributed-timeout-minutes", "3"), world_size=1)
+    assert config.parallel.distributed_timeout_minutes == 3.0
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_init(**kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    monkeypatch.setenv("MEGATRON_FORCE_COLLECTIVES", "1")  # a one-process group, so that init_process_group is called
+    monkeypatch.setattr(dist, "init_process_group", fake_init)
+    with pytest.raises(Stop):
+        initialize_parallel_state(config.parallel, get_accelerator("cpu"))
+    assert seen["timeout"] == datetime.timedelta(minutes=3)
+    with pytest.raises(ValueError, match="--distributed-timeout-minutes must be > 0"):
+        parse_config(tiny_argv("--distributed-timeout-minutes", "0"), world_size=1)

@@ -38,12 +38,14 @@ def _count_reads(monkeypatch, argv: list[str]) -> collections.Counter:
 
 
 def test_one_host_read_per_step_between_log_iterations(monkeypatch):
-    """6 iterations, no log iteration, no evaluation: the engine's 6 skip decisions and one read of the
-    run's losses at the end; FP8 (delayed scaling) and Smooth-SwiGLU add none."""
+    """6 iterations, no log iteration, no evaluation: the engine's 6 skip decisions, one read of the run's losses
+    at the end and the divergence guard's weight check before the first step; FP8 (delayed scaling) and
+    Smooth-SwiGLU add none."""
     argv = tiny_argv("--fp8-format", "hybrid", "--smooth-swiglu", "--device", "cpu", train_iters=6,
                      log_interval=1000, eval_interval=1000, eval_iters=0, clip_grad=1.0)
     counts = _count_reads(monkeypatch, argv)
-    assert counts == {"training/engine.py:step:__bool__": 6, "training/log.py:host_floats:tolist": 1}, counts
+    assert counts == {"training/engine.py:step:__bool__": 6, "training/log.py:host_floats:tolist": 1,
+                      "training/loop.py:_check_weights:__float__": 1}, counts
 
 
 def test_log_iterations_read_the_interval_at_once(monkeypatch):
@@ -55,3 +57,4 @@ def test_log_iterations_read_the_interval_at_once(monkeypatch):
     # grad norm of the log line.
     assert counts["training/log.py:host_floats:tolist"] == 2 * 2  # nothing left for the final flush
     assert counts["training/log.py:record:__float__"] == 2
+    assert counts["training/loop.py:_check_weights:__float__"] == 1 + 2  # at the start, then per log iteration

@@ -249,16 +249,40 @@ def read_tracker(load_dir: str | os.PathLike) -> Optional[int]:
         logger.warning("%s is missing but %s holds checkpoints of iterations %s: resuming from the newest, %d (write "
                        "another iteration into %s to resume from it; use a new --save folder to start from scratch)",
                        tracker, root, found, found[-1], TRACKER_FILE)
-        return found[-1]
+        return _healthy_iteration(root, found[-1])
     text = tracker.read_text().strip()
     if text == "release":
         raise CheckpointError(f"{tracker} says 'release': release checkpoints are not supported yet; "
                               "point --load at a training checkpoint folder")
     try:
-        return int(text)
+        iteration = int(text)
     except ValueError:
         raise CheckpointError(f"{tracker} is corrupt (content {text[:40]!r}); it must hold an iteration "
                               "number: fix or delete it") from None
+    return _healthy_iteration(root, iteration)
+
+
+def _is_healthy(root: Path, iteration: int) -> bool:
+    state_file = iteration_dir(root, iteration) / "train_state.json"
+    try:
+        return json.loads(state_file.read_text()).get("healthy", True) is not False
+    except (OSError, ValueError):
+        return True  # missing or damaged: the loader names the problem
+
+
+def _healthy_iteration(root: Path, iteration: int) -> int:
+    """`iteration`, unless its checkpoint was saved while the divergence guard saw the run going wrong: then the
+    newest healthy one before it (with a warning), or `iteration` itself when there is none."""
+    if _is_healthy(root, iteration):
+        return iteration
+    healthy = [i for i in complete_iterations(root) if i < iteration and _is_healthy(root, i)]
+    if not healthy:
+        logger.warning("checkpoint %d under %s was saved while the run was diverging and no healthy one precedes "
+                       "it: loading it anyway", iteration, root)
+        return iteration
+    logger.warning("checkpoint %d under %s was saved while the run was diverging (train_state.json: healthy false): "
+                   "resuming from the newest healthy one, %d", iteration, root, healthy[-1])
+    return healthy[-1]
 
 
 def load_checkpoint_files(load_dir: str | os.PathLike, mp_rank: int = 0) -> Optional[dict]:

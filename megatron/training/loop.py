@@ -34,6 +34,7 @@ from megatron.optimizer.lr_scheduler import LrScheduler
 from megatron.parallel_state import ParallelState, initialize_parallel_state
 from megatron.training import checkpointing as ckpt
 from megatron.training.datasets import build_datasets
+from megatron.training.divergence import DivergenceGuard, max_abs_weight
 from megatron.training.engine import build_engine
 from megatron.training.flops import flops_per_iteration
 from megatron.training.fp8_hooks import Fp8Hooks
@@ -128,6 +129,8 @@ class Trainer:
         self.scheduler = LrScheduler(self.optimizer, config.scheduler)
         self.engine = build_engine(config, self.model, self.optimizer, self.scheduler, self.parallel, self.accel)
         self.state = TrainState()
+        self.guard = DivergenceGuard(config.divergence, config.scheduler.warmup_iters)
+        self.last_healthy: Optional[str] = None  # the newest checkpoint known healthy (loaded or saved by this run)
         if config.checkpoint.load:
             self._load()
         self.train_ds, self.valid_ds, self.test_ds, self.eod = build_datasets(config, tokenizer)
@@ -154,6 +157,7 @@ class Trainer:
         if not c.no_load_rng and "rng_state" in payload:
             ckpt.set_rng_state(payload["rng_state"])
         self.fp8.load_state(payload.get("fp8"), loaded["path"])
+        self.last_healthy = str(loaded["path"])
         logger.info("loaded checkpoint %s at iteration %d", loaded["path"], self.state.iteration)
 
     def save(self) -> None:
@@ -166,7 +170,10 @@ class Trainer:
         fp8_state = self.fp8.state()
         if fp8_state is not None:
             extras["fp8"] = fp8_state
+        self.state.healthy = self.guard.healthy and self.state.consecutive_nan_iterations == 0
         self.engine.save_checkpoint(c.save, self.state.iteration, extras, self.state.to_dict(), self.config.to_dict())
+        if self.state.healthy:
+            self.last_healthy = str(ckpt.iteration_dir(c.save, self.state.iteration))
 
     # ---------------------------------------------------------------------------------- one step
     def _forward_loss(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,6 +205,33 @@ class Trainer:
         return self.engine.evaluate(self._batches(iter(loader), t.eval_iters * t.num_micro_batches),
                                     self._forward_loss)
 
+    # ------------------------------------------------------------------------------ divergence
+    def _read_pending(self, pending: list) -> list[float]:
+        """The pending iterations' losses and grad norms in one host read, fed to the divergence guard; returns the
+        losses (NaN for skipped steps)."""
+        values = host_floats([v for _, loss, norm, _ in pending for v in (loss, norm)])
+        losses = []
+        for k, (iteration, _, _, stepped) in enumerate(pending):
+            loss, norm = values[2 * k], values[2 * k + 1]
+            if stepped:
+                self.guard.observe(iteration, loss, norm)
+            losses.append(loss if stepped else float("nan"))
+        pending.clear()
+        return losses
+
+    def _check_weights(self) -> None:
+        if self.config.divergence.enabled:
+            largest = max_abs_weight(self.model.parameters(), comm.world_group())
+            self.guard.observe_weights(self.state.iteration, float(largest))
+
+    def _stop_if_diverged(self, result: TrainResult) -> None:
+        if self.guard.reason is None:
+            return
+        result.exit_reason = "diverged"
+        healthy = self.last_healthy or "none: no checkpoint was loaded or saved by this run"
+        raise TrainingDiverged(f"training diverged: {self.guard.reason}. Nothing was saved after it; the newest "
+                               f"healthy checkpoint is {healthy}. (--no-divergence-guard turns the guard off.)")
+
     # ------------------------------------------------------------------------------------ loop
     def train(self) -> TrainResult:
         cfg, t = self.config, self.config.training
@@ -210,10 +244,13 @@ class Trainer:
         start_time = time.time()
         tokens_per_iter = t.global_batch_size * cfg.model.seq_length
         saved_at = None
-        pending_losses: list = []  # this log interval's losses (device tensors), read at its log iteration
+        # This log interval's (iteration, loss, grad norm, stepped), device tensors read at its log iteration.
+        pending: list = []
         self.accel.synchronize()
         t_mark = time.perf_counter()
         try:
+            self._check_weights()  # an absurd init (or a loaded exploded model) stops here
+            self._stop_if_diverged(result)
             while self.state.iteration < t.train_iters:
                 self.swiglu.before_step(self.state.iteration + 1, cfg.logging.log_interval)
                 loss, grad_norm, stepped = self.train_step(micro_batches)
@@ -221,13 +258,14 @@ class Trainer:
                 s.iteration += 1
                 s.consumed_train_samples += t.global_batch_size
                 s.consumed_train_tokens += tokens_per_iter
-                pending_losses.append(loss if stepped else float("nan"))
+                pending.append((s.iteration, loss, grad_norm, stepped))
                 if s.iteration % cfg.logging.log_interval == 0:
                     # Timing: one synchronisation per log interval. The per-iteration times of the interval
                     # sum to its wall time, which is all the log line reports (their mean).
                     self.accel.synchronize()
-                    result.losses.extend(host_floats(pending_losses))
-                    pending_losses.clear()
+                    result.losses.extend(self._read_pending(pending))
+                    self._check_weights()
+                    self._stop_if_diverged(result)
                 now = time.perf_counter()
                 elapsed, t_mark = now - t_mark, now
                 if not stepped:
@@ -245,12 +283,14 @@ class Trainer:
                         raise TrainingDiverged(
                             f"training diverged: {s.consecutive_nan_iterations} consecutive non-finite steps, the last "
                             f"at iteration {s.iteration} (--max-consecutive-nan-steps {t.max_consecutive_nan_steps}). "
-                            f"No checkpoint was written for these steps; the last good one stays in --save.")
+                            f"No checkpoint was written for these steps; the newest healthy one is "
+                            f"{self.last_healthy or 'none (no checkpoint was loaded or saved by this run)'}.")
                 else:
                     s.consecutive_nan_iterations = 0
                 fp8_extra, fp8_text = self.fp8.log_values(s.iteration, cfg.logging.log_interval)
                 swiglu_extra, swiglu_text = self.swiglu.log_values(s.iteration, cfg.logging.log_interval)
-                self.tlog.record(iteration=s.iteration, loss=loss if stepped else None, elapsed_s=elapsed,
+                # A skipped step's loss is printed as computed (the warning above shows the same value).
+                self.tlog.record(iteration=s.iteration, loss=loss, elapsed_s=elapsed,
                                  lr=self.engine.learning_rate, grad_norm=grad_norm, state=s,
                                  global_batch_size=t.global_batch_size, seq_length=cfg.model.seq_length,
                                  flops_per_iter=self.flops_per_iter, world_size=self.parallel.world_size,
@@ -263,9 +303,14 @@ class Trainer:
                     t_mark = time.perf_counter()  # not iteration time (evaluation ends with a host read)
                 c = cfg.checkpoint
                 if c.save and c.save_interval and s.iteration % c.save_interval == 0:
-                    if s.consecutive_nan_iterations:
+                    result.losses.extend(self._read_pending(pending))  # the guard judges up to this iteration
+                    self._check_weights()
+                    self._stop_if_diverged(result)
+                    if s.consecutive_nan_iterations or not self.guard.healthy:
                         # Do not let a checkpoint taken mid-divergence replace the last healthy one.
-                        logger.warning("iteration %d: not saving during a run of non-finite steps", s.iteration)
+                        logger.warning("iteration %d: not saving during a run of non-finite steps or while the "
+                                       "divergence guard sees the loss far above its median or a zero gradient",
+                                       s.iteration)
                     else:
                         self.save()
                         saved_at = s.iteration
@@ -275,12 +320,15 @@ class Trainer:
                     result.exit_reason = exit_reason
                     break
             if cfg.checkpoint.save and saved_at != self.state.iteration:
-                self.save()
+                result.losses.extend(self._read_pending(pending))
+                self._check_weights()
+                self._stop_if_diverged(result)
+                self.save()  # marked unhealthy in train_state.json if the guard is still worried
             if self.test_ds is not None and result.exit_reason == "train-iters":
                 result.test_loss = self.evaluate(self.test_ds)
                 self.tlog.validation("test", result.test_loss, self.state.iteration, self.state.consumed_train_tokens)
         finally:
-            result.losses.extend(host_floats(pending_losses))
+            result.losses.extend(self._read_pending(pending) if pending else [])
             sig.restore()
             self.tlog.close()
         return result

@@ -13,6 +13,8 @@ class TrainState:
     skipped_iterations: int = 0
     nan_iterations: int = 0
     consecutive_nan_iterations: int = 0
+    # False when saved while the divergence guard saw the run going wrong (a resume then picks a healthy one)
+    healthy: bool = True
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -24,4 +26,4 @@ class TrainState:
         if unknown:
             raise ValueError(f"train state in checkpoint has unknown fields {sorted(unknown)}; "
                              "was it written by a newer megatron-fp8?")
-        return cls(**{k: int(v) for k, v in data.items()})
+        return cls(**{k: (bool(v) if k == "healthy" else int(v)) for k, v in data.items()})
