@@ -161,3 +161,19 @@ def test_finetune_loads_weights_only(tmp_path):
     assert trainer.state.iteration == 0 and not trainer.optimizer.state
     for key, value in first.model.state_dict().items():
         assert torch.equal(trainer.model.state_dict()[key], value), key
+
+
+def test_a_skipped_step_logs_the_loss_it_computed(capfd):
+    """A step skipped for a non-finite gradient with a finite loss: the log line prints that loss (it printed nan
+    while the warning showed the finite value)."""
+    import re
+
+    trainer = Trainer(parse_config(tiny_argv(train_iters=1, eval_iters=0, lr_warmup_iters=0, log_interval=1)))
+    weight = next(p for n, p in trainer.model.named_parameters() if n.endswith("linear_fc2.weight"))
+    weight.register_hook(lambda grad: grad * float("inf"))
+    result = trainer.train()
+    assert result.state.skipped_iterations == 1
+    err = capfd.readouterr().err
+    warned = float(re.search(r"non-finite loss or grad norm \(loss (\S+), grad norm (?:inf|nan)\)", err).group(1))
+    logged = float(re.search(r"\| lm loss: (\S+) \|", err).group(1))
+    assert math.isfinite(warned) and logged == pytest.approx(warned, rel=1e-6)
