@@ -25,6 +25,7 @@ Conventions (the same as Transformer Engine and torchao):
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -53,9 +54,25 @@ def compute_scale(
     raw = (fp8_max / 2.0**margin) / torch.where(usable, amax, torch.ones_like(amax))
     raw = torch.clamp(raw, max=_FP32_MAX_POW2)
     if power_of_two:
-        # Round down: the quantized amax then lands at or below fp8_max, never above it.
-        raw = torch.exp2(torch.floor(torch.log2(raw)))
+        raw = torch.clamp(_pow2_scale(torch.where(usable, amax, torch.ones_like(amax)), fp8_max / 2.0**margin),
+                          max=_FP32_MAX_POW2)
     return torch.where(usable, raw, previous.float())
+
+
+def _pow2_scale(amax: torch.Tensor, target: float | torch.Tensor) -> torch.Tensor:
+    """The largest power of two `s` with `amax * s <= target`, exactly (no rounding of a division or a log2).
+
+    With amax = m 2^e and target = t 2^f (frexp: m, t in [0.5, 1)), amax 2^(f-e) = (m/t) target fits iff
+    m <= t, else one binade less does. `floor(log2(target / amax))` computed in fp32 gets the binade wrong
+    when the quotient rounds onto a power of two, and then amax * s exceeds target by an fp32 ulp. This is
+    also MXFP8's shared-exponent rule (see `quantize_tiles`): the dequantization factor 1/s =
+    2^ceil(log2(amax / target)), one binade above the OCP spec's 2^(floor(log2 amax) - emax) exactly when the
+    block's amax mantissa exceeds target's (448 = 1.75 x 2^8), where the spec's rule would clip.
+    """
+    m, e = torch.frexp(amax.float())
+    t, f = torch.frexp(torch.as_tensor(target, dtype=torch.float32, device=amax.device))
+    exponent = (f - e) - (m > t).to(e.dtype)
+    return torch.ldexp(torch.ones_like(m), exponent.clamp(-149, 128).to(torch.float32))
 
 
 def amax_of(x: torch.Tensor) -> torch.Tensor:
@@ -127,3 +144,87 @@ def quantize(
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """`q / scale` in `dtype` (computed in fp32, then cast)."""
     return (q.float() / scale.float()).to(dtype)
+
+
+# --- Fine-grained scaling: one scale per tile of a 2-D GEMM operand --------------------------------------------
+#
+# A GEMM operand is a 2-D [rows, K] matrix whose last dimension is the one the GEMM contracts. A `Tile` of
+# (r, c) gives every r x c block its own scale from its own amax (current scaling); 0 means the whole
+# dimension, so Tile(1, 0) is one scale per row (rowwise) and Tile(0, 0) one per tensor. Ragged edges form
+# partial tiles (zero padding adds nothing to an amax). The recipes (recipe.py) choose the tiles; this is the
+# only code that computes, applies and undoes them.
+
+
+@dataclass(frozen=True)
+class Tile:
+    """Block shape sharing one scale: `rows` x `cols` of a [rows, K] operand; 0 = the whole dimension."""
+
+    rows: int
+    cols: int
+
+    def resolve(self, shape: tuple[int, int]) -> tuple[int, int]:
+        return (self.rows or shape[0]) or 1, (self.cols or shape[1]) or 1
+
+    def transposed(self) -> "Tile":
+        return Tile(self.cols, self.rows)
+
+
+@dataclass
+class TiledFp8:
+    """An FP8 operand with one scale per tile: `data` [R, K], `scale` [ceil(R/r), ceil(K/c)] (the multiplying
+    scale, NaN for a tile that held inf/NaN so a GEMM on it cannot return finite values), `amax` per tile."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    amax: torch.Tensor
+    tile: Tile
+
+    def t(self) -> "TiledFp8":
+        """The transposed operand: exact only for square tiles (the same blocks seen from the other side)."""
+        r, c = self.tile.resolve(tuple(self.data.shape))
+        if r != c:
+            raise ValueError(f"only square tiles transpose without requantizing, not {r}x{c}")
+        return TiledFp8(self.data.t(), self.scale.t(), self.amax.t(), self.tile.transposed())
+
+
+def _blocked(x: torch.Tensor, tile: Tile) -> tuple[torch.Tensor, tuple[int, int]]:
+    """x [R, K] as a [R/r, r, K/c, c] view (zero padded to whole tiles); also returns (R, K)."""
+    rows, cols = x.shape
+    r, c = tile.resolve((rows, cols))
+    pr, pc = -rows % r, -cols % c
+    if pr or pc:
+        x = torch.nn.functional.pad(x, (0, pc, 0, pr))
+    return x.reshape(x.shape[0] // r, r, x.shape[1] // c, c), (rows, cols)
+
+
+def _unblocked(y: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    y = y.reshape(y.shape[0] * y.shape[1], y.shape[2] * y.shape[3])
+    return y[:shape[0], :shape[1]] if tuple(y.shape) != tuple(shape) else y
+
+
+def quantize_tiles(
+    x: torch.Tensor,
+    tile: Tile,
+    spec: RoundingGrid,
+    margin: int = 0,
+    power_of_two: bool = False,
+    stochastic_rounding: bool = False,
+) -> TiledFp8:
+    """Quantize a 2-D `x` with one current scale per tile: `compute_scale` of the tile's amax, then `quantize`.
+
+    With `power_of_two` every scale is a power of two chosen so the tile's amax never exceeds `spec.max`
+    (`_pow2_scale`): this is how MXFP8's E8M0 scales are made (the range of a finite fp32 amax keeps them
+    inside E8M0's 2^-127..2^127). A tile of zeros gets scale 1; a tile holding inf/NaN gets a NaN GEMM scale.
+    """
+    blocks, shape = _blocked(x.detach(), tile)
+    amax = blocks.abs().amax(dim=(1, 3)).float()
+    scale = compute_scale(amax, spec.max, margin, power_of_two)
+    q = quantize(blocks, scale[:, None, :, None], spec, stochastic_rounding)
+    guarded = torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
+    return TiledFp8(_unblocked(q, shape), guarded, amax, tile)
+
+
+def dequantize_tiles(t: TiledFp8, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`data / scale` tile by tile, in fp32 (then `dtype`): the exact values a block-scaled GEMM multiplies."""
+    blocks, shape = _blocked(t.data.float(), t.tile)
+    return _unblocked(blocks / t.scale[:, None, :, None], shape).to(dtype)
