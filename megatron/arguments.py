@@ -109,7 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fp8-format", choices=["e4m3", "hybrid"], default=None, help="turns FP8 linears on")
     g.add_argument("--fp8-hybrid", action="store_true", help="legacy alias of --fp8-format hybrid")
     g.add_argument("--fp8-e4m3", action="store_true", help="legacy alias of --fp8-format e4m3")
-    g.add_argument("--fp8-recipe", choices=["delayed", "tensorwise"], default="delayed")
+    g.add_argument("--fp8-recipe", choices=[s.value for s in Fp8Scaling], default="delayed",
+                   help="delayed / tensorwise: one scale per tensor; rowwise, blockwise (1x128 activations, 128x128 "
+                        "weights), mxfp8 (1x32, power-of-two scales): current scales per tile (docs/fp8.md)")
     g.add_argument("--fp8-margin", type=int, default=0)
     g.add_argument("--fp8-amax-history-len", type=int, default=1)
     g.add_argument("--fp8-amax-compute-algo", choices=["max", "most_recent"], default="most_recent")
@@ -322,7 +324,7 @@ def _padded_vocab_size(a: argparse.Namespace, data: DataConfig) -> int:
     return pad_vocab_size(vocab, a.make_vocab_size_divisible_by, a.tensor_model_parallel_size)
 
 
-def _fp8_recipe(a: argparse.Namespace) -> Optional[Fp8Recipe]:
+def _fp8_recipe(a: argparse.Namespace, model: ModelConfig) -> Optional[Fp8Recipe]:
     aliases = [f for f, on in (("hybrid", a.fp8_hybrid), ("e4m3", a.fp8_e4m3)) if on]
     if len(aliases) > 1 or (aliases and a.fp8_format and a.fp8_format != aliases[0]):
         raise ValueError("conflicting FP8 formats: use one of --fp8-format, --fp8-hybrid, --fp8-e4m3")
@@ -339,13 +341,19 @@ def _fp8_recipe(a: argparse.Namespace) -> Optional[Fp8Recipe]:
     if a.fp8_first_last_layers_bf16 * 2 >= (a.num_layers or 0):
         raise ValueError(f"--fp8-first-last-layers-bf16 {a.fp8_first_last_layers_bf16} keeps every one of the "
                          f"{a.num_layers} layers in BF16: lower it, or drop --fp8-format")
-    return Fp8Recipe(
+    recipe = Fp8Recipe(
         format=Fp8Format(fmt), scaling=Fp8Scaling(a.fp8_recipe), amax_history_len=a.fp8_amax_history_len,
         amax_compute_algo=AmaxComputeAlgo(a.fp8_amax_compute_algo), margin=a.fp8_margin,
         power_of_two_scales=a.fp8_power_of_two_scales, fp8_wgrad=not a.no_fp8_wgrad,
         backend=Fp8Backend(a.fp8_backend), first_last_layers_bf16=a.fp8_first_last_layers_bf16,
         mlp_fc2_bf16=a.fp8_mlp_fc2_bf16, grad_stochastic_rounding=a.fp8_grad_stochastic_rounding,
     )
+    recipe.check_tensor_parallel(a.tensor_model_parallel_size, {
+        "--num-attention-heads x --kv-channels (queries, attention output)":
+            model.num_attention_heads * model.kv_channels,
+        "--num-key-value-heads x --kv-channels (keys, values)": model.num_key_value_heads * model.kv_channels,
+        "--ffn-hidden-size": model.ffn_hidden_size})
+    return recipe
 
 
 def _schedule(a: argparse.Namespace, gbs: int) -> tuple[int, SchedulerConfig]:
@@ -437,7 +445,7 @@ def parse_config(argv: Optional[Sequence[str]] = None, world_size: Optional[int]
             sequence_parallel=a.sequence_parallel and a.tensor_model_parallel_size > 1,
             distributed_backend=a.distributed_backend, deepspeed=a.deepspeed, deepspeed_config=a.deepspeed_config,
             zero_stage=a.zero_stage, distributed_timeout_minutes=a.distributed_timeout_minutes),
-        fp8=_fp8_recipe(a),
+        fp8=_fp8_recipe(a, model),
         device=a.device,
         divergence=DivergenceConfig(
             enabled=a.divergence_guard, loss_factor=a.divergence_loss_factor, patience=a.divergence_patience,

@@ -57,8 +57,8 @@ def test_scaled_mm_backend_trains_on_cpu_and_tracks_emulation(reference, monkeyp
     used = []
     real = fp8_linear.select_backend
 
-    def spy(choice, device):
-        backend = real(choice, device)
+    def spy(choice, device, scaling="delayed"):
+        backend = real(choice, device, scaling)
         used.append(backend.name)
         return backend
 
@@ -74,7 +74,8 @@ def _hpu_run(monkeypatch, ops_patch=None) -> tuple[list[float], fake_hpu.FakeHpu
     backend = HpuBackend()
     real = fp8_linear.select_backend
     monkeypatch.setattr(fp8_linear, "select_backend",
-                        lambda choice, device: backend if Fp8Backend(choice) is Fp8Backend.HPU else real(choice, device))
+                        lambda choice, device, scaling="delayed":
+                        backend if Fp8Backend(choice) is Fp8Backend.HPU else real(choice, device, scaling))
     return _losses("--fp8-format", "hybrid", "--fp8-backend", "hpu"), ops
 
 

@@ -190,7 +190,7 @@ def test_fp8_linear_with_scaled_mm_backend_matches_emulation(monkeypatch: pytest
     x, dy = _data()
     results = {}
     for backend in (EmulatedBackend(), CudaScaledMmBackend()):
-        monkeypatch.setattr(fp8_linear, "select_backend", lambda choice, device, b=backend: b)
+        monkeypatch.setattr(fp8_linear, "select_backend", lambda choice, device, scaling=None, b=backend: b)
         _, fp8 = _pair(Fp8Recipe(), in_f=256, out_f=200)  # 200: not a multiple of 16 -> padding
         xa = x.clone().requires_grad_()
         y = fp8(xa)

@@ -38,8 +38,8 @@ import torch
 import torch.nn.functional as F
 
 from megatron.fp8.formats import Fp8FormatSpec, format_spec
-from megatron.fp8.quantize import quantize
-from megatron.fp8.recipe import Fp8Backend
+from megatron.fp8.quantize import TiledFp8, dequantize_tiles, quantize
+from megatron.fp8.recipe import Fp8Backend, Fp8Scaling
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +71,12 @@ class EmulatedBackend:
             out = a.float() @ b.float().t()
         out = out / (a_scale.float() * b_scale.float())
         return out.to(out_dtype)
+
+    def gemm_tiles(self, a: TiledFp8, b: TiledFp8, out_dtype: torch.dtype) -> torch.Tensor:
+        """`a @ b^T` of two tile-scaled operands: exact dequantization tile by tile (a division by a power of
+        two under MXFP8 or power-of-two scales, else one fp32 rounding), fp32 GEMM, one rounding to out_dtype.
+        The reference for the hardware's block-scaled GEMMs, which promote partial sums to fp32 per tile."""
+        return (dequantize_tiles(a) @ dequantize_tiles(b).t()).to(out_dtype)
 
 
 def _round_up(n: int, multiple: int = 16) -> int:
@@ -111,6 +117,20 @@ class CudaScaledMmBackend:
         if (mp, np_) != (m, n):
             out = out[:m, :n]
         return out
+
+    def gemm_tiles(self, a: TiledFp8, b: TiledFp8, out_dtype: torch.dtype) -> torch.Tensor:
+        """Rowwise only (`select_backend` sends other tiles to the emulation): `torch._scaled_mm` with one fp32
+        dequantization factor per row of A ([M, 1]) and per column of B ([1, N])."""
+        m, k = a.data.shape
+        n = b.data.shape[0]
+        mp, kp, np_ = _round_up(m), _round_up(k), _round_up(n)
+        # Zero columns along K add nothing; padded rows get factor 1 and are sliced off.
+        qa = F.pad(a.data.contiguous(), (0, kp - k, 0, mp - m))
+        qb = F.pad(b.data.contiguous(), (0, kp - k, 0, np_ - n))
+        sa = F.pad(a.scale.float().reciprocal().reshape(m, 1), (0, 0, 0, mp - m), value=1.0)
+        sb = F.pad(b.scale.float().reciprocal().reshape(1, n), (0, np_ - n), value=1.0)
+        out = torch._scaled_mm(qa, qb.t(), scale_a=sa.contiguous(), scale_b=sb.contiguous(), out_dtype=out_dtype)
+        return out[:m, :n] if (mp, np_) != (m, n) else out
 
 
 class HpuBackend:
@@ -160,16 +180,48 @@ def _make(name: str) -> Backend:
     return {"emulated": EmulatedBackend, "scaled_mm": CudaScaledMmBackend, "hpu": HpuBackend}[name]()
 
 
-def select_backend(choice: Fp8Backend | str, device: torch.device | str) -> Backend:
+@functools.lru_cache(maxsize=None)
+def _log_emulated(scaling: str, device: str) -> None:
+    logger.info("FP8 %s scaling: no scaled GEMM of the installed torch %s takes these tiles on %s; emulating "
+                "them (exact tile dequantization, fp32 GEMM)", scaling, torch.__version__, device)
+
+
+def scaled_mm_supports(scaling: Fp8Scaling, device: torch.device) -> bool:
+    """Whether `torch._scaled_mm` runs `scaling`'s GEMMs here. Per-tensor scales: always; rowwise: fp32
+    [M, 1] x [1, N] factors, accepted by torch >= 2.5 on sm90+ and on the CPU. Blockwise (1x128 / 128x128) and
+    MXFP8 are not routed to a kernel yet (`torch.nn.functional.scaled_mm`'s BlockWise and MX scaling types,
+    sm90 / sm100, are untested here): they run emulated, with a log line."""
+    if not Fp8Scaling(scaling).fine_grained:
+        return True
+    if scaling is Fp8Scaling.ROWWISE:
+        return device.type == "cpu" or (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0))
+    return False
+
+
+def select_backend(choice: Fp8Backend | str, device: torch.device | str,
+                   scaling: Fp8Scaling | str = Fp8Scaling.DELAYED) -> Backend:
     """The backend for tensors on `device`; `choice` is the recipe's `--fp8-backend`.
 
     auto: scaled_mm on sm89+ GPUs, hpu on Gaudi, emulated otherwise (CPU, older GPUs). A forced `scaled_mm`
     (alias `cuda`) runs wherever `torch._scaled_mm` does: sm89+ GPUs and the CPU, which is how the CUDA
     backend's layouts, padding and operand order are trained end to end without a GPU. A forced choice the
-    device cannot run raises ValueError naming the flag.
+    device cannot run raises ValueError naming the flag. A fine-grained `scaling` the scaled GEMM cannot take
+    runs emulated (logged once); on Gaudi it raises ValueError.
     """
     choice = Fp8Backend(choice)
     device = torch.device(device)
+    scaling = Fp8Scaling(scaling)
+    if scaling.fine_grained and (choice is Fp8Backend.HPU or (choice is Fp8Backend.AUTO and device.type == "hpu")):
+        raise ValueError(f"--fp8-recipe {scaling.value} is not supported on Gaudi (habana_frameworks' fp8_gemm_v2 "
+                         f"takes per-tensor scales only): use --fp8-recipe delayed or tensorwise there")
+    backend = _select(choice, device)
+    if backend.name == "scaled_mm" and not scaled_mm_supports(scaling, device):
+        _log_emulated(scaling.value, str(device))
+        return _make("emulated")
+    return backend
+
+
+def _select(choice: Fp8Backend, device: torch.device) -> Backend:
     if choice is Fp8Backend.AUTO:
         if _cuda_has_fp8(device):
             return _make("scaled_mm")

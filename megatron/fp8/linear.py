@@ -15,7 +15,8 @@ precision (fp32 accumulation of the unquantized dy and x); the input is then sav
 Transformer Engine, trading the activation-memory saving for exact weight gradients.
 
 Every operand is quantized per tensor: `q = cast(clamp(t * s, -max, max))` with one fp32 scale `s` per
-tensor role (input, weight, grad_output), chosen by delayed or current scaling (see `scaling.py`). The GEMMs
+tensor role (input, weight, grad_output), chosen by delayed or current scaling (see `scaling.py`). The
+fine-grained recipes (rowwise, blockwise, mxfp8) scale per tile instead: their GEMMs are in `tiled.py`. The GEMMs
 accumulate in FP32 and write the output in the compute dtype: the autocast dtype (bf16) under
 `torch.autocast`, otherwise the input's dtype. dW is returned in the weight's dtype (fp32 master weights).
 
@@ -65,6 +66,7 @@ from megatron.fp8.formats import Fp8FormatSpec
 from megatron.fp8.quantize import amax_of, compute_scale
 from megatron.fp8.recipe import Fp8Recipe, Fp8Scaling
 from megatron.fp8.scaling import Fp8Role, new_scaling_buffers, role_dtypes
+from megatron.fp8.tiled import TiledFp8LinearFunction, TiledWeight
 
 
 def nonfinite_guard(scale: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
@@ -201,7 +203,7 @@ class Fp8Linear(nn.Linear):
         self.fp8_stats_enabled = False
         self.fp8_num_updates = 0  # optimizer steps seen by the delayed-scaling update
         self.fp8_weight_quantizations = 0  # how often the weight was cast (once per step when cached)
-        self._weight_cache: _QuantizedWeight | None = None
+        self._weight_cache: _QuantizedWeight | TiledWeight | None = None
         self._init_fp8_buffers(self.weight.device)
 
     def _init_fp8_buffers(self, device: torch.device | str | None) -> None:
@@ -223,7 +225,7 @@ class Fp8Linear(nn.Linear):
     # --- pieces used by the autograd function -------------------------------------------------------------
 
     def fp8_backend(self, device: torch.device) -> Backend:
-        return select_backend(self.recipe.backend, device)
+        return select_backend(self.recipe.backend, device, self.recipe.scaling)
 
     def fp8_specs(self, backend: Backend) -> tuple[Fp8FormatSpec, ...]:
         return tuple(backend_format_spec(backend, d) for d in role_dtypes(self.recipe))
@@ -310,6 +312,8 @@ class Fp8Linear(nn.Linear):
             out_dtype = x.dtype
         if weight_column_scale is not None:
             weight_column_scale = weight_column_scale.detach()
+        if self.recipe.tiles is not None:  # rowwise, blockwise, mxfp8: see tiled.py
+            return TiledFp8LinearFunction.apply(x, self.weight, self.bias, self, out_dtype, weight_column_scale)
         return _Fp8LinearFunction.apply(x, self.weight, self.bias, self, out_dtype, weight_column_scale,
                                         input_amax, column_scale_group)
 
@@ -323,6 +327,10 @@ class Fp8Linear(nn.Linear):
         fmt = "E4M3 fwd / E5M2 bwd" if r.format.value == "hybrid" else "E4M3"
         if r.scaling is Fp8Scaling.DELAYED:
             scaling = f"delayed(history={r.amax_history_len}, algo={r.amax_compute_algo.value}, margin={r.margin})"
+        elif r.tiles is not None:
+            act, weight = r.tiles
+            size = lambda t: f"{t.rows or 'all'}x{t.cols or 'all'}"  # noqa: E731
+            scaling = f"{r.scaling.value}(activations {size(act)}, weights {size(weight)}, margin={r.margin})"
         else:
             scaling = f"tensorwise(margin={r.margin})"
         extras = [f"fp8={r.format.value} ({fmt})", f"scaling={scaling}"]

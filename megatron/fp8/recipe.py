@@ -10,6 +10,8 @@ import dataclasses
 import enum
 from dataclasses import dataclass
 
+from megatron.fp8.quantize import Tile
+
 
 class Fp8Format(str, enum.Enum):
     HYBRID = "hybrid"  # E4M3 forward (activations, weights), E5M2 backward (gradients)
@@ -19,6 +21,24 @@ class Fp8Format(str, enum.Enum):
 class Fp8Scaling(str, enum.Enum):
     DELAYED = "delayed"  # scale from an amax history of previous steps
     TENSORWISE = "tensorwise"  # current scaling: scale from this tensor's amax now
+    # Fine-grained current scaling: one scale per tile of each GEMM operand, along the GEMM's contraction
+    # dimension (see `Fp8Recipe.tiles` and "Fine-grained recipes" in docs/fp8.md).
+    ROWWISE = "rowwise"  # one scale per row of each operand (torchao's axiswise)
+    BLOCKWISE = "blockwise"  # 1x128 tiles for activations and gradients, 128x128 blocks for weights (DeepSeek-V3)
+    MXFP8 = "mxfp8"  # 1x32 tiles with power-of-two (E8M0) scales, OCP MX
+
+    @property
+    def fine_grained(self) -> bool:
+        return self in (Fp8Scaling.ROWWISE, Fp8Scaling.BLOCKWISE, Fp8Scaling.MXFP8)
+
+
+# (activation and gradient tile, weight tile) of each fine-grained recipe; the last dimension is the GEMM's
+# contraction dimension, 0 the whole dimension. A weight tile that is square serves fprop and dgrad alike.
+_TILES = {
+    Fp8Scaling.ROWWISE: (Tile(1, 0), Tile(1, 0)),
+    Fp8Scaling.BLOCKWISE: (Tile(1, 128), Tile(128, 128)),
+    Fp8Scaling.MXFP8: (Tile(1, 32), Tile(1, 32)),
+}
 
 
 class AmaxComputeAlgo(str, enum.Enum):
@@ -64,6 +84,37 @@ class Fp8Recipe:
             raise ValueError(f"--fp8-margin must be >= 0, got {self.margin}")
         if self.first_last_layers_bf16 < 0:
             raise ValueError(f"--fp8-first-last-layers-bf16 must be >= 0, got {self.first_last_layers_bf16}")
+
+    @property
+    def tiles(self) -> tuple[Tile, Tile] | None:
+        """(activation/gradient tile, weight tile) of a fine-grained recipe; None for per-tensor scaling."""
+        return _TILES.get(self.scaling)
+
+    @property
+    def pow2_block_scales(self) -> bool:
+        """Whether block scales are powers of two: always under MXFP8 (E8M0), else `power_of_two_scales`."""
+        return self.power_of_two_scales or self.scaling is Fp8Scaling.MXFP8
+
+    def check_tensor_parallel(self, tp_size: int, sharded: dict[str, int]) -> None:
+        """ValueError unless every tensor-parallel piece holds whole tiles.
+
+        `sharded` maps a description of each dimension that tensor parallelism splits (naming its flags) to its
+        full size. A tile is computed on one rank's piece, so a tile length that does not divide the piece
+        makes tiles the TP=1 model does not have (a tile straddling two shards, cut in two). Rowwise scales
+        span the whole local row and are exempt: on a row-parallel GEMM they cover the local shard of K
+        (documented in docs/fp8.md: no collective, numerics differ from TP=1 by that).
+        """
+        if self.tiles is None or tp_size == 1 or self.scaling is Fp8Scaling.ROWWISE:
+            return
+        act, weight = self.tiles
+        length = max(act.cols, weight.rows, weight.cols)
+        for what, size in sharded.items():
+            if size % tp_size or (size // tp_size) % length:
+                raise ValueError(
+                    f"--fp8-recipe {self.scaling.value} uses tiles of {length} along every GEMM dimension, but "
+                    f"{what} = {size} split over --tensor-model-parallel-size {tp_size} gives pieces of "
+                    f"{size / tp_size:g}, not a multiple of {length}: a tile would straddle two shards. Choose "
+                    f"sizes whose TP pieces are multiples of {length}, or --fp8-recipe rowwise/tensorwise")
 
     def to_dict(self) -> dict[str, object]:
         """Plain dict (enums as their string values): safe for `torch.load(weights_only=True)` and JSON."""

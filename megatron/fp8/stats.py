@@ -8,6 +8,8 @@ which the training loop calls at its log interval.
 Per layer and tensor role (input, weight, grad_output):
 - `amax`: the largest |x| seen since the last read; `scale`: the scale used most recently;
 - `clipped_frac`: fraction of values with |x * scale| > fp8_max, i.e. saturated by the clamp;
+- `clipped_block_frac`: fraction of scaling blocks (tiles of the fine-grained recipes; the whole tensor per
+  quantization otherwise) holding at least one clipped value;
 - `flushed_frac`: fraction of *nonzero* values that quantized to 0 (below half the smallest subnormal);
 - `nan_count`, `inf_count`: counted on the unquantized tensor, before the clamp hides infinities.
 `worst_fp8_layer` names the tensor with the highest clipped fraction, for the log line. Clipping is the
@@ -22,13 +24,13 @@ import torch
 import torch.nn as nn
 
 from megatron.fp8.formats import Fp8FormatSpec
-from megatron.fp8.quantize import amax_of, count_nonfinite
+from megatron.fp8.quantize import Tile, _blocked, amax_of, count_nonfinite
 
 if TYPE_CHECKING:
     from megatron.fp8.linear import Fp8Linear
 
 # Columns of the per-module count buffer.
-_COUNTS = ("clipped", "flushed", "nan", "inf", "numel")
+_COUNTS = ("clipped", "flushed", "nan", "inf", "numel", "blocks_clipped", "blocks")
 
 
 def _ensure_buffers(module: "Fp8Linear") -> None:
@@ -45,17 +47,31 @@ def _ensure_buffers(module: "Fp8Linear") -> None:
 
 @torch.no_grad()
 def record(module: "Fp8Linear", role: int, t: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
-           spec: Fp8FormatSpec) -> None:
-    """Accumulate the statistics of one quantization of `t` (to `q` with `scale`) into `module`."""
+           spec: Fp8FormatSpec, tile: Tile | None = None) -> None:
+    """Accumulate the statistics of one quantization of `t` (to `q` with `scale`) into `module`.
+
+    With a `tile`, `scale` is the grid of tile scales: clipping is also counted per tile (a tile with any
+    clipped value), and the scale recorded is the smallest one (the tile of the largest amax).
+    """
     _ensure_buffers(module)
-    scaled = t.float() * scale.float()
-    clipped = (scaled.abs() > spec.max).sum()
+    if tile is None:
+        over = (t.float() * scale.float()).abs() > spec.max
+        block_over, blocks = over.any().reshape(1), 1
+        recorded_scale = scale.float()
+    else:
+        blocks_view, _ = _blocked(t.float(), tile)
+        over = (blocks_view * scale.float()[:, None, :, None]).abs() > spec.max
+        block_over, blocks = over.any(dim=3).any(dim=1), scale.numel()
+        recorded_scale = torch.nan_to_num(scale.float(), nan=float("inf")).amin()
+    clipped = over.sum()
     flushed = ((t != 0) & (q.float() == 0)).sum()
     nan, inf = count_nonfinite(t)
     numel = torch.tensor(t.numel(), dtype=torch.int64, device=t.device)
-    module.fp8_stats_counts[role] += torch.stack([clipped, flushed, nan, inf, numel]).to(torch.int64)
+    n_blocks = torch.tensor(blocks, dtype=torch.int64, device=t.device)
+    module.fp8_stats_counts[role] += torch.stack(
+        [clipped, flushed, nan, inf, numel, block_over.sum(), n_blocks]).to(torch.int64)
     module.fp8_stats_amax[role] = torch.maximum(module.fp8_stats_amax[role], amax_of(t))
-    module.fp8_stats_scale[role] = scale.float()
+    module.fp8_stats_scale[role] = recorded_scale
 
 
 def sqnr_db(test: torch.Tensor, reference: torch.Tensor) -> float:
@@ -100,13 +116,14 @@ def collect_fp8_stats(model: nn.Module, reset: bool = True) -> dict[str, float]:
     out: dict[str, float] = {}
     for i, name in enumerate(names):
         for r, role in enumerate(ROLE_NAMES):
-            clipped, flushed, nan, inf, numel = all_counts[i][r]
+            clipped, flushed, nan, inf, numel, blocks_clipped, blocks = all_counts[i][r]
             if numel == 0:
                 continue
             prefix = f"fp8/{name}/{role}" if name else f"fp8/{role}"  # name is "" for a bare layer
             out[f"{prefix}/amax"] = float(all_amax[i][r])
             out[f"{prefix}/scale"] = float(all_scale[i][r])
             out[f"{prefix}/clipped_frac"] = clipped / numel
+            out[f"{prefix}/clipped_block_frac"] = blocks_clipped / max(blocks, 1)
             out[f"{prefix}/flushed_frac"] = flushed / numel
             out[f"{prefix}/nan_count"] = float(nan)
             out[f"{prefix}/inf_count"] = float(inf)

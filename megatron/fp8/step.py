@@ -9,8 +9,8 @@ What it does, for every `Fp8Linear` in the model:
 2. Roll the amax histories, recompute the delayed scales, count non-finite steps.
 3. Reset the running step amax and drop the cached FP8 weights (the optimizer has just changed them).
 
-Modules using current (tensorwise) scaling skip 1-2 (their scales never come from a history) but still count
-the roles whose step amax was not finite (rank-local: no collective for a counter).
+Modules using current scaling (tensorwise, rowwise, blockwise, mxfp8) skip 1-2 (their scales never come from
+a history) but still count the roles whose step amax was not finite (rank-local: no collective for a counter).
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def fp8_optimizer_step(model: nn.Module) -> None:
         if module.recipe.scaling is Fp8Scaling.DELAYED:
             groups.setdefault(id(module.amax_group), (module.amax_group, []))[1].append(module)
         module.invalidate_fp8_weight_cache()
-        if module.recipe.scaling is Fp8Scaling.TENSORWISE:
+        if module.recipe.scaling is not Fp8Scaling.DELAYED:  # tensorwise and the fine-grained recipes
             # No history to update, but an inf/NaN seen this step is counted as under delayed scaling.
             module.fp8_step_nonfinite.copy_(~torch.isfinite(module.fp8_step_amax))
             module.fp8_nonfinite_steps += module.fp8_step_nonfinite.to(torch.int64)

@@ -1,0 +1,157 @@
+"""The three GEMMs of `Fp8Linear` under the fine-grained recipes: rowwise, blockwise and MXFP8.
+
+Every operand is scaled per *tile* along the dimension its GEMM contracts (current scaling, `quantize_tiles`).
+In "NT" form (`a @ b^T`, the contraction on both operands' last dimension), with x: [M, K], W: [N, K]:
+
+    GEMM    a      b      contracts   tiles of a        tiles of b
+    fprop   x      W      K           act along K       weight along K
+    dgrad   dy     W^T    N           act along N       weight along N
+    wgrad   dy^T   x^T    M (tokens)  act along M       act along M
+
+`Fp8Recipe.tiles` gives (activation tile, weight tile): rowwise (1, whole) and (1, whole); blockwise
+(1, 128) and (128, 128); MXFP8 (1, 32) and (1, 32). So every tensor is needed in two layouts, one per
+contraction axis, and the FP8 copy made for one GEMM does not serve the other:
+
+- the weight: a square 128x128 block is the same block seen from either side, so blockwise transposes its
+  FP8 weight and scale grid for dgrad (no requantization, as in DeepSeek-V3); rowwise and MXFP8 quantize
+  W^T afresh from the high-precision weight (it is there anyway). Both layouts are cached once per step.
+- the output gradient: quantized twice (along N for dgrad, along M for wgrad) from dy, which backward has.
+- the input: x is gone by backward, and its fprop tiles run along K while wgrad needs tiles along M. We
+  save the *second FP8 layout* (x^T quantized along M, as Transformer Engine does), not x, and not a
+  requantization of the fprop layout: requantizing dequantized values rounds twice. The cost is the
+  activation memory of one FP8 copy (1 byte per element plus scales; bf16's 2 bytes is no more than two FP8
+  copies). The error of both choices against dW from the unquantized x is measured in
+  tests/test_fp8_recipes.py and docs/fp8.md ("Fine-grained recipes").
+
+Scaling state: fine-grained scales are recomputed at every use and never kept; the module still accumulates
+each role's whole-tensor amax into `fp8_step_amax` (non-finite step counting and statistics behave as under
+tensorwise scaling), and its checkpoint state stays the per-tensor buffers, untouched.
+Smooth-SwiGLU's `weight_column_scale` composes: W diag(c) is quantized per call, like under per-tensor
+scaling; `input_amax` is not needed (each tile has its own amax) and is ignored.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from megatron.fp8 import stats as fp8_stats
+from megatron.fp8.formats import Fp8FormatSpec
+from megatron.fp8.quantize import Tile, TiledFp8, quantize_tiles
+from megatron.fp8.scaling import Fp8Role
+
+if TYPE_CHECKING:
+    from megatron.fp8.backends import Backend
+    from megatron.fp8.linear import Fp8Linear
+
+
+@dataclasses.dataclass
+class TiledWeight:
+    """The FP8 weight of one step in its fprop layout, and its dgrad layout (W^T) made on first need."""
+
+    key: tuple[Any, ...] | None
+    source: torch.Tensor  # the high-precision weight (or W diag(c)) the layouts are quantized from
+    fprop: TiledFp8
+    dgrad: TiledFp8 | None = None
+
+    def transposed(self, module: "Fp8Linear", spec: Fp8FormatSpec) -> TiledFp8:
+        if self.dgrad is None:
+            tile = self.fprop.tile
+            if tile.rows == tile.cols and tile.rows > 0:
+                self.dgrad = self.fprop.t()
+            else:
+                self.dgrad = quantize_tile_role(module, Fp8Role.WEIGHT, self.source.t(), tile, spec, record=False)
+        return self.dgrad
+
+
+def quantize_tile_role(module: "Fp8Linear", role: Fp8Role, t: torch.Tensor, tile: Tile, spec: Fp8FormatSpec,
+                       record: bool = True, stochastic_rounding: bool = False) -> TiledFp8:
+    """`quantize_tiles` with the module's recipe; records statistics and (in training) the role's amax."""
+    recipe = module.recipe
+    q = quantize_tiles(t, tile, spec, recipe.margin, recipe.pow2_block_scales, stochastic_rounding)
+    if record:
+        amax = q.amax.amax() if q.amax.numel() else torch.zeros((), device=t.device)
+        if module.training:
+            module.fp8_step_amax[role] = torch.maximum(module.fp8_step_amax[role], amax)
+        if module.fp8_stats_enabled:
+            fp8_stats.record(module, role, t, q.data, q.scale, spec, tile=tile)
+    return q
+
+
+def tiled_weight(module: "Fp8Linear", backend: "Backend", spec: Fp8FormatSpec,
+                 column_scale: torch.Tensor | None) -> TiledWeight:
+    """The cached tiled FP8 weight of this step, or Q(W diag(c)) for this call only (Smooth-SwiGLU)."""
+    _, w_tile = module.recipe.tiles
+    with torch.no_grad():
+        if column_scale is not None:
+            w = module.weight.float() * column_scale.float()
+            module.fp8_weight_quantizations += 1
+            return TiledWeight(None, w, quantize_tile_role(module, Fp8Role.WEIGHT, w, w_tile, spec))
+        w = module.weight
+        key = (w._version, w.data_ptr(), backend.name, "tiles")
+        cache = module._weight_cache
+        if not isinstance(cache, TiledWeight) or cache.key != key:
+            cache = TiledWeight(key, w, quantize_tile_role(module, Fp8Role.WEIGHT, w, w_tile, spec))
+            module._weight_cache = cache
+            module.fp8_weight_quantizations += 1
+        elif module.training:  # the amax of every training use, as `_note_weight_use` does per tensor
+            amax = cache.fprop.amax.amax()
+            module.fp8_step_amax[Fp8Role.WEIGHT] = torch.maximum(module.fp8_step_amax[Fp8Role.WEIGHT], amax)
+    return cache
+
+
+class TiledFp8LinearFunction(torch.autograd.Function):
+    """fprop, dgrad and wgrad with tile scales (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                module: "Fp8Linear", out_dtype: torch.dtype, column_scale: torch.Tensor | None = None) -> torch.Tensor:
+        backend = module.fp8_backend(x.device)
+        specs = module.fp8_specs(backend)
+        act_tile, _ = module.recipe.tiles
+        x2d = x.reshape(-1, x.shape[-1])
+        with torch.autocast(x.device.type, enabled=False):
+            q_x = quantize_tile_role(module, Fp8Role.INPUT, x2d, act_tile, specs[Fp8Role.INPUT])
+            w = tiled_weight(module, backend, specs[Fp8Role.WEIGHT], column_scale)
+            y = backend.gemm_tiles(q_x, w.fprop, out_dtype)
+            if bias is not None:
+                y = y + bias.to(out_dtype)
+            wgrad_fp8 = module.recipe.fp8_wgrad and weight.requires_grad
+            if wgrad_fp8:  # the wgrad layout: x^T tiled along the tokens
+                q_xt = quantize_tile_role(module, Fp8Role.INPUT, x2d.t(), act_tile, specs[Fp8Role.INPUT], False)
+                ctx.save_for_backward(q_xt.data, q_xt.scale, column_scale)
+            else:
+                ctx.save_for_backward(x2d, None, column_scale)
+        ctx.module, ctx.backend, ctx.specs, ctx.weight_fp8, ctx.wgrad_fp8 = module, backend, specs, w, wgrad_fp8
+        ctx.x_shape, ctx.x_dtype, ctx.w_dtype, ctx.has_bias = x.shape, x.dtype, weight.dtype, bias is not None
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        saved, saved_scale, column_scale = ctx.saved_tensors
+        module, backend, specs, w = ctx.module, ctx.backend, ctx.specs, ctx.weight_fp8
+        act_tile, _ = module.recipe.tiles
+        spec = specs[Fp8Role.GRAD_OUTPUT]
+        rounding = module.recipe.grad_stochastic_rounding
+        dy2d = dy.reshape(-1, dy.shape[-1])
+        dx = dw = db = None
+        with torch.autocast(dy.device.type, enabled=False):
+            if ctx.needs_input_grad[0]:
+                q_g = quantize_tile_role(module, Fp8Role.GRAD_OUTPUT, dy2d, act_tile, spec, True, rounding)
+                dx = backend.gemm_tiles(q_g, w.transposed(module, specs[Fp8Role.WEIGHT]), ctx.x_dtype)
+                dx = dx.reshape(ctx.x_shape)
+            if ctx.needs_input_grad[1]:
+                if ctx.wgrad_fp8:
+                    q_gt = quantize_tile_role(module, Fp8Role.GRAD_OUTPUT, dy2d.t(), act_tile, spec,
+                                              not ctx.needs_input_grad[0], rounding)
+                    q_xt = TiledFp8(saved, saved_scale, saved_scale, act_tile)
+                    dw = backend.gemm_tiles(q_gt, q_xt, torch.float32)
+                else:
+                    dw = dy2d.float().t() @ saved.float()
+                if column_scale is not None:
+                    dw = dw * column_scale.float()
+                dw = dw.to(ctx.w_dtype)
+            if ctx.has_bias and ctx.needs_input_grad[2]:
+                db = dy2d.float().sum(dim=0).to(ctx.w_dtype)
+        return dx, dw, db, None, None, None
