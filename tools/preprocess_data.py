@@ -3,11 +3,17 @@
     python tools/preprocess_data.py --input corpus.jsonl --json-keys text --output-prefix data/my \\
         --tokenizer-type GPTSentencePieceTokenizer --tokenizer-model tok.model --append-eod --workers 4
 
-writes `data/my_text_document.bin/.idx`. `--input` is JSONL when it ends in .jsonl/.json, otherwise
-plain text with one document per line, and `data/my_text_document.manifest.json`, which the training
-reader checks (sizes, hashes, largest token id). A malformed line stops the run (exit status 1) with its
-file and line number, unless `--skip-bad-lines`; so does an input without documents. Errors print one
-line, without a traceback. Interrupted runs leave no new files under the final names.
+writes `data/my_text_document.bin/.idx` and `data/my_text_document.manifest.json`, which the training reader
+checks (sizes, hashes, largest token id). `--input` is a file, a directory (every .jsonl/.json/.txt under it,
+also .gz/.zst) or a quoted glob such as 'redpajama/**/*.jsonl.zst'; files are taken in path order. JSONL when the
+name ends in .jsonl/.json (before .gz/.zst), otherwise plain text with one document per line.
+
+`--partitions N` cuts the input into N contiguous parts of about equal size, tokenized in parallel by N processes
+(each with `--workers` tokenizer processes) into `data/my_{k}_text_document` (k = 0..N-1, zero-padded), then
+merged into `data/my_text_document` and removed; `--no-merge` keeps the partition pairs instead (blend them with
+`--data-path` or `--data-args-path`). A malformed line stops the run (exit status 1) with its file and line
+number, unless `--skip-bad-lines`; so does an input without documents. Errors print one line, without a
+traceback. Interrupted runs leave no new files under the final names.
 """
 from __future__ import annotations
 
@@ -27,7 +33,9 @@ from megatron.tokenizer.flags import add_tokenizer_args, tokenizer_config  # noq
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     group = parser.add_argument_group("input data")
-    group.add_argument("--input", type=str, required=True, help="JSONL (.jsonl/.json) or plain text, one doc a line")
+    group.add_argument("--input", type=str, required=True,
+                       help="a file, a directory or a quoted glob of JSONL (.jsonl/.json) or plain-text files, "
+                            "optionally .gz/.zst compressed; taken in path order")
     group.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract (default: text)")
     group.add_argument("--skip-bad-lines", action="store_true",
                        help="skip and count malformed lines instead of stopping at the first")
@@ -37,7 +45,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     group.add_argument("--output-prefix", type=str, required=True,
                        help="writes {prefix}_{key}_document.bin/.idx for every key")
     group = parser.add_argument_group("runtime")
-    group.add_argument("--workers", type=int, default=1, help="tokenizer processes")
+    group.add_argument("--workers", type=int, default=1, help="tokenizer processes per partition")
+    group.add_argument("--partitions", type=int, default=1,
+                       help="split the input into this many contiguous parts tokenized in parallel, then merged")
+    group.add_argument("--no-merge", action="store_true",
+                       help="with --partitions: keep the partition pairs {prefix}_{k}_{key}_document, do not merge")
     group.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser.parse_args(argv)
 
@@ -49,7 +61,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         stats = preprocess(args.input, args.output_prefix, tokenizer_config(args), args.json_keys,
                            append_eod=args.append_eod, workers=args.workers, skip_bad_lines=args.skip_bad_lines,
-                           progress=not args.no_progress)
+                           progress=not args.no_progress, partitions=args.partitions, merge=not args.no_merge)
     except (ValueError, OSError) as err:  # bad flags, files or lines, a full disk: the message names them
         if show_tracebacks():  # MEGATRON_TRACEBACK=1, as for the other entry points
             raise

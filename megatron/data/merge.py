@@ -189,8 +189,13 @@ def merge_partitions(partition_prefixes: Sequence[str], output_prefix: str, remo
     """`tools/preprocess_data.py --partitions N`: merge the partitions' pairs, then (optionally) remove them."""
     stats = merge_datasets(partition_prefixes, output_prefix, progress)
     if remove_inputs:
-        for prefix in partition_prefixes:
-            for ext in (".bin", ".idx", ".manifest.json"):
-                if os.path.exists(prefix + ext):
-                    os.remove(prefix + ext)
+        remove_pairs(partition_prefixes)
     return stats
+
+
+def remove_pairs(prefixes: Sequence[str]) -> None:
+    """Delete the `.bin`, `.idx` and manifest of each prefix (intermediate pairs)."""
+    for prefix in prefixes:
+        for ext in (".bin", ".idx", ".manifest.json"):
+            if os.path.exists(prefix + ext):
+                os.remove(prefix + ext)
