@@ -341,3 +341,27 @@ def test_a_truncated_bin_stops_pretraining_with_one_line(tmp_path):
     assert "Traceback" not in out.stderr
     [line] = [ln for ln in out.stderr.splitlines() if ln.startswith("error:")]
     assert f"{tmp_path / 'c'}.idx: sequence 299 ends at byte" in line and "tools/preprocess_data.py" in line
+
+
+def test_prepare_demo_data_redoes_a_pair_without_a_complete_manifest(tmp_path, monkeypatch):
+    """Issue 15.6: a pair whose publication was killed (the manifest is a marker) or that has no manifest is redone;
+    only a complete one is skipped (prepare_demo_data used to skip any split whose .bin and .idx existed)."""
+    from conftest import load_tool
+    from megatron.data.manifest import mark_publishing
+
+    tool = load_tool("prepare_demo_data")
+    for split in ("train", "valid", "test"):
+        (tmp_path / f"{split}.jsonl").write_text('{"text": "x"}\n')
+        write_builder(tmp_path / f"{split}_text_document", [[1, 2]])
+    (tmp_path / "tokenizer.model").write_bytes(b"stands in")
+    mark_publishing(str(tmp_path / "valid_text_document"))  # SIGKILL between the marker and the manifest
+    os.remove(tmp_path / "test_text_document.manifest.json")
+    redone = []
+
+    class Stats:
+        def summary(self):
+            return "redone"
+
+    monkeypatch.setattr(tool, "preprocess", lambda path, base, *a, **k: redone.append(os.path.basename(base)) or Stats())
+    tool.prepare(str(tmp_path))
+    assert redone == ["valid", "test"]

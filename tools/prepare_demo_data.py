@@ -6,7 +6,8 @@ held out, so validation and test text is never seen in training, not even as nei
     valid: Ruth, Mark        test: Jonah, James        train: the other 62 books
 
 Steps, each skipped when its output already exists (`--force` redoes them; a redone step also
-redoes the steps after it). Every file is written under a temporary name and renamed when done:
+redoes the steps after it; a `.bin/.idx` pair counts only with a complete manifest that matches it, so
+a pair left half-published by a killed run is redone). Every file is written under a temporary name and renamed when done:
 
 1. `{split}.jsonl` ({"text", "book", "chapter"} per line) for train/valid/test;
 2. a SentencePiece BPE tokenizer trained on train.jsonl: `tokenizer.model` (`--vocab-size`, 4096);
@@ -27,6 +28,7 @@ from typing import Optional
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.config import DataConfig  # noqa: E402
+from megatron.data.manifest import pair_is_complete  # noqa: E402
 from megatron.data.preprocess import output_prefix_for, preprocess  # noqa: E402
 from megatron.data.text_input import iter_documents  # noqa: E402
 from megatron.tokenizer.train import train_sentencepiece  # noqa: E402
@@ -83,7 +85,7 @@ def prepare(output_dir: str, vocab_size: int = 4096, force: bool = False, worker
     for split in SPLITS:
         base = os.path.join(output_dir, split)
         prefix = output_prefix_for(base, "text")
-        if redo or not (os.path.exists(prefix + ".bin") and os.path.exists(prefix + ".idx")):
+        if redo or not pair_is_complete(prefix):  # not just present: a run killed mid-publish left a marker
             stats = preprocess(jsonl[split], base, tokenizer_cfg, ["text"], append_eod=True, workers=workers,
                                progress=False)
             print(f"{split}: {stats.summary()}")

@@ -184,3 +184,19 @@ def verify_manifest(prefix: str, manifest: dict) -> TokenRange:
             f"{prefix}: the .bin/.idx pair does not match {manifest_path(prefix)} ({what}): the files were "
             f"changed or only partly replaced after they were written: {_rerun(prefix)}")
     return TokenRange.from_dict(manifest.get("token_range", {}))
+
+
+def pair_is_complete(prefix: str) -> bool:
+    """Whether `prefix.bin/.idx` were published whole by our writer: a complete manifest matching both files.
+
+    A pair without a manifest, with a "publishing" marker (a writer killed mid-publish) or with files that no
+    longer match is not; tools that skip existing outputs must redo those.
+    """
+    try:
+        manifest = read_manifest(prefix)
+        if manifest is None:
+            return False
+        verify_manifest(prefix, manifest)
+    except (CorruptIndexedDatasetError, OSError):
+        return False
+    return True
