@@ -151,6 +151,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--valid-data-path", nargs="*", default=None)
     g.add_argument("--test-data-path", nargs="*", default=None)
     g.add_argument("--data-cache-path", type=str, default=None)
+    g.add_argument("--data-args-path", type=str, default=None,
+                   help="a file holding what --data-path would (W1 P1 W2 P2 ... or P1 P2 ...), for long blends")
+    g.add_argument("--per-split-data-args-path", type=str, default=None,
+                   help='a JSON file {"train": [...], "valid": [...], "test": [...]} of per-split data paths')
+    g.add_argument("--data-cache-shared", action="store_true",
+                   help="the index cache is on a filesystem every node sees: rank 0 alone builds the indices "
+                        "(default: local rank 0 of each node)")
     g.add_argument("--mock-data", action="store_true", help="synthetic learnable tokens (needs --vocab-size)")
     g.add_argument("--tokenizer-type", type=str, default=None,
                    choices=["SentencePieceTokenizer", "GPTSentencePieceTokenizer", "HFTokenizer",
@@ -292,7 +299,11 @@ def _model_config(a: argparse.Namespace, padded_vocab: int) -> ModelConfig:
 
 
 def _data_config(a: argparse.Namespace) -> DataConfig:
-    has_paths = bool(a.data_path or a.train_data_path)
+    from megatron.data.data_args import resolve_data_paths  # reads --data-args-path / --per-split-data-args-path
+
+    paths = resolve_data_paths(a.data_path, a.train_data_path, a.valid_data_path, a.test_data_path,
+                               a.data_args_path, a.per_split_data_args_path)
+    has_paths = bool(paths.data_path or paths.train_data_path)
     if a.mock_data and has_paths:
         raise ValueError("--mock-data and --data-path/--train-data-path are exclusive: pick one")
     if not a.mock_data and not has_paths:
@@ -302,9 +313,10 @@ def _data_config(a: argparse.Namespace) -> DataConfig:
     elif a.tokenizer_type is None:
         raise ValueError("--tokenizer-type is required with --data-path (e.g. SentencePieceTokenizer, HFTokenizer)")
     return DataConfig(
-        data_path=tuple(a.data_path or ()), split=a.split, train_data_path=tuple(a.train_data_path or ()),
-        valid_data_path=tuple(a.valid_data_path or ()), test_data_path=tuple(a.test_data_path or ()),
-        data_cache_path=a.data_cache_path, mock_data=a.mock_data, tokenizer_type=a.tokenizer_type,
+        data_path=paths.data_path, split=a.split, train_data_path=paths.train_data_path,
+        valid_data_path=paths.valid_data_path, test_data_path=paths.test_data_path,
+        data_cache_path=a.data_cache_path, data_cache_shared=a.data_cache_shared, mock_data=a.mock_data,
+        tokenizer_type=a.tokenizer_type,
         tokenizer_model=a.tokenizer_model, vocab_file=a.vocab_file, merge_file=a.merge_file, vocab_size=a.vocab_size,
         make_vocab_size_divisible_by=a.make_vocab_size_divisible_by, eod_mask_loss=a.eod_mask_loss,
         reset_position_ids=a.reset_position_ids, reset_attention_mask=a.reset_attention_mask,

@@ -162,6 +162,8 @@ class DataConfig:
     valid_data_path: Tuple[str, ...] = ()
     test_data_path: Tuple[str, ...] = ()
     data_cache_path: Optional[str] = None
+    # The index cache is on a filesystem every node sees: one rank in all builds (else one rank per node).
+    data_cache_shared: bool = False
     mock_data: bool = False
     tokenizer_type: Optional[str] = None
     tokenizer_model: Optional[str] = None
