@@ -101,3 +101,78 @@ def test_400b_token_index_build_under_3_2_gb(tmp_path):
     bench.synthetic_table(4e11, table)
     result = bench.run_child(table, 4096, "new", rlimit_as=3.2e9, timeout=600)
     assert result["documents"] == 360_000_000 and result["peak_as"] <= 3.2e9
+
+
+# --------------------------------------------------------------- one builder per node, the others load (issue 15.5)
+
+def _coordination_worker(rank: int, store: str, prefix: str, root: str) -> None:
+    """One of two gloo ranks: four dataset builds in a row; writes how often each rank built and scanned."""
+    import json
+    import socket
+
+    import torch.distributed as dist
+
+    from conftest import tiny_argv
+    from megatron.arguments import parse_config
+    from megatron.data import gpt_dataset, token_range
+    from megatron.parallel_state import ParallelState
+    from megatron.training.datasets import build_datasets
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    parallel = ParallelState(world_size=2, rank=rank, data_parallel_size=2, data_parallel_rank=rank,
+                             host_group=dist.group.WORLD)
+    counts = {"index": 0, "scan": 0}
+    real_write, real_scan, real_host = gpt_dataset.write_gpt_indices, token_range.scan_token_range, socket.gethostname
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    gpt_dataset.write_gpt_indices = counted("index", real_write)
+    token_range.scan_token_range = counted("scan", real_scan)
+    # (cache folder, --data-cache-shared, two nodes); two nodes without a shared cache have node-local folders.
+    steps = [(f"a{rank}", False, True), (f"a{rank}", False, True), ("b", True, True), ("c", False, False)]
+    events = []
+    for cache, shared, two_nodes in steps:
+        socket.gethostname = (lambda: f"node{rank}") if two_nodes else real_host
+        argv = tiny_argv(vocab_size=1000, split="90,10,0") + ["--data-path", prefix, "--tokenizer-type",
+                                                                "NullTokenizer", "--data-cache-path", f"{root}/{cache}"]
+        argv.remove("--mock-data")
+        before = dict(counts)
+        build_datasets(parse_config(argv + (["--data-cache-shared"] if shared else [])), None, parallel)
+        events.append({k: counts[k] - before[k] for k in counts})
+    with open(f"{root}/rank{rank}.json", "w") as f:
+        json.dump(events, f)
+    dist.destroy_process_group()
+
+
+def test_one_rank_per_node_builds_and_a_second_run_never_rebuilds(tmp_path):
+    import json
+    import multiprocessing
+
+    from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder
+
+    prefix = str(tmp_path / "corpus")
+    with MMapIndexedDatasetBuilder(prefix, np.uint16) as builder:
+        for d in range(200):
+            builder.add_document(np.arange(d % 50, d % 50 + 30))
+        builder.finalize()
+    os.remove(prefix + ".manifest.json")  # a pair from another tool: its token range is scanned (once per node)
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_coordination_worker, args=(r, str(tmp_path / "store"), prefix, str(tmp_path)))
+             for r in range(2)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=120)
+    assert [proc.exitcode for proc in procs] == [0, 0]
+    rank0, rank1 = (json.load(open(tmp_path / f"rank{r}.json")) for r in range(2))
+    # Two nodes (one rank each): both build and scan; the same run again builds nothing anywhere.
+    assert rank0[0]["index"] >= 2 and rank0[0]["scan"] == 1 and rank1[0] == rank0[0]
+    assert rank0[1] == rank1[1] == {"index": 0, "scan": 0}
+    # --data-cache-shared: rank 0 alone builds and scans; rank 1 loads what it wrote.
+    assert rank0[2] == rank0[0] and rank1[2] == {"index": 0, "scan": 0}
+    # Both ranks on one node (the default, per node): the node's first rank builds for both.
+    assert rank0[3] == rank0[0] and rank1[3] == {"index": 0, "scan": 0}

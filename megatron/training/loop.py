@@ -133,7 +133,7 @@ class Trainer:
         self.last_healthy: Optional[str] = None  # the newest checkpoint known healthy (loaded or saved by this run)
         if config.checkpoint.load:
             self._load()
-        self.train_ds, self.valid_ds, self.test_ds, self.eod = build_datasets(config, tokenizer)
+        self.train_ds, self.valid_ds, self.test_ds, self.eod = build_datasets(config, tokenizer, self.parallel)
         self.flops_per_iter = flops_per_iteration(config.model, t.global_batch_size)
         self.tlog = TrainingLogger(config.logging.log_interval, t.train_iters, config.logging.tensorboard_dir,
                                    enabled=self.parallel.is_logging_rank)
