@@ -143,6 +143,16 @@ def _coordination_worker(rank: int, store: str, prefix: str, root: str) -> None:
         before = dict(counts)
         build_datasets(parse_config(argv + (["--data-cache-shared"] if shared else [])), None, parallel)
         events.append({k: counts[k] - before[k] for k in counts})
+    # The builder fails (rank 0 on this one node): both ranks fail, rank 1 naming who to look at.
+    gpt_dataset.write_gpt_indices = lambda *args: (_ for _ in ()).throw(RuntimeError("disk on fire"))
+    argv = tiny_argv(vocab_size=1000, split="90,10,0") + ["--data-path", prefix, "--tokenizer-type", "NullTokenizer",
+                                                            "--data-cache-path", f"{root}/d"]
+    argv.remove("--mock-data")
+    try:
+        build_datasets(parse_config(argv), None, parallel)
+        events.append("built")
+    except Exception as err:  # noqa: BLE001  (the test records what each rank saw)
+        events.append(f"{type(err).__name__}: {err}")
     with open(f"{root}/rank{rank}.json", "w") as f:
         json.dump(events, f)
     dist.destroy_process_group()
@@ -176,3 +186,5 @@ def test_one_rank_per_node_builds_and_a_second_run_never_rebuilds(tmp_path):
     assert rank0[2] == rank0[0] and rank1[2] == {"index": 0, "scan": 0}
     # Both ranks on one node (the default, per node): the node's first rank builds for both.
     assert rank0[3] == rank0[0] and rank1[3] == {"index": 0, "scan": 0}
+    assert rank0[4] == "RuntimeError: disk on fire"
+    assert rank1[4].startswith("DataError: building the data indices failed on one rank per node: ranks [0]")
