@@ -6,7 +6,8 @@ gpu_check.json the moment it finishes (a stage that dies still leaves the earlie
 summary is written next to it. Stages:
 
   env          torch/CUDA versions, GPU name, compute capability, GPU count, optional packages present
-  gpu_tests    pytest -m gpu (scaled_mm vs emulation on the GPU, a tiny FP8 GPT trained on the GPU)
+  gpu_tests    pytest -m gpu (scaled_mm vs emulation on the GPU, a tiny FP8 GPT trained on the GPU, the
+               fine-grained recipes against their emulation)
   train_1gpu   pretrain_gpt.py under torchrun on one GPU: FP8 + Smooth-SwiGLU + Fp8AdamW, NCCL process group
                with the collective path forced on at world size 1 (MEGATRON_FORCE_COLLECTIVES=1)
   train_tp2    the same at tensor-parallel size 2 (only with 2+ GPUs)
@@ -55,7 +56,8 @@ def plan(gpus: int) -> list[dict]:
     """The stages: name, command, environment additions and time limit (seconds)."""
     stages = [
         {"name": "gpu_tests", "limit": 60, "env": {},
-         "cmd": [PY, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", str(REPO / "tests" / "test_gpu.py")]},
+         "cmd": [PY, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", str(REPO / "tests" / "test_gpu.py"),
+                 str(REPO / "tests" / "test_fp8_recipes.py")]},
         {"name": "train_1gpu", "limit": 60, "env": {"MEGATRON_FORCE_COLLECTIVES": "1"}, "cmd": _torchrun(1, "")},
     ]
     if gpus >= 2:

@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 
 from megatron.arguments import parse_config
 from megatron.config import ParallelConfig
-from megatron.fp8 import Fp8Linear, Fp8Recipe, fp8_optimizer_step, fp8_state_dict, load_fp8_state_dict
+from megatron.fp8 import Fp8Linear, Fp8Recipe, Fp8Scaling, fp8_optimizer_step, fp8_state_dict, load_fp8_state_dict
 from megatron.fp8 import stats as fp8_stats
 from megatron.fp8.accuracy import fprop_operands, recipe_specs, wgrad_layout_sqnr
 from megatron.fp8.backends import CudaScaledMmBackend, EmulatedBackend, select_backend
@@ -330,3 +330,44 @@ def test_tp2_tracks_tp1_per_recipe(tmp_path):
             for quantity in ("weights_all", "logits"):
                 assert r["tp"][quantity] < r["fp8"][quantity], (rank, scaling, quantity, r)
             assert max(r["tp"]["loss"]) < NOISE_FACTOR * max(r["fp8"]["loss"]), (rank, scaling, r)
+
+
+# ------------------------------------------------------------------------------- GPU (scripts/gpu_check.py)
+HAS_FP8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_FP8_GPU, reason="needs a CUDA GPU with FP8 (compute capability >= 8.9)")
+@pytest.mark.parametrize("fmt", ["hybrid", "e4m3"])
+@pytest.mark.parametrize("shape", [(1024, 512, 256), (320, 300, 67)], ids=["aligned", "ragged"])
+@pytest.mark.parametrize("scaling", FINE)
+def test_gpu_recipe_matches_the_emulation(scaling, shape, fmt):
+    """On the GPU: rowwise through torch._scaled_mm (sm90: [M, 1] x [1, N] factors), blockwise through
+    torch.nn.functional.scaled_mm where the installed torch has its BlockWise types (sm90), MXFP8 emulated
+    (logged); y, dx, dW equal the emulated backend's within bf16 output rounding (2^-9 relative per element,
+    ~54 dB; 40 dB leaves room for accumulation order). Ragged sizes exercise the kernels' padding. The sm90
+    blockwise kernel takes E4M3 x E4M3 only: under hybrid, dgrad and wgrad (E5M2 gradients) are emulated; no
+    kernel call may be refused and fall back."""
+    from megatron.fp8 import backends
+    from megatron.fp8.backends import scaled_mm_supports
+
+    backends.KERNEL_REFUSALS.clear()
+    device = torch.device("cuda")
+    k, n, tokens = shape
+    results = {}
+    for backend in ("auto", "emulated"):
+        torch.manual_seed(0)
+        layer = Fp8Linear(k, n, bias=False, recipe=Fp8Recipe(format=fmt, scaling=scaling, backend=backend),
+                          device=device)
+        x = torch.randn(4, tokens, k, device=device, dtype=torch.bfloat16, requires_grad=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = layer(x)
+        y.backward(torch.randn_like(y))
+        results[backend] = (layer.fp8_backend(device).name, y, x.grad, layer.weight.grad)
+    expected = "scaled_mm" if scaled_mm_supports(Fp8Scaling(scaling), device) else "emulated"
+    assert results["auto"][0] == expected
+    if scaling == "rowwise" and torch.cuda.get_device_capability() >= (9, 0):
+        assert expected == "scaled_mm"
+    for got, ref in zip(results["auto"][1:], results["emulated"][1:]):
+        assert sqnr_db(got.float(), ref.float()) > 40
+    assert not backends.KERNEL_REFUSALS

@@ -119,8 +119,17 @@ class CudaScaledMmBackend:
         return out
 
     def gemm_tiles(self, a: TiledFp8, b: TiledFp8, out_dtype: torch.dtype) -> torch.Tensor:
-        """Rowwise only (`select_backend` sends other tiles to the emulation): `torch._scaled_mm` with one fp32
-        dequantization factor per row of A ([M, 1]) and per column of B ([1, N])."""
+        """Rowwise: `torch._scaled_mm` with one fp32 dequantization factor per row of A ([M, 1]) and per column
+        of B ([1, N]). Blockwise: `torch.nn.functional.scaled_mm` (see `_blockwise_gemm`). `select_backend`
+        sends what the installed torch cannot take to the emulation."""
+        if a.tile.cols:
+            if a.data.dtype == b.data.dtype == torch.float8_e4m3fn:
+                try:
+                    return _blockwise_gemm(a, b, out_dtype)
+                except (RuntimeError, ValueError) as error:  # a torch whose kernel refuses this case
+                    _log_kernel_refusal(str(error).splitlines()[0])
+            # E5M2 gradients (hybrid): the sm90 blockwise kernel takes E4M3 x E4M3 only.
+            return _make("emulated").gemm_tiles(a, b, out_dtype)
         m, k = a.data.shape
         n = b.data.shape[0]
         mp, kp, np_ = _round_up(m), _round_up(k), _round_up(n)
@@ -131,6 +140,34 @@ class CudaScaledMmBackend:
         sb = F.pad(b.scale.float().reciprocal().reshape(1, n), (0, np_ - n), value=1.0)
         out = torch._scaled_mm(qa, qb.t(), scale_a=sa.contiguous(), scale_b=sb.contiguous(), out_dtype=out_dtype)
         return out[:m, :n] if (mp, np_) != (m, n) else out
+
+
+def _blockwise_gemm(a: TiledFp8, b: TiledFp8, out_dtype: torch.dtype) -> torch.Tensor:
+    """1x128 x (1x128 or 128x128), E4M3 x E4M3, through `F.scaled_mm` (sm90; checked on an H200 with torch
+    2.11 by scripts/gpu_check.py, untestable on the CPU, whose kernel takes tensorwise and rowwise scales only).
+
+    The kernel's layout, as its checks state them: dequantization factors fp32; A's 1x128 factors [M, K/128]
+    column-major; B's 1x128 factors [N, K/128] column-major; B's 128x128 factors as [K/128, N/128] with strides
+    (1, K/128) (the transpose of the row-major [N/128, K/128] grid). M is padded to 16, N to 128, K to 512 (the
+    kernel wants the K-blocks of a 128x128 grid in fours); zero data adds nothing, padded factors are 1.
+    """
+    m, k = a.data.shape
+    n = b.data.shape[0]
+    mp, np_, kp = _round_up(m, 16), _round_up(n, 128), _round_up(k, 512)
+    qa = F.pad(a.data.contiguous(), (0, kp - k, 0, mp - m))
+    qb = F.pad(b.data.contiguous(), (0, kp - k, 0, np_ - n))
+
+    def factors(t: TiledFp8, rows: int) -> torch.Tensor:
+        f = t.scale.float().reciprocal()
+        return F.pad(f, (0, kp // 128 - f.shape[1], 0, rows - f.shape[0]), value=1.0)
+
+    fa = factors(a, mp).t().contiguous().t()
+    if b.tile.rows == 1:
+        fb, kind_b = factors(b, np_).t().contiguous().t(), F.ScalingType.BlockWise1x128
+    else:
+        fb, kind_b = factors(b, np_ // 128).contiguous().t(), F.ScalingType.BlockWise128x128
+    out = F.scaled_mm(qa, qb.t(), fa, F.ScalingType.BlockWise1x128, fb, kind_b, output_dtype=out_dtype)
+    return out[:m, :n]
 
 
 class HpuBackend:
@@ -180,6 +217,15 @@ def _make(name: str) -> Backend:
     return {"emulated": EmulatedBackend, "scaled_mm": CudaScaledMmBackend, "hpu": HpuBackend}[name]()
 
 
+KERNEL_REFUSALS: list[str] = []  # first lines of the errors of scaled GEMMs that fell back (tests read it)
+
+
+def _log_kernel_refusal(message: str) -> None:
+    if message not in KERNEL_REFUSALS:
+        logger.warning("FP8 blockwise GEMM: torch.nn.functional.scaled_mm refused (%s); emulating it", message)
+    KERNEL_REFUSALS.append(message)
+
+
 @functools.lru_cache(maxsize=None)
 def _log_emulated(scaling: str, device: str) -> None:
     logger.info("FP8 %s scaling: no scaled GEMM of the installed torch %s takes these tiles on %s; emulating "
@@ -195,6 +241,10 @@ def scaled_mm_supports(scaling: Fp8Scaling, device: torch.device) -> bool:
         return True
     if scaling is Fp8Scaling.ROWWISE:
         return device.type == "cpu" or (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0))
+    if scaling is Fp8Scaling.BLOCKWISE:
+        kinds = getattr(getattr(F, "ScalingType", None), "__members__", {})
+        return (device.type == "cuda" and hasattr(F, "scaled_mm") and "BlockWise128x128" in kinds
+                and torch.cuda.get_device_capability(device)[0] == 9)
     return False
 
 
