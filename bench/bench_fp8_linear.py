@@ -11,6 +11,8 @@ casts, then an fp32 GEMM, or a bf16 one with power-of-two scales) is slow by des
 
     python bench/bench_fp8_linear.py --tokens 256 --iters 3          # CPU, a few minutes
     python bench/bench_fp8_linear.py --tokens 8192 --iters 20        # H100/H200
+    python bench/bench_fp8_linear.py --recipe delayed,tensorwise,rowwise,blockwise,mxfp8 --no-torchao
+    python bench/bench_fp8_linear.py --sqnr --recipe tensorwise,rowwise,blockwise,mxfp8
 """
 from __future__ import annotations
 
@@ -21,8 +23,10 @@ import time
 import torch
 import torch.nn as nn
 
-from megatron.fp8 import Fp8Linear, Fp8Recipe, fp8_optimizer_step
+from megatron.fp8 import Fp8Linear, Fp8Recipe, Fp8Scaling, fp8_optimizer_step
+from megatron.fp8.accuracy import fprop_operands, wgrad_layout_sqnr
 from megatron.fp8.backends import select_backend
+from megatron.fp8.stats import sqnr_db
 
 SHAPES = {  # name: (in_features, out_features)
     "7b.qkv": (4096, 3 * 4096),
@@ -65,7 +69,8 @@ def _torchao_variant(linear: nn.Linear, emulate: bool) -> nn.Module | None:
 
 
 def bench_shape(name: str, in_f: int, out_f: int, tokens: int, iters: int, warmup: int,
-                device: torch.device, use_torchao: bool, micro_batches_per_step: int) -> list[str]:
+                device: torch.device, use_torchao: bool, micro_batches_per_step: int,
+                recipes: tuple[str, ...] = ("delayed",)) -> list[str]:
     torch.manual_seed(0)
     base = nn.Linear(in_f, out_f, bias=False, device=device, dtype=torch.bfloat16)
     variants: dict[str, nn.Module] = {"bf16": base}
@@ -73,9 +78,15 @@ def bench_shape(name: str, in_f: int, out_f: int, tokens: int, iters: int, warmu
     # Two scale rules: arbitrary scales make the emulated backend run its GEMM in fp32 (one rounding of the
     # bf16 output); power-of-two scales let it use a bf16 GEMM, equally exact. The hardware backends run the
     # same kernel either way.
-    for label, pow2 in (("fp8 (ours)", False), ("fp8 (ours, pow2 scales)", True)):
+    configs = []
+    for recipe in recipes:
+        if recipe == "delayed":
+            configs += [("fp8 (ours)", recipe, False), ("fp8 (ours, pow2 scales)", recipe, True)]
+        else:
+            configs.append((f"fp8 {recipe}", recipe, False))
+    for label, recipe, pow2 in configs:
         layer = Fp8Linear.from_linear(nn.Linear(in_f, out_f, bias=False, device=device, dtype=torch.bfloat16),
-                                      Fp8Recipe(power_of_two_scales=pow2))
+                                      Fp8Recipe(scaling=recipe, power_of_two_scales=pow2))
         variants[label] = layer
         fp8_layers.append(layer)
     if use_torchao:
@@ -113,6 +124,40 @@ def bench_shape(name: str, in_f: int, out_f: int, tokens: int, iters: int, warmu
     return rows
 
 
+def sqnr_table(recipes: tuple[str, ...], tokens: int = 512, k: int = 4096, n: int = 1024) -> None:
+    """SQNR (dB) of the forward GEMM per recipe at a Llama-like shape (K = hidden 4096), against float64:
+    Gaussian x; heavy-tailed x (Student t, 3 degrees of freedom); x with 8 outlier channels along K at 1e4x
+    and 1e5x, scored on the non-outlier channels' contribution x[:, rest] W[:, rest]^T; and the weight
+    gradient dW = dy^T x with x from the saved second layout vs the requantized fprop layout (tiled.py)."""
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    w = torch.randn(n, k, generator=g) * 0.02
+    gaussian = torch.randn(tokens, k, generator=g)
+    heavy = torch.distributions.StudentT(3.0).sample((tokens, k))
+    channels = torch.randperm(k, generator=g)[:8]
+    rest = torch.ones(k, dtype=torch.bool)
+    rest[channels] = False
+    dy = torch.randn(tokens, n, generator=g)
+    print(f"x [{tokens}, {k}], W [{n}, {k}]; hybrid formats; SQNR in dB (higher is better)")
+    print(f"{'recipe':11s} {'gaussian':>9s} {'t(3)':>7s} {'1e4 out.':>9s} {'1e5 out.':>9s} "
+          f"{'dW 2nd layout':>14s} {'dW requant.':>12s}")
+    for recipe in recipes:
+        r = Fp8Recipe(scaling=recipe)
+        row = []
+        for x in (gaussian, heavy):
+            xq, wq = fprop_operands(x, w, r)
+            row.append(sqnr_db(xq.double() @ wq.double().t(), x.double() @ w.double().t()))
+        for magnitude in (1e4, 1e5):
+            x = gaussian.clone()
+            x[:, channels] *= magnitude
+            xq, wq = fprop_operands(x, w, r)
+            row.append(sqnr_db(xq[:, rest].double() @ wq[:, rest].double().t(),
+                               x[:, rest].double() @ w[:, rest].double().t()))
+        layouts = wgrad_layout_sqnr(heavy, dy, r)
+        row += [layouts["second_layout"], layouts["requantized"]]
+        print(f"{recipe:11s} {row[0]:9.2f} {row[1]:7.2f} {row[2]:9.2f} {row[3]:9.2f} {row[4]:14.2f} {row[5]:12.2f}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", default="7b.qkv,7b.proj,7b.fc1,7b.fc2,small",
@@ -126,7 +171,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-torchao", action="store_true", help="skip the torchao comparison")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (torch.set_num_threads)")
+    parser.add_argument("--recipe", default="delayed",
+                        help="comma-separated FP8 recipes timed side by side in one run: "
+                             f"{','.join(s.value for s in Fp8Scaling)}")
+    parser.add_argument("--sqnr", action="store_true",
+                        help="print the SQNR table per recipe (docs/fp8.md, Fine-grained recipes) and exit")
     args = parser.parse_args(argv)
+    recipes = tuple(args.recipe.split(","))
+    for recipe in recipes:
+        Fp8Scaling(recipe)  # an unknown name fails here, not after minutes of timing
+    if args.sqnr:
+        sqnr_table(recipes)
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -140,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.shapes.split(","):
         in_f, out_f = SHAPES[name]
         for row in bench_shape(name, in_f, out_f, tokens, iters, args.warmup, device, not args.no_torchao,
-                               args.micro_batches_per_step):
+                               args.micro_batches_per_step, recipes):
             print(row, flush=True)
 
 
