@@ -68,3 +68,13 @@ def pytest_configure(config):
     import collective_guard  # every collective of megatron/ must go through megatron.comm
 
     collective_guard.enable()
+
+
+def pytest_collection_modifyitems(config, items):
+    """`slow` tests (long experiments) are skipped unless MEGATRON_SLOW_TESTS=1 (pytest.ini's marker)."""
+    if os.environ.get("MEGATRON_SLOW_TESTS", "") not in ("", "0"):
+        return
+    skip = pytest.mark.skip(reason="slow: set MEGATRON_SLOW_TESTS=1 to run it")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
