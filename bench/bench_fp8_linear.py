@@ -13,6 +13,7 @@ casts, then an fp32 GEMM, or a bf16 one with power-of-two scales) is slow by des
     python bench/bench_fp8_linear.py --tokens 8192 --iters 20        # H100/H200
     python bench/bench_fp8_linear.py --recipe delayed,tensorwise,rowwise,blockwise,mxfp8 --no-torchao
     python bench/bench_fp8_linear.py --sqnr --recipe tensorwise,rowwise,blockwise,mxfp8
+    python bench/bench_fp8_linear.py --smooth-swiglu --recipe tensorwise,rowwise,blockwise,mxfp8
 """
 from __future__ import annotations
 
@@ -158,6 +159,24 @@ def sqnr_table(recipes: tuple[str, ...], tokens: int = 512, k: int = 4096, n: in
         print(f"{recipe:11s} {row[0]:9.2f} {row[1]:7.2f} {row[2]:9.2f} {row[3]:9.2f} {row[4]:14.2f} {row[5]:12.2f}")
 
 
+def smooth_swiglu_table(recipes: tuple[str, ...], ratios: tuple[float, ...] = (1e3, 1e4, 1e5)) -> None:
+    """Smooth-SwiGLU x recipe: SQNR (dB) of each part of the SwiGLU MLP with one aligned outlier channel
+    (megatron/model/swiglu_outliers.py: `fwd others` is fc2's output on the other channels, the part the
+    outlier's scale damages), plain FP8 against the channel and token forms of Smooth-SwiGLU, per recipe."""
+    from megatron.model import swiglu_outliers as so
+
+    setup = so.OutlierSetup()
+    print(f"outlier MLP hidden {setup.hidden}, ffn {setup.ffn}, {setup.tokens} tokens; hybrid; SQNR in dB")
+    print(f"{'ratio':>6} {'recipe':<11} {'variant':<15}" + "".join(f"{p:>11}" for p in so.PARTS))
+    for ratio in ratios:
+        mlp, _, measured = so.outlier_mlp(setup, ratio)
+        for recipe in recipes:
+            for variant in (so.PLAIN, so.CHANNEL, so.TOKEN):
+                parts = so.part_sqnr(mlp, measured, variant, Fp8Recipe(scaling=recipe))
+                print(f"{ratio:>6.0e} {recipe:<11} {variant:<15}" + "".join(f"{parts[p]:>11.1f}" for p in so.PARTS),
+                      flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", default="7b.qkv,7b.proj,7b.fc1,7b.fc2,small",
@@ -176,12 +195,17 @@ def main(argv: list[str] | None = None) -> None:
                              f"{','.join(s.value for s in Fp8Scaling)}")
     parser.add_argument("--sqnr", action="store_true",
                         help="print the SQNR table per recipe (docs/fp8.md, Fine-grained recipes) and exit")
+    parser.add_argument("--smooth-swiglu", action="store_true",
+                        help="print the Smooth-SwiGLU x recipe table (outlier MLP, per part) and exit")
     args = parser.parse_args(argv)
     recipes = tuple(args.recipe.split(","))
     for recipe in recipes:
         Fp8Scaling(recipe)  # an unknown name fails here, not after minutes of timing
     if args.sqnr:
         sqnr_table(recipes)
+        return
+    if args.smooth_swiglu:
+        smooth_swiglu_table(recipes)
         return
     if args.threads:
         torch.set_num_threads(args.threads)

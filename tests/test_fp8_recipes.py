@@ -205,6 +205,21 @@ def test_sqnr_per_recipe():
     assert scores["mxfp8"] >= scores["tensorwise"] + 3, scores
 
 
+def test_smooth_swiglu_parts_per_recipe():
+    """The outlier MLP of megatron/model/swiglu_outliers.py at a 1e5x aligned channel: fc2's output on the
+    other channels (`fwd others`, the outlier's term dropped after quantization, also in tiled GEMMs; were it
+    kept, the SQNR would be far below 0 dB) collapses under tensorwise plain FP8, and channel smoothing
+    restores it; blockwise tiles keep it without smoothing (>= 3 dB above tensorwise, within 3 dB of smoothed)."""
+    from megatron.model import swiglu_outliers as so
+
+    mlp, _, measured = so.outlier_mlp(so.OutlierSetup(tokens=512), 1e5)
+    score = {(recipe, variant): so.part_sqnr(mlp, measured, variant, Fp8Recipe(scaling=recipe))["fwd others"]
+             for recipe in ("tensorwise", "blockwise") for variant in (so.PLAIN, so.CHANNEL)}
+    assert score["tensorwise", so.CHANNEL] > score["tensorwise", so.PLAIN] + 10, score
+    assert score["blockwise", so.PLAIN] > score["tensorwise", so.PLAIN] + 3, score
+    assert score["blockwise", so.PLAIN] > score["blockwise", so.CHANNEL] - 3 > 15, score
+
+
 @pytest.mark.parametrize("scaling", ("rowwise", "blockwise"))
 def test_saved_second_layout_beats_requantizing_the_fprop_layout(scaling):
     """The wgrad choice (tiled.py): x^T quantized from x against requantized fprop FP8 (rounds twice)."""

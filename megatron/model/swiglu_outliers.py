@@ -33,7 +33,7 @@ from megatron.config import ModelConfig, SmoothSwiGLUGranularity
 from megatron.fp8 import Fp8Linear, Fp8Recipe, Fp8Scaling, fp8_optimizer_step
 from megatron.fp8.backends import EmulatedBackend
 from megatron.fp8.formats import format_spec
-from megatron.fp8.quantize import amax_of, compute_scale, quantize
+from megatron.fp8.quantize import TiledFp8, amax_of, compute_scale, dequantize_tiles, quantize
 from megatron.fp8.stats import sqnr_db
 from megatron.model.smooth_swiglu import ChannelSplit, channel_maxima, pow2_scales, swiglu_product
 from megatron.model.transformer import MLP
@@ -142,6 +142,12 @@ class _KMaskedBackend(EmulatedBackend):
         a = a.float().clone()
         a[:, self.k_index] = 0
         return ((a @ b.float().t()) / (a_scale.float() * b_scale.float())).to(out_dtype)
+
+    def gemm_tiles(self, a: TiledFp8, b: TiledFp8, out_dtype: torch.dtype) -> torch.Tensor:
+        # The fine-grained recipes (--fp8-recipe rowwise/blockwise/mxfp8) multiply tile-scaled operands.
+        a_values = dequantize_tiles(a).clone()
+        a_values[:, self.k_index] = 0
+        return (a_values @ dequantize_tiles(b).t()).to(out_dtype)
 
 
 def _reference_parts(mlp: MLP, x: torch.Tensor, dy: torch.Tensor) -> dict[str, torch.Tensor]:
