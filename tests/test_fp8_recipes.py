@@ -24,7 +24,7 @@ from megatron.fp8 import stats as fp8_stats
 from megatron.fp8.accuracy import fprop_operands, recipe_specs, wgrad_layout_sqnr
 from megatron.fp8.backends import CudaScaledMmBackend, EmulatedBackend, select_backend
 from megatron.fp8.formats import format_spec
-from megatron.fp8.quantize import Tile, compute_scale, dequantize_tiles, quantize_tiles
+from megatron.fp8.quantize import Tile, compute_scale, dequantize_tiles, from_e8m0, quantize_tiles, to_e8m0
 from megatron.fp8.stats import sqnr_db
 from megatron.training.loop import pretrain
 from tests.conftest import tiny_argv
@@ -103,6 +103,19 @@ def test_mxfp8_exponent_never_clips_where_the_spec_floor_does():
     assert scaled.abs().le(448).all()
     m, _ = torch.frexp(q.scale)
     assert (m == 0.5).all() and q.scale.ge(2.0**-127).all() and q.scale.le(2.0**127).all()
+
+
+def test_e8m0_bytes_round_trip_and_mxfp8_saves_them():
+    scales = torch.cat([torch.exp2(torch.arange(-127, 128, dtype=torch.float32)), torch.tensor([float("nan")])])
+    codes = to_e8m0(scales)
+    assert codes.dtype == torch.uint8 and codes[-1] == 255 and codes[:-1].tolist() == list(range(254, -1, -1))
+    assert torch.equal(from_e8m0(codes)[:-1], scales[:-1]) and torch.isnan(from_e8m0(codes)[-1])
+    saved = []
+    layer = Fp8Linear(64, 32, bias=False, recipe=Fp8Recipe(scaling="mxfp8"))
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        layer(torch.randn(40, 64, requires_grad=True))
+    assert [t.dtype for t in saved[:2]] == [torch.float8_e4m3fn, torch.uint8]  # x^T and one byte per tile
+    assert saved[1].shape == (64, 2)  # 64 rows of x^T, 40 tokens in two 1x32 tiles
 
 
 def test_power_of_two_scale_is_exact_at_binade_edges():

@@ -224,6 +224,21 @@ def quantize_tiles(
     return TiledFp8(_unblocked(q, shape), guarded, amax, tile)
 
 
+def to_e8m0(scale: torch.Tensor) -> torch.Tensor:
+    """Power-of-two scales as OCP E8M0 bytes (uint8): the biased exponent of the *dequantization* factor
+    X = 1/scale = 2^k, stored as k + 127 (0..254); 255 is E8M0's NaN (a tile that held inf/NaN)."""
+    _, exponent = torch.frexp(scale.float())  # scale = 0.5 x 2^exponent
+    k = (1 - exponent).clamp(-127, 127)
+    return torch.where(torch.isnan(scale), torch.full_like(k, 255), k + 127).to(torch.uint8)
+
+
+def from_e8m0(code: torch.Tensor) -> torch.Tensor:
+    """The fp32 quantization scales of `to_e8m0`'s bytes (NaN for 255)."""
+    k = code.to(torch.int32) - 127
+    scale = torch.ldexp(torch.ones(code.shape, dtype=torch.float32, device=code.device), (-k).float())
+    return torch.where(code == 255, torch.full_like(scale, float("nan")), scale)
+
+
 def dequantize_tiles(t: TiledFp8, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """`data / scale` tile by tile, in fp32 (then `dtype`): the exact values a block-scaled GEMM multiplies."""
     blocks, shape = _blocked(t.data.float(), t.tile)

@@ -20,7 +20,7 @@ contraction axis, and the FP8 copy made for one GEMM does not serve the other:
   save the *second FP8 layout* (x^T quantized along M, as Transformer Engine does), not x, and not a
   requantization of the fprop layout: requantizing dequantized values rounds twice. The cost is the
   activation memory of one FP8 copy (1 byte per element plus scales; bf16's 2 bytes is no more than two FP8
-  copies). The error of both choices against dW from the unquantized x is measured in
+  copies; MXFP8's tile scales are saved as E8M0 bytes). The error of both choices against dW from the unquantized x is measured in
   tests/test_fp8_recipes.py and docs/fp8.md ("Fine-grained recipes").
 
 Scaling state: fine-grained scales are recomputed at every use and never kept; the module still accumulates
@@ -38,7 +38,8 @@ import torch
 
 from megatron.fp8 import stats as fp8_stats
 from megatron.fp8.formats import Fp8FormatSpec
-from megatron.fp8.quantize import Tile, TiledFp8, quantize_tiles
+from megatron.fp8.quantize import Tile, TiledFp8, from_e8m0, quantize_tiles, to_e8m0
+from megatron.fp8.recipe import Fp8Scaling
 from megatron.fp8.scaling import Fp8Role
 
 if TYPE_CHECKING:
@@ -120,7 +121,9 @@ class TiledFp8LinearFunction(torch.autograd.Function):
             wgrad_fp8 = module.recipe.fp8_wgrad and weight.requires_grad
             if wgrad_fp8:  # the wgrad layout: x^T tiled along the tokens
                 q_xt = quantize_tile_role(module, Fp8Role.INPUT, x2d.t(), act_tile, specs[Fp8Role.INPUT], False)
-                ctx.save_for_backward(q_xt.data, q_xt.scale, column_scale)
+                # MXFP8's scales are powers of two: kept as one E8M0 byte per tile, not four.
+                scale = to_e8m0(q_xt.scale) if module.recipe.scaling is Fp8Scaling.MXFP8 else q_xt.scale
+                ctx.save_for_backward(q_xt.data, scale, column_scale)
             else:
                 ctx.save_for_backward(x2d, None, column_scale)
         ctx.module, ctx.backend, ctx.specs, ctx.weight_fp8, ctx.wgrad_fp8 = module, backend, specs, w, wgrad_fp8
@@ -145,7 +148,9 @@ class TiledFp8LinearFunction(torch.autograd.Function):
                 if ctx.wgrad_fp8:
                     q_gt = quantize_tile_role(module, Fp8Role.GRAD_OUTPUT, dy2d.t(), act_tile, spec,
                                               not ctx.needs_input_grad[0], rounding)
-                    q_xt = TiledFp8(saved, saved_scale, saved_scale, act_tile)
+                    if saved_scale.dtype == torch.uint8:
+                        saved_scale = from_e8m0(saved_scale)
+                    q_xt = TiledFp8(saved, saved_scale, saved_scale, act_tile)  # amax is not needed here
                     dw = backend.gemm_tiles(q_gt, q_xt, torch.float32)
                 else:
                     dw = dy2d.float().t() @ saved.float()
