@@ -187,7 +187,7 @@ class TiledFp8:
         return TiledFp8(self.data.t(), self.scale.t(), self.amax.t(), self.tile.transposed())
 
 
-def _blocked(x: torch.Tensor, tile: Tile) -> tuple[torch.Tensor, tuple[int, int]]:
+def tile_blocks(x: torch.Tensor, tile: Tile) -> tuple[torch.Tensor, tuple[int, int]]:
     """x [R, K] as a [R/r, r, K/c, c] view (zero padded to whole tiles); also returns (R, K)."""
     rows, cols = x.shape
     r, c = tile.resolve((rows, cols))
@@ -197,7 +197,7 @@ def _blocked(x: torch.Tensor, tile: Tile) -> tuple[torch.Tensor, tuple[int, int]
     return x.reshape(x.shape[0] // r, r, x.shape[1] // c, c), (rows, cols)
 
 
-def _unblocked(y: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+def _untile_blocks(y: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
     y = y.reshape(y.shape[0] * y.shape[1], y.shape[2] * y.shape[3])
     return y[:shape[0], :shape[1]] if tuple(y.shape) != tuple(shape) else y
 
@@ -216,12 +216,12 @@ def quantize_tiles(
     (`_pow2_scale`): this is how MXFP8's E8M0 scales are made (the range of a finite fp32 amax keeps them
     inside E8M0's 2^-127..2^127). A tile of zeros gets scale 1; a tile holding inf/NaN gets a NaN GEMM scale.
     """
-    blocks, shape = _blocked(x.detach(), tile)
+    blocks, shape = tile_blocks(x.detach(), tile)
     amax = blocks.abs().amax(dim=(1, 3)).float()
     scale = compute_scale(amax, spec.max, margin, power_of_two)
     q = quantize(blocks, scale[:, None, :, None], spec, stochastic_rounding)
     guarded = torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
-    return TiledFp8(_unblocked(q, shape), guarded, amax, tile)
+    return TiledFp8(_untile_blocks(q, shape), guarded, amax, tile)
 
 
 def to_e8m0(scale: torch.Tensor) -> torch.Tensor:
@@ -241,5 +241,5 @@ def from_e8m0(code: torch.Tensor) -> torch.Tensor:
 
 def dequantize_tiles(t: TiledFp8, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """`data / scale` tile by tile, in fp32 (then `dtype`): the exact values a block-scaled GEMM multiplies."""
-    blocks, shape = _blocked(t.data.float(), t.tile)
-    return _unblocked(blocks / t.scale[:, None, :, None], shape).to(dtype)
+    blocks, shape = tile_blocks(t.data.float(), t.tile)
+    return _untile_blocks(blocks / t.scale[:, None, :, None], shape).to(dtype)

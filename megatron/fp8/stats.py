@@ -7,7 +7,8 @@ which the training loop calls at its log interval.
 
 Per layer and tensor role (input, weight, grad_output):
 - `amax`: the largest |x| seen since the last read; `scale`: the scale used most recently;
-- `clipped_frac`: fraction of values with |x * scale| > fp8_max, i.e. saturated by the clamp;
+- `clipped_frac`: fraction of values saturated by the clamp beyond rounding: |x * scale| above fp8_max plus
+  half the FP8 grid spacing there (`clip_threshold`; nearer values round to fp8_max anyway);
 - `clipped_block_frac`: fraction of scaling blocks (tiles of the fine-grained recipes; the whole tensor per
   quantization otherwise) holding at least one clipped value;
 - `flushed_frac`: fraction of *nonzero* values that quantized to 0 (below half the smallest subnormal);
@@ -24,7 +25,7 @@ import torch
 import torch.nn as nn
 
 from megatron.fp8.formats import Fp8FormatSpec
-from megatron.fp8.quantize import Tile, _blocked, amax_of, count_nonfinite
+from megatron.fp8.quantize import Tile, amax_of, count_nonfinite, tile_blocks
 
 if TYPE_CHECKING:
     from megatron.fp8.linear import Fp8Linear
@@ -45,6 +46,14 @@ def _ensure_buffers(module: "Fp8Linear") -> None:
                                persistent=False)
 
 
+def clip_threshold(spec: Fp8FormatSpec) -> float:
+    """The scaled magnitude above which the clamp changes a value's FP8 rounding: fp8_max plus half the grid
+    spacing at fp8_max (464 for E4M3, 61440 for E5M2). A value between fp8_max and this rounds to fp8_max
+    with or without the clamp; current scales (fp8_max / amax in fp32) put a tile's amax an fp32 ulp above
+    fp8_max often enough that counting those would report clipping where none loses anything."""
+    return spec.max + 2.0 ** (math.floor(math.log2(spec.max)) - spec.mantissa_bits) / 2
+
+
 @torch.no_grad()
 def record(module: "Fp8Linear", role: int, t: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
            spec: Fp8FormatSpec, tile: Tile | None = None) -> None:
@@ -54,13 +63,14 @@ def record(module: "Fp8Linear", role: int, t: torch.Tensor, q: torch.Tensor, sca
     clipped value), and the scale recorded is the smallest one (the tile of the largest amax).
     """
     _ensure_buffers(module)
+    limit = clip_threshold(spec)
     if tile is None:
-        over = (t.float() * scale.float()).abs() > spec.max
+        over = (t.float() * scale.float()).abs() > limit
         block_over, blocks = over.any().reshape(1), 1
         recorded_scale = scale.float()
     else:
-        blocks_view, _ = _blocked(t.float(), tile)
-        over = (blocks_view * scale.float()[:, None, :, None]).abs() > spec.max
+        blocks_view, _ = tile_blocks(t.float(), tile)
+        over = (blocks_view * scale.float()[:, None, :, None]).abs() > limit
         block_over, blocks = over.any(dim=3).any(dim=1), scale.numel()
         recorded_scale = torch.nan_to_num(scale.float(), nan=float("inf")).amin()
     clipped = over.sum()
