@@ -42,7 +42,7 @@ from megatron.checkpoint_conversion import layouts
 from megatron.checkpoint_conversion.checkpoint_io import model_config_from_dict
 from megatron.config import ModelConfig
 from megatron.optimizer.fp8_state_quant import dequantize
-from megatron.parallel.layout import merge_shards, shard_spec
+from megatron.parallel.layout import ShardSpec, merge_shards, shard_spec
 from megatron.training import checkpointing as ckpt
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -133,6 +133,16 @@ def ordered_groups(names: list[str], model: dict[str, torch.Tensor]) -> list[lis
     return [decay, no_decay] if no_decay else [decay]
 
 
+def _tensor_parallel_shape(name: str, shape: torch.Size, model_config: ModelConfig,
+                           tp: int) -> tuple[Optional[ShardSpec], torch.Size]:
+    """The TP layout of parameter `name` and the shape of one TP rank's piece of it (the shape itself at TP = 1)."""
+    spec = shard_spec(name, model_config) if tp > 1 else None
+    local = list(shape)
+    if spec is not None:
+        local[spec.dim] //= tp
+    return spec, torch.Size(local)
+
+
 def _torch_optimizer_moments(states: list[dict], names: list[str], model: dict[str, torch.Tensor],
                              model_config: ModelConfig) -> dict[str, dict]:
     """Per-name moments from torch optimizer state dicts, one per TP rank (merged along the TP layout)."""
@@ -140,17 +150,13 @@ def _torch_optimizer_moments(states: list[dict], names: list[str], model: dict[s
     order = [n for group in ordered_groups(names, model) for n in group]
     out: dict[str, dict] = {}
     for index, name in enumerate(order):
-        spec = shard_spec(name, model_config) if tp > 1 else None
-        shape = model[name].shape
-        local = list(shape)
-        if spec is not None:
-            local[spec.dim] //= tp
+        spec, local = _tensor_parallel_shape(name, model[name].shape, model_config, tp)
         per_rank = []
         for state in states:
             saved = state["state"].get(index)
             if saved is None:  # a parameter that never had a gradient step: no state anywhere
                 break
-            per_rank.append({m: moment_values(saved, m, torch.Size(local)) for m in MOMENTS} | {"step": _step(saved)})
+            per_rank.append({m: moment_values(saved, m, local) for m in MOMENTS} | {"step": _step(saved)})
         if len(per_rank) != tp:
             continue
         entry = {"step": per_rank[0]["step"]}
@@ -196,20 +202,16 @@ def _merge_tensor_parallel(per_rank: list[dict[str, dict]], model: dict[str, tor
     tp = len(per_rank)
     out = {}
     for name in per_rank[0]:
-        shape = model[name].shape
-        spec = shard_spec(name, model_config) if tp > 1 else None
-        local = list(shape)
-        if spec is not None:
-            local[spec.dim] //= tp
+        spec, local = _tensor_parallel_shape(name, model[name].shape, model_config, tp)
         entry = {"step": per_rank[0][name]["step"]}
         for m in MOMENTS:
             pieces = []
             for rank in per_rank:
                 values = rank.get(name, {}).get(m)
-                if values is None or values.numel() != torch.Size(local).numel():
+                if values is None or values.numel() != local.numel():
                     raise ckpt.CheckpointError(f"ZeRO partitions of {name} hold {None if values is None else values.numel()} "
                                                f"values per tensor-parallel rank, the parameter "
-                                               f"{torch.Size(local).numel()}: the partition files are incomplete")
+                                               f"{local.numel()}: the partition files are incomplete")
                 pieces.append(values.reshape(local))
             entry[m] = pieces[0] if spec is None else merge_shards(pieces, spec)
         out[name] = entry

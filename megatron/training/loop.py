@@ -224,6 +224,12 @@ class Trainer:
             largest = max_abs_weight(self.model.parameters(), comm.world_group())
             self.guard.observe_weights(self.state.iteration, float(largest))
 
+    def _judge(self, pending: list, result: TrainResult) -> None:
+        """Read the pending iterations into `result`, check the weights, and stop the run if it diverged."""
+        result.losses.extend(self._read_pending(pending))
+        self._check_weights()
+        self._stop_if_diverged(result)
+
     def _stop_if_diverged(self, result: TrainResult) -> None:
         if self.guard.reason is None:
             return
@@ -263,9 +269,7 @@ class Trainer:
                     # Timing: one synchronisation per log interval. The per-iteration times of the interval
                     # sum to its wall time, which is all the log line reports (their mean).
                     self.accel.synchronize()
-                    result.losses.extend(self._read_pending(pending))
-                    self._check_weights()
-                    self._stop_if_diverged(result)
+                    self._judge(pending, result)
                 now = time.perf_counter()
                 elapsed, t_mark = now - t_mark, now
                 if not stepped:
@@ -303,9 +307,7 @@ class Trainer:
                     t_mark = time.perf_counter()  # not iteration time (evaluation ends with a host read)
                 c = cfg.checkpoint
                 if c.save and c.save_interval and s.iteration % c.save_interval == 0:
-                    result.losses.extend(self._read_pending(pending))  # the guard judges up to this iteration
-                    self._check_weights()
-                    self._stop_if_diverged(result)
+                    self._judge(pending, result)  # the guard judges up to this iteration
                     if s.consecutive_nan_iterations or not self.guard.healthy:
                         # Do not let a checkpoint taken mid-divergence replace the last healthy one.
                         logger.warning("iteration %d: not saving during a run of non-finite steps or while the "
@@ -320,9 +322,7 @@ class Trainer:
                     result.exit_reason = exit_reason
                     break
             if cfg.checkpoint.save and saved_at != self.state.iteration:
-                result.losses.extend(self._read_pending(pending))
-                self._check_weights()
-                self._stop_if_diverged(result)
+                self._judge(pending, result)
                 self.save()  # marked unhealthy in train_state.json if the guard is still worried
             if self.test_ds is not None and result.exit_reason == "train-iters":
                 result.test_loss = self.evaluate(self.test_ds)

@@ -88,6 +88,16 @@ def _moment_pieces(name: str, full: FullState, model_config: ModelConfig, tp_ran
             **{m: tensor_parallel_piece(name, saved[m], model_config, tp_rank, tp_size) for m in MOMENTS}}
 
 
+def _load_state(optimizer: torch.optim.Optimizer, state: dict, groups: list[dict], full: FullState) -> None:
+    """`optimizer.load_state_dict` of FP32 moments; an Fp8AdamW also gets the saved stochastic-rounding streams."""
+    from megatron.optimizer.fp8_adam import Fp8AdamW
+
+    sd = {"state": state, "param_groups": groups}
+    if isinstance(optimizer, Fp8AdamW) and full.optimizer.get("fp8_adam"):
+        sd["fp8_adam"] = {k: v for k, v in full.optimizer["fp8_adam"].items() if k == "rng_states"}
+    optimizer.load_state_dict(sd)
+
+
 def _load_plain_optimizer(optimizer: torch.optim.Optimizer, full_name: dict[int, str], full: FullState,
                           model_config: ModelConfig, tp_rank: int, tp_size: int) -> None:
     """An optimizer stepping the parameters themselves (TorchEngine, DeepSpeed ZeRO 0): a torch state dict."""
@@ -101,10 +111,7 @@ def _load_plain_optimizer(optimizer: torch.optim.Optimizer, full_name: dict[int,
             ids.append(index)
             index += 1
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
-    sd = {"state": state, "param_groups": groups}
-    if full.optimizer.get("fp8_adam") and hasattr(optimizer, "block_size"):
-        sd["fp8_adam"] = {k: v for k, v in full.optimizer["fp8_adam"].items() if k == "rng_states"}
-    optimizer.load_state_dict(sd)
+    _load_state(optimizer, state, groups, full)
 
 
 def _load_zero_optimizer(zero, full_name: dict[int, str], full: FullState, model_config: ModelConfig,
@@ -138,10 +145,7 @@ def _load_zero_optimizer(zero, full_name: dict[int, str], full: FullState, model
             state[i] = {"step": step, **{m: flat[m].to(partition.device) for m in MOMENTS}}
     if load_optimizer:
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [i]} for i, g in enumerate(base.param_groups)]
-        sd = {"state": state, "param_groups": groups}
-        if full.optimizer.get("fp8_adam") and hasattr(base, "block_size"):
-            sd["fp8_adam"] = {k: v for k, v in full.optimizer["fp8_adam"].items() if k == "rng_states"}
-        base.load_state_dict(sd)
+        _load_state(base, state, groups, full)
         # DeepSpeed's own loader relinks after replacing the base optimizer's state (its fragments point into it).
         zero._link_all_hp_params()
         zero._hp_optimizer_states_linked = False
