@@ -1,0 +1,189 @@
+"""Reading the lab's runs back: per-layer series, per-run summaries, seed statistics and the PNG plots.
+
+Sources, all written by ordinary runs: TensorBoard scalars (`lm-loss`, `grad-norm`, validation loss,
+`swiglu/layer{i}/{act_max,outlier_ratio,align_max,align_p99}` from the SwiGLU diagnostics, and
+`fp8/<layer>/<role>/{amax,clipped_frac,nan_count,inf_count}` from `--log-fp8-stats`), the runs' logs (the
+diagnostics' "jumped" warnings) and checkpoints (the full |cos(w1_i, w2_i)| distribution, for the top-k
+series and the alignment histograms).
+"""
+from __future__ import annotations
+
+import math
+import re
+import statistics
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+from megatron.evaluation.run_compare import read_scalars
+
+VALID = "lm-loss-validation/lm loss"
+_WARNING = re.compile(r"iteration (\d+): SwiGLU (\w+) of layer (\d+) jumped")
+_FP8_TAG = re.compile(r"fp8/decoder\.layers\.(\d+)\.(.+)/(input|weight|grad_output)/(\w+)$")
+
+
+def merged_scalars(tb_dirs: Sequence[Path]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Scalars of several event folders of one run (base, then resumed); a later folder wins on a shared step."""
+    out: dict[str, dict[int, float]] = {}
+    for d in tb_dirs:
+        if not Path(d).is_dir():
+            continue
+        for tag, (steps, values) in read_scalars(str(d)).items():
+            out.setdefault(tag, {}).update({int(s): float(v) for s, v in zip(steps, values)})
+    return {t: (np.array(sorted(m)), np.array([m[s] for s in sorted(m)])) for t, m in out.items()}
+
+
+def layer_count(scalars: dict) -> int:
+    return len({t.split("/")[1] for t in scalars if t.startswith("swiglu/layer")})
+
+
+def per_layer(scalars: dict) -> dict[int, dict[str, list]]:
+    """Per layer: steps and the diagnostics (act_max = fc2-input amax of plain SwiGLU, outlier ratio,
+    alignment max/p99) and, with FP8 statistics, the largest clipped fraction over that layer's tensors and
+    fc2's input amax/clipped fraction."""
+    out: dict[int, dict[str, list]] = {}
+    for i in range(layer_count(scalars)):
+        d: dict[str, list] = {}
+        for key in ("act_max", "outlier_ratio", "align_max", "align_p99"):
+            tag = f"swiglu/layer{i}/{key}"
+            if tag in scalars:
+                d["steps"] = scalars[tag][0].tolist()
+                d[key] = scalars[tag][1].tolist()
+        fc2 = f"fp8/decoder.layers.{i}.mlp.linear_fc2/input"
+        for key in ("amax", "clipped_frac"):
+            if f"{fc2}/{key}" in scalars:
+                d[f"fc2_input_fp8_{key}"] = scalars[f"{fc2}/{key}"][1].tolist()
+        out[i] = d
+    return out
+
+
+def fp8_tensor_maxima(scalars: dict) -> dict[str, dict[str, float]]:
+    """Per FP8 tensor (`<layer>/<role>`): the largest clipped fraction over the run and the NaN/Inf counts."""
+    out: dict[str, dict[str, float]] = {}
+    for tag, (_, values) in scalars.items():
+        m = _FP8_TAG.match(tag)
+        if not m or m.group(4) not in ("clipped_frac", "nan_count", "inf_count"):
+            continue
+        name = f"layer{m.group(1)}.{m.group(2)}/{m.group(3)}"
+        out.setdefault(name, {})[f"max_{m.group(4)}"] = float(np.max(values))
+    return out
+
+
+def diagnostic_warnings(log: Path) -> list[dict]:
+    """The SwiGLU diagnostics' jump warnings of a run log, in order."""
+    if not log.exists():
+        return []
+    return [{"iteration": int(m.group(1)), "stat": m.group(2), "layer": int(m.group(3))}
+            for m in _WARNING.finditer(log.read_text(errors="replace"))]
+
+
+def _last(scalars: dict, tag: str) -> Optional[float]:
+    return float(scalars[tag][1][-1]) if tag in scalars and len(scalars[tag][1]) else None
+
+
+def run_summary(scalars: dict, log: Optional[Path], start_step: int = 0, tail: int = 3) -> dict:
+    """Loss (final = mean of the last `tail` logged training losses), jump after `start_step`, FP8 and
+    diagnostics outcomes of one run."""
+    steps, loss = scalars.get("lm-loss", (np.array([]), np.array([])))
+    after = loss[steps > start_step]
+    before = loss[steps <= start_step]
+    finite = after[np.isfinite(after)]
+    s: dict = {
+        "final_train_loss": float(np.mean(loss[-tail:])) if len(loss) else None,
+        "final_valid_loss": _last(scalars, VALID),
+        "test_loss": _last(scalars, "lm-loss-test/lm loss"),
+        "loss_before_start": float(before[-1]) if len(before) else None,
+        "max_loss_after_start": float(np.max(finite)) if len(finite) else None,
+        "nonfinite_loss_points": int(np.sum(~np.isfinite(after))),
+        "skipped_iterations": _last(scalars, "skipped-iterations"),
+        "nan_iterations": _last(scalars, "nan-iterations"),
+        "max_grad_norm_after_start": None,
+        "fp8_tensors": fp8_tensor_maxima(scalars),
+        "warnings": diagnostic_warnings(log) if log is not None else [],
+    }
+    if "grad-norm" in scalars:
+        g_steps, g = scalars["grad-norm"]
+        g = g[(g_steps > start_step) & np.isfinite(g)]
+        s["max_grad_norm_after_start"] = float(np.max(g)) if len(g) else None
+    clips = [v.get("max_clipped_frac", 0.0) for v in s["fp8_tensors"].values()]
+    s["max_fp8_clipped_frac"] = max(clips) if clips else None
+    return s
+
+
+def seed_stats(values: Sequence[Optional[float]]) -> dict:
+    """mean +- sample std (ddof 1; None with fewer than 2 finite values) over seeds."""
+    vals = [float(v) for v in values if v is not None and math.isfinite(v)]
+    return {"mean": statistics.fmean(vals) if vals else None,
+            "std": statistics.stdev(vals) if len(vals) > 1 else None,
+            "n": len(vals), "values": [None if v is None else float(v) for v in values]}
+
+
+def topk_series(alignments: dict[int, list], k: int) -> dict[int, list[list[float]]]:
+    """{iteration: per layer the top-k |cos| (descending)} from checkpoint alignments."""
+    return {it: [sorted((float(x) for x in layer), reverse=True)[:k] for layer in layers]
+            for it, layers in alignments.items()}
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_activation_maxima(series: dict[str, dict[int, dict]], path: Path, key: str = "act_max",
+                           mark_step: Optional[int] = None) -> Path:
+    """One panel per layer: `key` (fc2-input max |h|) over steps, one line per run (log scale)."""
+    plt = _pyplot()
+    layers = sorted({i for per in series.values() for i in per})
+    fig, axes = plt.subplots(1, max(1, len(layers)), figsize=(5 * max(1, len(layers)), 3.8), squeeze=False)
+    for ax, i in zip(axes[0], layers):
+        for name, per in series.items():
+            d = per.get(i, {})
+            if key in d:
+                ax.plot(d["steps"], d[key], label=name)
+        if mark_step is not None:
+            ax.axvline(mark_step, color="gray", ls="--", lw=0.8)
+        ax.set(title=f"layer {i}: {key}", xlabel="iteration", yscale="log")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def plot_alignment_histograms(start: list, end: list, path: Path, title: str) -> Path:
+    """Per layer, the |cos(w1_i, w2_i)| distribution at the start and at the end of a run."""
+    plt = _pyplot()
+    n = len(start)
+    fig, axes = plt.subplots(1, max(1, n), figsize=(5 * max(1, n), 3.5), squeeze=False)
+    bins = np.linspace(0, 1, 41)
+    for i, ax in enumerate(axes[0]):
+        ax.hist(np.asarray(start[i]), bins=bins, alpha=0.6, label="start", log=True)
+        ax.hist(np.asarray(end[i]), bins=bins, alpha=0.6, label="end", log=True)
+        ax.set(title=f"{title}: layer {i}", xlabel="|cos(w1_i, w2_i)|", ylabel="channels")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def plot_losses(series: dict[str, tuple[Sequence, Sequence]], path: Path, mark_step: Optional[int] = None) -> Path:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, (x, y) in series.items():
+        ax.plot(x, y, label=name)
+    if mark_step is not None:
+        ax.axvline(mark_step, color="gray", ls="--", lw=0.8)
+    ax.set(title="training loss", xlabel="iteration", ylabel="lm loss")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path

@@ -1,0 +1,192 @@
+"""The lab's presets: what each one runs, in which order, and the JSON summary it writes.
+
+- `inject` (issue 19 b): per variant and seed a base run to `base_iters`, then from a copy of its checkpoint
+  (a) an unedited resume (the control) and (b) resumes with the injection at each c. BF16 goes first over
+  every c; the largest c whose BF16 runs stay within BF16's seed spread (`bf16_holds`) is `c_star`, and the
+  FP8 variants run at c_star only: the FP8 outcome at the c BF16 survives, not at a c chosen to break FP8.
+- `natural` (issue 19 a): a tiny model overtrained on a small corpus (the 24k-token validation books) at a
+  high learning rate, per weight decay, variant and seed; alignment and outliers over time.
+- `demo` runs (presets `recipes` and `ablation`, issue 16 and 19): the demo model on the demo corpus, one
+  ordinary run per configuration and seed, validation and held-out test loss.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+from megatron.stability import analysis
+from megatron.stability.inject import checkpoint_alignment, copy_checkpoint, inject_aligned_channels
+from megatron.stability.runs import TINY_MODEL, Fp8Settings, RunRecord, data_flags, run_pretrain, variant_flags
+
+
+@dataclass(frozen=True)
+class TinySetup:
+    """Training settings shared by the tiny-model presets."""
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    micro_batch: int = 16
+    log_interval: int = 5
+    eval_iters: int = 4
+    train_split: str = "train"
+    threads: int = 1
+    fp8: Fp8Settings = field(default_factory=Fp8Settings)
+
+    def flags(self, data_dir: Path, seed: int, total_iters: int) -> list[str]:
+        # Constant LR after a short warm-up: a base run that stops at --exit-interval and its resume see one
+        # schedule, and the injection meets the same LR in every variant.
+        return [*TINY_MODEL, "--lr", str(self.lr), "--lr-decay-style", "constant",
+                "--lr-warmup-iters", str(max(1, total_iters // 20)), "--adam-beta1", "0.9", "--adam-beta2", "0.95",
+                "--weight-decay", str(self.weight_decay), "--clip-grad", "1.0", "--bf16",
+                "--micro-batch-size", str(self.micro_batch), "--global-batch-size", str(self.micro_batch),
+                "--train-iters", str(total_iters), "--log-interval", str(self.log_interval),
+                "--eval-interval", str(total_iters), "--eval-iters", str(self.eval_iters), "--seed", str(seed),
+                "--no-divergence-guard",
+                *data_flags(data_dir, train=self.train_split, valid="valid" if self.train_split != "valid" else "test",
+                            test=None)]
+
+
+def _alignment_lists(ckpt: Path, iteration: int) -> list[list[float]]:
+    return [a.tolist() for a in checkpoint_alignment(ckpt, iteration)]
+
+
+def _saved_iterations(ckpt: Path) -> list[int]:
+    return sorted(int(p.name[5:]) for p in ckpt.glob("iter_*") if p.is_dir())
+
+
+def bf16_holds(control: Sequence[Optional[float]], injected: Sequence[Optional[float]], k: float = 2.0) -> dict:
+    """Did the injected BF16 runs end within BF16's seed spread? Paired by seed on final validation loss.
+
+    Holds when the mean paired excess (injected - control) is <= k x the control's sample std over seeds.
+    With fewer than 2 seeds there is no spread: `holds` is None (not judged)."""
+    ctl = analysis.seed_stats(control)
+    pairs = [i - c for c, i in zip(control, injected) if c is not None and i is not None]
+    excess = sum(pairs) / len(pairs) if pairs else None
+    ok = None
+    if ctl["std"] is not None and excess is not None and len(pairs) == len(control):
+        ok = excess <= k * ctl["std"]
+    elif excess is None:
+        ok = False  # an injected run with no final loss (it died) does not hold
+    return {"control": ctl, "mean_excess": excess, "threshold": None if ctl["std"] is None else k * ctl["std"],
+            "holds": ok}
+
+
+def run_inject(out: Path, data_dir: Path, setup: TinySetup, variants: Sequence[str], seeds: Sequence[int],
+               cs: Sequence[float], channels: int, base_iters: int, resume_iters: int, topk: int = 4,
+               controls: bool = True, dry_run: bool = False, log: Callable[[str], None] = print) -> dict:
+    total = base_iters + resume_iters
+    records: list[RunRecord] = []
+    runs: dict = {}
+
+    def one(variant: str, seed: int, c: Optional[float]) -> None:
+        flags = setup.flags(data_dir, seed, total) + variant_flags(variant, setup.fp8)
+        base = out / "base" / f"{variant}_s{seed}"
+        if not (base / "ckpt").exists() or dry_run:
+            records.append(run_pretrain(f"base {variant} seed {seed}", flags + [
+                "--exit-interval", str(base_iters), "--save-interval", str(base_iters), "--save", str(base / "ckpt"),
+                "--tensorboard-dir", str(base / "tb")], base, setup.threads, dry_run))
+        tag = "control" if c is None else f"c{c:g}"
+        run = out / "runs" / f"{variant}_{tag}_s{seed}"
+        entry: dict = {"variant": variant, "seed": seed, "c": c, "run_dir": str(run)}
+        if not dry_run:
+            start = copy_checkpoint(base / "ckpt", run / "ckpt")
+            entry["start_alignment"] = _alignment_lists(run / "ckpt", start)
+            if c is not None:
+                entry["injection"] = inject_aligned_channels(run / "ckpt", c, channels)
+                entry["start_alignment"] = _alignment_lists(run / "ckpt", start)
+        rec = run_pretrain(f"{variant} {tag} seed {seed}", flags + [
+            "--load", str(run / "ckpt"), "--save", str(run / "ckpt"), "--save-interval", str(max(1, resume_iters // 4)),
+            "--tensorboard-dir", str(run / "tb")], run, setup.threads, dry_run)
+        records.append(rec)
+        entry["returncode"] = rec.returncode
+        if not dry_run:
+            scalars = analysis.merged_scalars([base / "tb", run / "tb"])
+            entry["summary"] = analysis.run_summary(scalars, run / "train.log", start_step=base_iters)
+            entry["per_layer"] = analysis.per_layer(scalars)
+            entry["loss"] = [scalars["lm-loss"][0].tolist(), scalars["lm-loss"][1].tolist()] if "lm-loss" in scalars \
+                else [[], []]
+            saved = _saved_iterations(run / "ckpt")
+            align = {it: _alignment_lists(run / "ckpt", it) for it in saved}
+            entry["topk_alignment"] = analysis.topk_series(align, topk)
+            entry["end_alignment"] = align[saved[-1]] if saved else None
+        runs[f"{variant}_{tag}_s{seed}"] = entry
+
+    def finals(variant: str, c: Optional[float]) -> list[Optional[float]]:
+        tag = "control" if c is None else f"c{c:g}"
+        return [runs.get(f"{variant}_{tag}_s{s}", {}).get("summary", {}).get("final_valid_loss") for s in seeds]
+
+    for seed in seeds:
+        if controls:
+            one("bf16", seed, None)
+        for c in cs:
+            one("bf16", seed, c)
+    # Without controls (the quick preset) nothing is judged: c* is then simply the largest c.
+    verdicts = {f"{c:g}": bf16_holds(finals("bf16", None), finals("bf16", c)) if controls else {"holds": None}
+                for c in cs}
+    held = [c for c in cs if verdicts[f"{c:g}"]["holds"]]
+    unjudged = all(v["holds"] is None for v in verdicts.values())
+    c_star = max(held) if held else (max(cs) if unjudged else None)
+    log(f"[lab] BF16 verdicts per c: { {c: v['holds'] for c, v in verdicts.items()} }; c* = {c_star}")
+    for variant in variants:
+        if variant == "bf16":
+            continue
+        for seed in seeds:
+            if controls:
+                one(variant, seed, None)
+            if c_star is not None:
+                one(variant, seed, c_star)
+    table = {}
+    for variant in variants:
+        for c in [None] + (list(cs) if variant == "bf16" else [c_star] if c_star is not None else []):
+            tag = "control" if c is None else f"c{c:g}"
+            keys = [f"{variant}_{tag}_s{s}" for s in seeds]
+            sums = [runs.get(k, {}).get("summary", {}) for k in keys]
+            table[f"{variant}/{tag}"] = {
+                "final_valid_loss": analysis.seed_stats([s.get("final_valid_loss") for s in sums]),
+                "final_train_loss": analysis.seed_stats([s.get("final_train_loss") for s in sums]),
+                "max_loss_after_start": analysis.seed_stats([s.get("max_loss_after_start") for s in sums]),
+                "max_fp8_clipped_frac": analysis.seed_stats([s.get("max_fp8_clipped_frac") for s in sums]),
+                "nonfinite_loss_points": [s.get("nonfinite_loss_points") for s in sums],
+                "first_warning": [min((w["iteration"] for w in s.get("warnings", [])), default=None) for s in sums],
+            }
+    return {"preset": "inject", "base_iters": base_iters, "resume_iters": resume_iters, "channels": channels,
+            "c_values": list(cs), "c_star": c_star, "c_star_unjudged": unjudged, "bf16_verdicts": verdicts,
+            "seeds": list(seeds), "variants": list(variants), "table": table, "runs": runs,
+            "commands": [r.to_dict() for r in records], "setup": repr(setup)}
+
+
+def run_simple(out: Path, configs: dict[str, list[str]], seeds_of: dict[str, Sequence[int]],
+               base_flags: Callable[[int], list[str]], threads: int, dry_run: bool = False,
+               start_step: int = 0) -> dict:
+    """One ordinary run per (config, seed): the `natural`, `recipes` and `ablation` presets."""
+    records, runs, table = [], {}, {}
+    for name, extra in configs.items():
+        sums = []
+        for seed in seeds_of[name]:
+            run = out / "runs" / f"{name}_s{seed}"
+            rec = run_pretrain(f"{name} seed {seed}", base_flags(seed) + extra + [
+                "--tensorboard-dir", str(run / "tb"), "--save", str(run / "ckpt")], run, threads, dry_run)
+            records.append(rec)
+            entry: dict = {"config": name, "seed": seed, "returncode": rec.returncode, "wall_s": rec.wall_s}
+            if not dry_run and (run / "tb").is_dir():
+                scalars = analysis.merged_scalars([run / "tb"])
+                entry["summary"] = analysis.run_summary(scalars, run / "train.log", start_step=start_step)
+                entry["per_layer"] = analysis.per_layer(scalars)
+                entry["loss"] = [scalars["lm-loss"][0].tolist(), scalars["lm-loss"][1].tolist()] \
+                    if "lm-loss" in scalars else [[], []]
+                saved = _saved_iterations(run / "ckpt")
+                if saved:  # first and last checkpoint: the alignment histograms "start" and "end"
+                    entry["start_alignment"] = _alignment_lists(run / "ckpt", saved[0])
+                    entry["end_alignment"] = _alignment_lists(run / "ckpt", saved[-1])
+                    entry["alignment_iterations"] = [saved[0], saved[-1]]
+            runs[f"{name}_s{seed}"] = entry
+            sums.append(entry.get("summary", {}))
+        table[name] = {k: analysis.seed_stats([s.get(k) for s in sums])
+                       for k in ("final_valid_loss", "test_loss", "final_train_loss", "max_fp8_clipped_frac")}
+    return {"table": table, "runs": runs, "commands": [r.to_dict() for r in records]}
+
+
+def write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1, default=str))

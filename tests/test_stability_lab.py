@@ -1,0 +1,124 @@
+"""The stability lab (tools/stability_lab.py): `--quick` end to end, the injection, the BF16 verdict, bad input.
+
+`--quick` runs four ordinary `pretrain_gpt.py` runs of the tiny model (BF16 and FP8, each a base run and a
+resume from a checkpoint injected with w1 = +-64 w2 in two channels per layer), once for the module.
+"""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron.stability import presets
+from megatron.stability.inject import channel_cosines
+from tests.conftest import load_tool
+
+REPO = Path(__file__).resolve().parents[1]
+stability_lab = load_tool("stability_lab")
+VOCAB = 4096  # the demo tokenizer's size (tools/prepare_demo_data.py)
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("lab")
+    proc = subprocess.run([sys.executable, "tools/stability_lab.py", "--quick", "--output-dir", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out, json.loads((out / "summary.json").read_text())
+
+
+def test_quick_writes_summary_and_plots(quick):
+    out, summary = quick
+    assert summary["c_star"] == 64 and summary["c_star_unjudged"] is True  # one seed: no spread, no verdict
+    assert set(summary["runs"]) == {"bf16_c64_s1", "fp8_c64_s1"}
+    assert all(e["returncode"] == 0 for e in summary["runs"].values())
+    assert len(summary["plots"]) >= 3
+    for plot in summary["plots"]:
+        data = Path(plot).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 2000, plot
+        assert Path(plot).parent == out
+
+
+def test_every_run_is_a_recorded_cli_run_with_the_guard_off(quick):
+    out, summary = quick
+    assert len(summary["commands"]) == 4  # two bases, two resumes
+    for rec in summary["commands"]:
+        assert "pretrain_gpt.py" in rec["command"] and "--no-divergence-guard" in rec["command"]
+        assert (Path(rec["run_dir"]) / "command.txt").read_text().strip() == rec["command"]
+    for name in summary["runs"]:  # the resolved config each run saved says the guard was off
+        ckpt = out / "runs" / name / "ckpt"
+        configs = list(ckpt.glob("iter_*/config.json"))
+        assert configs and all(json.loads(c.read_text())["divergence"]["enabled"] is False for c in configs)
+
+
+def test_injection_set_the_chosen_channels_to_plus_minus_one(quick):
+    out, summary = quick
+    for name, entry in summary["runs"].items():
+        inj = entry["injection"]
+        assert inj["iteration"] == summary["base_iters"]
+        for layer, rec in inj["layers"].items():
+            assert len(rec["channels"]) == summary["channels"] == 2
+            assert rec["signs"] == [1.0, -1.0]
+            # c = 64 is a power of two: up = +-64 gate is exact in fp32, so the cosine is +-1 to float64 rounding.
+            for sign, before, after in zip(rec["signs"], rec["cos_before"], rec["cos_after"]):
+                assert after == pytest.approx(sign, abs=1e-12)
+                assert abs(before) < 0.999  # the edit changed something
+            # The chosen channels were the most aligned ones before the edit (checked against the base run).
+            base = out / "base" / name.replace("_c64", "") / "ckpt"
+            state = torch.load(next(base.glob("iter_*/mp_rank_00/model_optim_rng.pt")), weights_only=True)
+            cos = channel_cosines(state["model"][f"decoder.layers.{layer}.mlp.linear_fc1.weight"]).abs()
+            assert sorted(rec["channels"]) == sorted(torch.topk(cos, 2).indices.tolist())
+        # The resumed run starts from the edited weights: its first top-k point holds the two +-1 channels.
+        first = entry["topk_alignment"][str(summary["base_iters"])]
+        assert all(layer[:2] == pytest.approx([1.0, 1.0], abs=1e-12) for layer in first)
+        # ...and the run's own diagnostics saw it: the logged align_max right after the injection is near 1.
+        for layer in entry["per_layer"].values():
+            after = [a for s, a in zip(layer["steps"], layer["align_max"]) if s > summary["base_iters"]]
+            assert after[0] > 0.9
+
+
+def test_numbers_are_sane_and_bf16_and_fp8_differ(quick):
+    _, summary = quick
+    bf16, fp8 = summary["runs"]["bf16_c64_s1"], summary["runs"]["fp8_c64_s1"]
+    for entry in (bf16, fp8):
+        steps, loss = entry["loss"]
+        assert steps == sorted(steps) and steps[-1] == summary["base_iters"] + summary["resume_iters"]
+        assert all(math.isfinite(x) and 0 < x < math.log(VOCAB) + 2 for x in loss)
+        assert loss[-1] < loss[0]  # it learns
+        s = entry["summary"]
+        assert s["final_valid_loss"] is not None and math.isfinite(s["final_valid_loss"])
+    assert bf16["summary"]["max_fp8_clipped_frac"] is None  # no FP8 statistics in a BF16 run
+    clip = fp8["summary"]["max_fp8_clipped_frac"]
+    assert clip is not None and 0 <= clip <= 1
+    assert any("mlp.linear_fc2/input" in k for k in fp8["summary"]["fp8_tensors"])
+    assert "fc2_input_fp8_amax" in fp8["per_layer"]["0"] and "fc2_input_fp8_amax" not in bf16["per_layer"]["0"]
+    # Same seed, same tokens, different arithmetic: the loss curves must not be identical.
+    assert bf16["loss"][0] == fp8["loss"][0] and bf16["loss"][1] != fp8["loss"][1]
+
+
+def test_bf16_verdict_uses_the_seed_spread():
+    control = [5.00, 5.02, 4.98]  # sample std 0.02
+    assert presets.bf16_holds(control, [5.03, 5.05, 5.01])["holds"] is True  # +0.03 <= 2 x 0.02
+    assert presets.bf16_holds(control, [5.10, 5.12, 5.08])["holds"] is False  # +0.10 > 0.04
+    assert presets.bf16_holds(control, [5.01, None, 4.99])["holds"] is None  # a died run: not all pairs
+    assert presets.bf16_holds([5.0], [5.5])["holds"] is None  # one seed: no spread, no verdict
+    assert presets.bf16_holds([5.0, 5.1], [None, None])["holds"] is False
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--variants", "fp9"], "--variants"),
+    (["--seeds", ""], "--seeds"),
+    (["--inject-c", "0"], "--inject-c"),
+    (["--quick", "--preset", "natural"], "--quick"),
+])
+def test_bad_input_is_one_clear_line(argv, needle, tmp_path, capsys):
+    assert stability_lab.main([*argv, "--output-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in err
+    assert not list(tmp_path.iterdir())  # rejected before any run
