@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fp8-optimizer-m-dtype", choices=["e4m3", "e5m2", "bf16", "fp32"], default="e4m3")
     g.add_argument("--fp8-optimizer-v-dtype", choices=["e4m3", "e5m2", "bf16", "fp32"], default="e5m2")
     g.add_argument("--fp8-optimizer-block-size", type=int, default=0, help="0 = one scale per tensor")
+    g.add_argument("--fp8-optimizer-compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="run Fp8AdamW's update through torch.compile (default; eager with a warning where compiling "
+                        "fails); --no-fp8-optimizer-compile keeps it eager")
     g.add_argument("--fp8-optimizer-stochastic-rounding", action=argparse.BooleanOptionalAction, default=True,
                    help="requantize Adam's v with stochastic rounding (default; unbiased, see docs/fp8_adam.md)")
 
@@ -424,8 +427,8 @@ def parse_config(argv: Optional[Sequence[str]] = None, world_size: Optional[int]
         a.optimizer = "fp8adam"
     if a.optimizer != "fp8adam":
         opt_defaults = (a.fp8_optimizer_m_dtype, a.fp8_optimizer_v_dtype, a.fp8_optimizer_block_size,
-                        a.fp8_optimizer_stochastic_rounding)
-        if opt_defaults != ("e4m3", "e5m2", 0, True):
+                        a.fp8_optimizer_stochastic_rounding, a.fp8_optimizer_compile)
+        if opt_defaults != ("e4m3", "e5m2", 0, True, True):
             raise ValueError("--fp8-optimizer-* flags need --optimizer fp8adam (or --fp8-optimizer)")
     data = _data_config(a)
     model = _model_config(a, _padded_vocab_size(a, data))
@@ -437,7 +440,7 @@ def parse_config(argv: Optional[Sequence[str]] = None, world_size: Optional[int]
             optimizer=a.optimizer, lr=a.lr, weight_decay=a.weight_decay, adam_beta1=a.adam_beta1,
             adam_beta2=a.adam_beta2, adam_eps=a.adam_eps, clip_grad=a.clip_grad, fp8_m_dtype=a.fp8_optimizer_m_dtype,
             fp8_v_dtype=a.fp8_optimizer_v_dtype, fp8_block_size=a.fp8_optimizer_block_size,
-            fp8_stochastic_rounding=a.fp8_optimizer_stochastic_rounding),
+            fp8_stochastic_rounding=a.fp8_optimizer_stochastic_rounding, fp8_compile=a.fp8_optimizer_compile),
         scheduler=scheduler,
         training=TrainingConfig(
             micro_batch_size=a.micro_batch_size, global_batch_size=gbs, data_parallel_size=dp, train_iters=train_iters,

@@ -98,6 +98,9 @@ class OptimizerConfig:
     fp8_v_dtype: str = "e5m2"
     fp8_block_size: int = 0
     fp8_stochastic_rounding: bool = True
+    # Fp8AdamW's update through torch.compile (--no-fp8-optimizer-compile: eager); falls back to eager with
+    # a warning where compiling fails.
+    fp8_compile: bool = True
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optim
 
         opt = Fp8AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
                        m_dtype=cfg.fp8_m_dtype, v_dtype=cfg.fp8_v_dtype, block_size=cfg.fp8_block_size,
-                       stochastic_rounding=cfg.fp8_stochastic_rounding)
+                       stochastic_rounding=cfg.fp8_stochastic_rounding, compile=cfg.fp8_compile)
         logger.info("%s", opt.state_summary())
         return opt
     raise ValueError(f"--optimizer must be 'adam' or 'fp8adam', got {cfg.optimizer!r}")

@@ -39,9 +39,16 @@ Numerics of v (why E5M2, and what happens at the bottom of its range):
   (update within 1-3% of AdamW's, the burst row within 2%; measured against sqrt(v), COAT's range
   expansion and error feedback, see docs/fp8_adam.md). m needs no such help: beta1 = 0.9 moves it by
   10% of (g - m) per step, more than half an E4M3 step (<= 6.25%), and its errors have no sign
-  preference; stochastic rounding of m only adds noise (measured). The noise comes from an optimizer-
-  owned generator with a fixed seed, so data-parallel replicas stay identical and resume is exact;
-  `stochastic_rounding=False` (`--no-fp8-optimizer-stochastic-rounding`) restores round-to-nearest.
+  preference; stochastic rounding of m only adds noise (measured). The noise is counter-based
+  (`counter_uniform`: a hash of a fixed seed, the parameter's ordinal, the step and the element index),
+  drawn inside the update kernel: data-parallel replicas stay identical, resume is exact with no
+  generator state to save, and the compiled kernel draws exactly the eager kernel's noise (a
+  torch.Generator stream costs more than the whole fused update on CPU and cannot enter a compiled
+  region). `stochastic_rounding=False` (`--no-fp8-optimizer-stochastic-rounding`) restores round-to-nearest.
+
+Compilation: `compile=True` (the training default, `--no-fp8-optimizer-compile` turns it off) runs the
+per-chunk update through torch.compile: one fused pass per chunk (C++ on CPU, Triton on GPU) instead of
+~20 eager ops. A compile failure falls back to eager with a warning.
 
 State dict: plain tensors/ints/floats/strings (FP8 tensors included), loadable with
 `torch.load(weights_only=True)`. Loading converts: a torch.optim.AdamW state (FP32 moments), or one of
@@ -60,16 +67,17 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 
 from megatron.optimizer.fp8_state_quant import (
-    MomentDtype, MomentFormat, block_layout, dequantize, dequantize_with_floor, moment_format, quantize,
-    state_nbytes, storage_numel,
+    MomentDtype, MomentFormat, block_layout, counter_uniform, dequantize, dequantize_with_floor, moment_format,
+    quantize, state_nbytes, storage_numel,
 )
 
 logger = logging.getLogger(__name__)
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 _FP32 = moment_format(MomentDtype.FP32)
-# Fixed seed of the stochastic-rounding generator: identical on every rank (see module docstring).
+# Fixed seed of the stochastic-rounding noise: identical on every rank (see module docstring).
 _SR_SEED = 0x5EED
+_MASK64 = (1 << 64) - 1
 # torch.optim.AdamW group options that mean nothing here (dropped when loading its state dict).
 _FOREIGN_GROUP_KEYS = {"amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused",
                        "decoupled_weight_decay", "fp8_states"}
@@ -98,12 +106,16 @@ def _chunk_step(param: Optional[torch.Tensor], grad: torch.Tensor,
                 decay: torch.Tensor, step_size: torch.Tensor, bc2_sqrt: torch.Tensor,
                 beta1: float, beta2: float, eps: float,
                 m_fmt: MomentFormat, v_fmt: MomentFormat, stochastic: bool, requantize: bool,
-                m_amax: Optional[torch.Tensor], v_amax: Optional[torch.Tensor], v_noise: Optional[torch.Tensor]):
+                m_amax: Optional[torch.Tensor], v_amax: Optional[torch.Tensor],
+                start: torch.Tensor, noise_key: Optional[torch.Tensor]):
     """AdamW on one flat chunk of one parameter whose moments are stored in `m_fmt`/`v_fmt`.
 
     Updates `param` in place unless it is None; returns (m_data, m_scale_inv, v_data, v_scale_inv) if
     `requantize`, else the amax of the new m and v (pass 1 of per-tensor scaling, see `_step_stored`).
     `m_amax`/`v_amax` impose a per-tensor scale; None = the chunk's own per-block amax.
+    `noise_key` (0-d int64) selects stochastic rounding of v with `counter_uniform` noise for the stored
+    elements from `start` on, drawn inside the kernel (a fused pass, no noise tensor in memory) and equal in
+    eager and compiled form; None = round to nearest.
     Step-dependent scalars are 0-d tensors so a torch.compile'd version does not recompile every step.
     """
     numel = grad.numel()
@@ -120,7 +132,8 @@ def _chunk_step(param: Optional[torch.Tensor], grad: torch.Tensor,
     if not requantize:
         return m.abs().amax(), v.amax()
     m_data, m_scale_inv = quantize(m, m_fmt, None, m_amax)  # nearest: see the module docstring
-    v_data, v_scale_inv = quantize(v, v_fmt, v_noise, v_amax)
+    noise = None if noise_key is None else counter_uniform(storage_numel(numel, v_fmt), start, noise_key, g.device)
+    v_data, v_scale_inv = quantize(v, v_fmt, noise, v_amax)
     return m_data, m_scale_inv, v_data, v_scale_inv
 
 
@@ -172,12 +185,14 @@ class Fp8AdamW(torch.optim.Optimizer):
                     raise ValueError(f"Fp8AdamW updates FP32 master weights; got a {p.dtype} parameter of "
                                      f"shape {tuple(p.shape)} (keep master weights in FP32, e.g. --bf16 "
                                      "with an FP32 master copy)")
-        self._generators: Dict[torch.device, torch.Generator] = {}
         self._eager_kernel: Callable = _chunk_step
         self._kernel: Callable = _chunk_step
+        self.compiled = bool(compile)
         if compile:
-            # Static shapes: chunks are all _CHUNK long except each tensor's tail, so few graphs.
-            self._kernel = torch.compile(_chunk_step, dynamic=False)
+            # Shapes are static for the first chunk length and become dynamic on the second (torch's
+            # automatic dynamic shapes): full chunks and every tensor's tail then share two graphs per
+            # variant (pass 1 / pass 2 / blockwise) instead of one graph per distinct tail length.
+            self._kernel = torch.compile(_chunk_step, dynamic=None)
 
     # ----------------------------------------------------------------------------- the rule
     def uses_fp8_states(self, p: torch.Tensor, group: Dict[str, Any]) -> bool:
@@ -204,10 +219,18 @@ class Fp8AdamW(torch.optim.Optimizer):
                                                        "exp_avg_sq_scale_inv"))) for s in self.state.values())
 
     # ----------------------------------------------------------------------------- state
-    def _generator(self, device: torch.device) -> torch.Generator:
-        if device not in self._generators:
-            self._generators[device] = torch.Generator(device=device).manual_seed(_SR_SEED)
-        return self._generators[device]
+    def _noise_key(self, p: torch.Tensor, ordinal: int, step: float) -> Optional[torch.Tensor]:
+        """The 32-bit name of the stochastic-rounding stream of parameter `p` at `step` (a 0-d int64
+        tensor), or None for round-to-nearest. `ordinal` is p's position in the param groups (stable
+        across a resume; DeepSpeed's flat partitions have theirs). A splitmix64-style mix of (seed,
+        ordinal, step): distinct streams per parameter and step, the same on every rank."""
+        if not self.stochastic_rounding:
+            return None
+        z = (_SR_SEED * 0x9E3779B97F4A7C15 + ordinal * 0xBF58476D1CE4E5B9
+             + int(step) * 0x94D049BB133111EB) & _MASK64
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+        return torch.tensor((z ^ (z >> 31)) & 0xFFFFFFFF, dtype=torch.int64, device=p.device)
 
     @staticmethod
     def _new_moment(p: torch.Tensor, fmt: MomentFormat, zero: bool = True
@@ -235,11 +258,13 @@ class Fp8AdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        ordinal = -1
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
             batch: Dict[str, List] = defaultdict(list)  # FP32-state params: one foreach pass
             for p in group["params"]:
+                ordinal += 1
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
@@ -255,13 +280,13 @@ class Fp8AdamW(torch.optim.Optimizer):
                                        ("v", state["exp_avg_sq"]), ("step", step)):
                         batch[key].append(value)
                     continue
-                self._step_stored(p, state, group, step, m_fmt, v_fmt)
+                self._step_stored(p, state, group, step, m_fmt, v_fmt, ordinal)
             if batch:
                 self._step_fp32_foreach(batch, lr, beta1, beta2, eps, wd)
         return loss
 
     def _step_stored(self, p: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any], step: float,
-                     m_fmt: MomentFormat, v_fmt: MomentFormat) -> None:
+                     m_fmt: MomentFormat, v_fmt: MomentFormat, ordinal: int) -> None:
         """Update one parameter chunk by chunk. Per-tensor FP8 scaling needs the amax of the *new*
         moments before any chunk can be quantized, so it takes two passes: pass 1 updates the parameter
         and collects the amaxes, pass 2 recomputes m and v from the old states and quantizes them."""
@@ -277,13 +302,15 @@ class Fp8AdamW(torch.optim.Optimizer):
         chunk = max(_CHUNK // max(self.block_size, 1), 1) * max(self.block_size, 1)
         per_tensor = any(f.is_fp8 and f.block_size == 0 for f in fmts)
         amaxes: List[Optional[torch.Tensor]] = [None, None]
+        noise_key = self._noise_key(p, ordinal, step) if v_fmt.dtype is not MomentDtype.FP32 else None
+        starts = [torch.tensor(a, dtype=torch.int64, device=p.device) for a in range(0, n, chunk)]
         if per_tensor:  # pass 1
             amaxes = [torch.zeros((), device=p.device), torch.zeros((), device=p.device)]
             for a in range(0, n, chunk):
                 length = min(chunk, n - a)
                 ins = [x for (d, si), f in zip(old, fmts) for x in self._moment_slice(d, si, f, a, length)]
                 out = self._call(flat_p[a:a + length], flat_g[a:a + length], *ins, *scalars, *fixed, False,
-                                 None, None, None)
+                                 None, None, starts[a // chunk], None)
                 amaxes = [torch.maximum(x, y) for x, y in zip(amaxes, out)]
             amaxes = [am if f.is_fp8 and f.block_size == 0 else None for am, f in zip(amaxes, fmts)]
         new = [self._new_moment(p, f, zero=False) for f in fmts]  # every element is written
@@ -291,7 +318,7 @@ class Fp8AdamW(torch.optim.Optimizer):
             length = min(chunk, n - a)
             ins = [x for (d, si), f in zip(old, fmts) for x in self._moment_slice(d, si, f, a, length)]
             out = self._call(None if per_tensor else flat_p[a:a + length], flat_g[a:a + length], *ins,
-                             *scalars, *fixed, True, *amaxes, self._noise(v_fmt, length, p.device))
+                             *scalars, *fixed, True, *amaxes, starts[a // chunk], noise_key)
             for (d, si), f, q, qs in zip(new, fmts, out[0::2], out[1::2]):
                 d_slice, s_slice = self._moment_slice(d, si, f, a, length)
                 d_slice.copy_(q)
@@ -313,12 +340,6 @@ class Fp8AdamW(torch.optim.Optimizer):
             return flat[start:start + length], scale_inv
         first, count = start // fmt.block_size, -(-length // fmt.block_size)
         return flat[start:start + count * fmt.block_size], scale_inv[first:first + count]
-
-    def _noise(self, fmt: MomentFormat, length: int, device: torch.device) -> Optional[torch.Tensor]:
-        """Uniform noise for stochastic rounding of v over `length` elements, or None (nearest)."""
-        if not self.stochastic_rounding or fmt.dtype is MomentDtype.FP32:
-            return None
-        return torch.rand(storage_numel(length, fmt), generator=self._generator(device), device=device)
 
     def _call(self, *args: Any):
         try:
@@ -348,10 +369,11 @@ class Fp8AdamW(torch.optim.Optimizer):
     def state_dict(self) -> Dict[str, Any]:
         sd = super().state_dict()
         # Plain data only (weights_only-loadable): what wrote it, and the stochastic-rounding streams.
-        sd["fp8_adam"] = {"format_version": 1, "m_dtype": self.m_format.dtype.value,
+        # Format 2: the noise is counter-based (a function of seed, parameter ordinal, step and element),
+        # so there is no generator state to save; format 1's "rng_states" are accepted and have no use.
+        sd["fp8_adam"] = {"format_version": 2, "m_dtype": self.m_format.dtype.value,
                           "v_dtype": self.v_format.dtype.value, "block_size": self.block_size,
-                          "stochastic_rounding": self.stochastic_rounding,
-                          "rng_states": [[str(d), g.get_state()] for d, g in self._generators.items()]}
+                          "stochastic_rounding": self.stochastic_rounding, "noise": "counter-hash"}
         return sd
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
@@ -377,9 +399,9 @@ class Fp8AdamW(torch.optim.Optimizer):
             p, group = id_map[pid]
             new_state[p] = self._convert_state(p, group, saved_state)
         self.state = new_state
-        meta = state_dict.get("fp8_adam", {})
-        for device, rng_state in meta.get("rng_states", []):
-            self._generator(torch.device(device)).set_state(rng_state)
+        if state_dict.get("fp8_adam", {}).get("rng_states"):
+            logger.info("Fp8AdamW: the checkpoint's stochastic-rounding generator states (format 1) are not "
+                        "used: the noise is now a function of (parameter, step, element)")
 
     def _convert_state(self, p: torch.Tensor, group: Dict[str, Any], saved: Dict[str, Any]) -> Dict[str, Any]:
         if "max_exp_avg_sq" in saved:

@@ -147,6 +147,32 @@ def dequantize_with_floor(data: torch.Tensor, scale_inv: Optional[torch.Tensor],
     return x.view(-1)[:numel], floor.view(-1)[:numel]
 
 
+# 32-bit hash (Chris Wellons' "lowbias32" shape with multipliers below 2**31, so each product of a 32-bit value
+# fits in int64 without overflow: the same integers in eager, in torch.compile's C++ and in Triton).
+_MASK32 = 0xFFFFFFFF
+_HASH_MUL = (0x21F0AAAD, 0x735A2D97)
+
+
+def counter_uniform(numel: int, start: torch.Tensor, key: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`numel` uniform [0, 1) fp32 values for elements start .. start + numel - 1 of a stream named `key`.
+
+    A counter-based generator: value i is a hash of (start + i) xor key, so it depends on the element and
+    the key alone, not on how many values were drawn before or in what order. That is what makes a compiled
+    update equal the eager one (the same integers in both), lets a chunked update draw its chunks
+    independently, and makes resume exact without saving generator state. 24 bits of the hash become the
+    fraction, exactly representable in fp32. `start` and `key` are 0-d int64 tensors (a compiled caller then
+    does not specialize on them); `key` < 2**32.
+    """
+    x = (torch.arange(numel, dtype=torch.int64, device=device) + start) & _MASK32
+    x = x ^ key
+    x = x ^ (x >> 16)
+    x = (x * _HASH_MUL[0]) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * _HASH_MUL[1]) & _MASK32
+    x = x ^ (x >> 15)
+    return (x >> 8).to(torch.float32) * 2.0**-24
+
+
 def state_nbytes(*tensors: Optional[torch.Tensor]) -> int:
     """Bytes held by the given state tensors (None ignored)."""
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
