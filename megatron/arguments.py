@@ -8,14 +8,19 @@ not implemented yet are rejected with a clear "not supported yet" error, never s
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
 import os
+import sys
 from typing import Optional, Sequence
 
 from megatron.config import (
     CheckpointConfig, DataConfig, DivergenceConfig, LoggingConfig, LrDecayStyle, MegatronConfig, ModelConfig,
     Normalization, OptimizerConfig, ParallelConfig, PositionEmbedding, RecomputeGranularity, SchedulerConfig,
     SmoothSwiGLUGranularity, TrainingConfig,
+)
+from megatron.compat import (
+    CompatConfig, add_compat_arguments, env_recipe_flags, normalization_type, optimizer_type, resolve_compat,
 )
 from megatron.fp8.recipe import AmaxComputeAlgo, Fp8Backend, Fp8Format, Fp8Recipe, Fp8Scaling
 from megatron.parallel_state import world_size_from_env
@@ -40,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rotary-position-embeddings-theta", "--rope-theta", "--rotary-base", dest="rotary_base",
                    type=float, default=10000.0)
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
+    g.add_argument("--normalization", type=normalization_type, choices=["LayerNorm", "RMSNorm"], default="LayerNorm",
+                   help="also the upstream lowercase spellings layernorm, rmsnorm")
     g.add_argument("--norm-epsilon", "--layernorm-epsilon", dest="norm_epsilon", type=float, default=1e-5)
     g.add_argument("--swiglu", action="store_true")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
@@ -55,8 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--init-method-std", type=float, default=0.02)
-    g.add_argument("--optimizer", choices=["adam", "fp8adam"], default="adam",
-                   help="adam = AdamW (decoupled weight decay, as Megatron); fp8adam = moments stored in FP8")
+    g.add_argument("--optimizer", type=optimizer_type, choices=["adam", "fp8adam"], default="adam",
+                   help="adam = AdamW (decoupled weight decay, as Megatron; upstream adamw and fusedadamw are "
+                        "accepted for it); fp8adam = moments stored in FP8")
     g.add_argument("--fp8-optimizer", action="store_true", help="same as --optimizer fp8adam")
     g.add_argument("--fp8-optimizer-m-dtype", choices=["e4m3", "e5m2", "bf16", "fp32"], default="e4m3")
     g.add_argument("--fp8-optimizer-v-dtype", choices=["e4m3", "e5m2", "bf16", "fp32"], default="e5m2")
@@ -146,6 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--tensorboard-dir", type=str, default=None)
+    g.add_argument("--log-batch-size-to-tensorboard", action="store_true",
+                   help="write batch-size/batch-size (and its vs samples / vs tokens twins)")
+    g.add_argument("--log-timers-to-tensorboard", action="store_true",
+                   help="write iteration-time/iteration-time (seconds, and its twins)")
 
     g = p.add_argument_group("data and tokenizer")
     g.add_argument("--data-path", nargs="*", default=None, help="PREFIX or WEIGHT1 PREFIX1 WEIGHT2 PREFIX2 ...")
@@ -189,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None,
                    help="passed by the deepspeed launcher; must agree with the LOCAL_RANK environment variable, "
                         "which is what is used")
+    add_compat_arguments(p)
     return p
 
 
@@ -232,8 +244,9 @@ def _pipeline_parallel_checks(a: argparse.Namespace, model: ModelConfig) -> None
          "needs --untie-embeddings-and-output-weights: a tied embedding would live on the first and the last stage"),
         (a.reset_position_ids or a.reset_attention_mask,
          "with --reset-position-ids / --reset-attention-mask is not supported yet (stages exchange hidden states only)"),
-        (model.recompute_granularity is RecomputeGranularity.FULL,
-         "with --recompute-granularity full is not supported yet (selective recompute works)"),
+        (model.recompute_granularity is RecomputeGranularity.FULL and model.recompute_method != "uniform",
+         "with --recompute-granularity full needs --recompute-method uniform (DeepSpeed checkpoints every "
+         "--recompute-num-layers layers of a stage)"),
         (model.num_layers % pp != 0, f"needs --num-layers ({model.num_layers}) divisible by it: each stage gets "
                                      "the same number of transformer layers"),
     )
@@ -276,7 +289,8 @@ def _model_config(a: argparse.Namespace, padded_vocab: int) -> ModelConfig:
     max_pos = a.max_position_embeddings or a.seq_length
     if a.seq_length > max_pos:
         raise ValueError(f"--seq-length {a.seq_length} exceeds --max-position-embeddings {max_pos}")
-    granularity = a.recompute_granularity or ("selective" if a.recompute_activations else None)
+    granularity = a.recompute_granularity or ("selective" if a.recompute_activations else None) or (
+        "full" if a.deepspeed_activation_checkpointing else None)  # upstream: DeepSpeed's checkpointing = ours
     if a.recompute_num_layers < 1:
         raise ValueError("--recompute-num-layers must be >= 1")
     pos = "rope" if a.use_rotary_position_embeddings else a.position_embedding_type
@@ -402,10 +416,85 @@ def _schedule(a: argparse.Namespace, gbs: int) -> tuple[int, SchedulerConfig]:
                                         warmup_iters=warmup, decay_iters=decay)
 
 
-def parse_config(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None) -> MegatronConfig:
-    """Parse and validate flags into a `MegatronConfig`. Raises ValueError naming the flag and the fix."""
-    a = build_parser().parse_args(argv)
+def _parse_flags(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str], bool]:
+    """Parse `argv`, collecting every unknown flag (with the closest known one as a hint) and every invalid
+    choice instead of stopping at the first as argparse does. Returns (namespace, problems, choices_ok)."""
+    parser = build_parser()
+    parser.exit_on_error = False  # a bad type (--num-layers x) raises ArgumentError, turned into ValueError
+    choices = {}
+    for action in parser._actions:  # checked after parsing, all at once
+        if action.choices is not None and action.option_strings:
+            choices[action.dest] = (action.option_strings[0], list(action.choices))
+            action.metavar = action.metavar or "{" + ",".join(map(str, action.choices)) + "}"
+            action.choices = None
+    try:
+        a, unknown = parser.parse_known_args(list(argv))
+    except argparse.ArgumentError as exc:
+        raise ValueError(str(exc)) from None
+    known = list(parser._option_string_actions)
+    problems = []
+    after_unknown_flag = False
+    for token in unknown:
+        if token.startswith("-") and not token.lstrip("-").replace(".", "").isdigit():
+            flag = token.split("=")[0]
+            hint = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+            problems.append(f"unknown flag {flag}" + (f" (did you mean {hint[0]}?)" if hint else ""))
+            after_unknown_flag = "=" not in token
+        elif not after_unknown_flag:
+            problems.append(f"unexpected argument {token!r}")
+        else:
+            after_unknown_flag = False
+    choices_ok = True
+    for dest, (flag, allowed) in choices.items():
+        value = getattr(a, dest)
+        for v in (value if isinstance(value, list) else [value]):
+            if v is not None and v not in allowed:
+                choices_ok = False
+                problems.append(f"{flag}: invalid choice {v!r} (choose from {', '.join(map(str, allowed))})")
+    return a, problems, choices_ok
+
+
+def parse_config(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None,
+                 env: Optional[dict] = None) -> MegatronConfig:
+    """Parse and validate flags into a `MegatronConfig`. Raises ValueError naming the flag and the fix.
+
+    `env` (default: os.environ) may hold the reference code's FP8 recipe variables (megatron/compat.py); they
+    become flags placed before `argv`, so a flag given explicitly wins. All flag problems (unknown flags, invalid
+    choices, and the first semantic error when the values parsed) are reported together, in one error.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    recipe_flags, recipe = env_recipe_flags(os.environ if env is None else env)
+    a, problems, choices_ok = _parse_flags(recipe_flags + argv)
+    config = None
+    if choices_ok:
+        try:
+            config = _resolve(a, world_size, recipe)
+        except ValueError as exc:
+            message = str(exc)
+            if recipe_flags:
+                message += (" (the environment's FP8 recipe added: " + " ".join(recipe_flags) + "; see "
+                            "docs/migration.md)")
+            problems.append(message)
+    if len(problems) == 1:
+        raise ValueError(problems[0])
+    if problems:
+        raise ValueError(f"{len(problems)} problems with the flags: "
+                         + "; ".join(f"({i}) {p}" for i, p in enumerate(problems, 1)))
+    return config
+
+
+def _resolve(a: argparse.Namespace, world_size: Optional[int], recipe: list) -> MegatronConfig:
     _not_supported_yet(a)
+    if a.use_torch_compile is not None and hasattr(a, "torch_compile"):  # Habana's spelling of --torch-compile
+        wanted = "on" if a.use_torch_compile else "off"
+        if a.torch_compile not in ("auto", wanted):
+            raise ValueError(f"--use-torch-compile {str(a.use_torch_compile).lower()} contradicts --torch-compile "
+                             f"{a.torch_compile}: drop one")
+        a.torch_compile = wanted
+    compat = resolve_compat(a, a.device, "torch_compile" if hasattr(a, "torch_compile") else None)
+    compat = CompatConfig(kernels=compat.kernels, env_recipe=tuple(recipe),
+                          notes=tuple(f"environment {var}={value}: {meaning}" for var, value, meaning in recipe)
+                          + compat.notes)
     world = world_size if world_size is not None else world_size_from_env()
     model_parallel = (_parallel_size("--tensor-model-parallel-size", a.tensor_model_parallel_size)
                       * _parallel_size("--pipeline-model-parallel-size", a.pipeline_model_parallel_size))
@@ -451,7 +540,9 @@ def parse_config(argv: Optional[Sequence[str]] = None, world_size: Optional[int]
             save=a.save, load=a.load, save_interval=a.save_interval, no_save_optim=a.no_save_optim,
             no_save_rng=a.no_save_rng, no_load_optim=a.no_load_optim, no_load_rng=a.no_load_rng, finetune=a.finetune),
         logging=LoggingConfig(log_interval=a.log_interval, tensorboard_dir=a.tensorboard_dir,
-                              log_fp8_stats=a.log_fp8_stats, log_swiglu_diagnostics=not a.no_swiglu_diagnostics),
+                              log_fp8_stats=a.log_fp8_stats, log_swiglu_diagnostics=not a.no_swiglu_diagnostics,
+                              log_batch_size=a.log_batch_size_to_tensorboard,
+                              log_timers=a.log_timers_to_tensorboard),
         data=data,
         parallel=ParallelConfig(
             tensor_model_parallel_size=a.tensor_model_parallel_size,
@@ -466,4 +557,5 @@ def parse_config(argv: Optional[Sequence[str]] = None, world_size: Optional[int]
             enabled=a.divergence_guard, loss_factor=a.divergence_loss_factor, patience=a.divergence_patience,
             window=a.divergence_window, zero_grad_iters=a.divergence_zero_grad_iters,
             max_weight=a.divergence_max_weight),
+        compat=compat,
     )

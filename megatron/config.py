@@ -13,6 +13,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
+from megatron.compat import CompatConfig
 from megatron.fp8.recipe import Fp8Recipe
 
 
@@ -153,6 +154,8 @@ class LoggingConfig:
     tensorboard_dir: Optional[str] = None
     log_fp8_stats: bool = False
     log_swiglu_diagnostics: bool = True
+    log_batch_size: bool = False  # --log-batch-size-to-tensorboard
+    log_timers: bool = False  # --log-timers-to-tensorboard
 
 
 @dataclass(frozen=True)
@@ -233,6 +236,7 @@ class MegatronConfig:
     fp8: Optional[Fp8Recipe] = None
     device: str = "auto"
     divergence: DivergenceConfig = DivergenceConfig()
+    compat: CompatConfig = CompatConfig()  # upstream flags / env recipe (megatron/compat.py)
 
     def to_dict(self) -> dict:
         """Plain JSON-able dict (enums as their values); stored in checkpoints instead of a Namespace."""

@@ -98,7 +98,8 @@ def test_pp2_bf16_fp8adam_tracks_pp1():
     (("--deepspeed",), dict(zero_stage=2), "needs --zero-stage 0 or 1 (got 2)"),
     (("--deepspeed",), dict(zero_stage=3), "needs --zero-stage 0 or 1 (got 3)"),
     (("--deepspeed", "--reset-position-ids"), {}, "--reset-position-ids / --reset-attention-mask"),
-    (("--deepspeed",), dict(recompute_granularity="full"), "--recompute-granularity full"),
+    (("--deepspeed",), dict(recompute_granularity="full", recompute_method="block"),
+     "--recompute-granularity full needs --recompute-method uniform"),
     (("--deepspeed",), dict(num_layers=3), "needs --num-layers (3) divisible by it"),
 ])
 def test_unsupported_pipeline_combinations_are_rejected(switches, overrides, message):

@@ -122,10 +122,11 @@ def test_tensorboard_scalars(tmp_path):
     acc = EventAccumulator(str(tmp_path / "tb"))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
-    for tag in ("lm-loss", "lm-loss vs tokens", "learning-rate", "grad-norm", "throughput/tokens-per-sec",
-                "lm-loss-validation/lm loss", "lm-loss-validation/lm loss ppl", "memory/mem-max-rss-MiB"):
+    for tag in ("lm-loss-training/lm loss", "lm-loss-training/lm loss vs tokens", "learning-rate/learning-rate",
+                "grad-norm/grad-norm", "throughput/tokens-per-sec", "lm-loss-validation/lm loss validation",
+                "lm-loss-validation/lm loss validation ppl", "memory/mem-max-rss-MiB"):
         assert tag in tags, tag
-    by_tokens = acc.Scalars("lm-loss vs tokens")
+    by_tokens = acc.Scalars("lm-loss-training/lm loss vs tokens")
     assert [e.step for e in by_tokens] == [5 * 8 * 32, 10 * 8 * 32]
 
 

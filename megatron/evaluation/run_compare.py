@@ -6,8 +6,10 @@ batch size or sequence length; the training loop writes every scalar a second ti
 (loss - reference loss) / reference loss at equal tokens, the reference interpolated linearly
 between its logged points and only inside the token range both runs cover.
 
-Tags read (as written by `megatron.training.log.TrainingLogger` and the FP8 statistics):
-`lm-loss vs tokens`, `lm-loss-validation/lm loss vs tokens`, `lm-loss-test/lm loss`,
+Tags read (as written by `megatron.training.log.TrainingLogger`, Megatron-DeepSpeed's names, and the FP8
+statistics): `lm-loss-training/lm loss vs tokens`, `lm-loss-validation/lm loss validation vs tokens`,
+`lm-loss-validation/lm loss test` (runs written before issue 18 used `lm-loss`, `lm-loss-validation/lm loss`
+and `lm-loss-test/lm loss`: they are read under the new names),
 `throughput/tokens-per-sec`, `memory/mem-max-allocated-MiB` or `memory/mem-max-rss-MiB`,
 `skipped-iterations`, `nan-iterations`, and `fp8/<layer>/<role>/{amax,clipped_frac}` when present.
 """
@@ -20,9 +22,12 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-TRAIN_LOSS = "lm-loss vs tokens"
-VALID_LOSS = "lm-loss-validation/lm loss vs tokens"
-TEST_LOSS = "lm-loss-test/lm loss"
+TRAIN_LOSS = "lm-loss-training/lm loss vs tokens"
+VALID_LOSS = "lm-loss-validation/lm loss validation vs tokens"
+TEST_LOSS = "lm-loss-validation/lm loss test"
+# Our tag names before issue 18 -> Megatron-DeepSpeed's, so older runs still compare.
+LEGACY_TAGS = {"lm-loss vs tokens": TRAIN_LOSS, "lm-loss-validation/lm loss vs tokens": VALID_LOSS,
+               "lm-loss-test/lm loss": TEST_LOSS}
 THROUGHPUT = "throughput/tokens-per-sec"
 MEMORY_TAGS = ("memory/mem-max-allocated-MiB", "memory/mem-max-rss-MiB")
 SKIPPED, NANS = "skipped-iterations", "nan-iterations"
@@ -47,6 +52,9 @@ def read_scalars(run_dir: str) -> dict[str, Series]:
         by_step = {int(e.step): float(e.value) for e in acc.Scalars(tag)}
         steps = np.array(sorted(by_step), dtype=np.int64)
         out[tag] = (steps, np.array([by_step[s] for s in steps], dtype=np.float64))
+    for old, new in LEGACY_TAGS.items():
+        if old in out and new not in out:
+            out[new] = out.pop(old)
     return out
 
 

@@ -1,4 +1,13 @@
-"""The Megatron log line and TensorBoard scalars (keyed by iteration and by consumed tokens)."""
+"""The Megatron log line and TensorBoard scalars.
+
+Tags follow Megatron-DeepSpeed's `training_log` so existing dashboards work: `lm-loss-training/lm loss`,
+`learning-rate/learning-rate`, `grad-norm/grad-norm`, `batch-size/batch-size` (--log-batch-size-to-tensorboard),
+`iteration-time/iteration-time` (--log-timers-to-tensorboard, seconds), `lm-loss-validation/lm loss validation`
+(and `... ppl`, and `lm loss test` for the test split), each keyed by iteration with its "<tag> vs samples" and
+"<tag> vs tokens" twins, plus the `steps-vs-samples/*` and `steps-vs-tokens/*` conversions. Our own tags
+(throughput, memory, skipped/nan iterations, FP8 and SwiGLU statistics) keep their names, keyed by iteration
+and by tokens.
+"""
 from __future__ import annotations
 
 import logging
@@ -26,8 +35,11 @@ def setup_logging(rank: int) -> None:
 class TrainingLogger:
     """Accumulates per-iteration values between log lines and writes them out every `--log-interval`."""
 
-    def __init__(self, log_interval: int, train_iters: int, tensorboard_dir: Optional[str], enabled: bool) -> None:
+    def __init__(self, log_interval: int, train_iters: int, tensorboard_dir: Optional[str], enabled: bool,
+                 log_batch_size: bool = False, log_timers: bool = False) -> None:
         self.log_interval = log_interval
+        self.log_batch_size = log_batch_size
+        self.log_timers = log_timers
         self.train_iters = train_iters
         self.enabled = enabled
         self.writer = None
@@ -40,12 +52,26 @@ class TrainingLogger:
     def _reset(self) -> None:
         self.losses, self.time_sum, self.iters = [], 0.0, 0
 
-    def scalar(self, tag: str, value: float, iteration: int, tokens: Optional[int] = None) -> None:
+    def scalar(self, tag: str, value: float, iteration: int, tokens: Optional[int] = None,
+               samples: Optional[int] = None) -> None:
+        """`tag` by iteration, and its "<tag> vs samples" / "<tag> vs tokens" twins when those are given."""
         if self.writer is None:
             return
         self.writer.add_scalar(tag, value, iteration)
+        if samples is not None:
+            self.writer.add_scalar(f"{tag} vs samples", value, samples)
         if tokens is not None:
             self.writer.add_scalar(f"{tag} vs tokens", value, tokens)
+
+    def _megatron_scalars(self, iteration: int, samples: int, tokens: int, values: dict) -> None:
+        if self.writer is None:
+            return
+        self.writer.add_scalar("steps-vs-samples/y=steps,x=samples", iteration, samples)
+        self.writer.add_scalar("steps-vs-samples/y=samples,x=steps", samples, iteration)
+        self.writer.add_scalar("steps-vs-tokens/y=steps,x=tokens", iteration, tokens)
+        self.writer.add_scalar("steps-vs-tokens/y=tokens,x=steps", tokens, iteration)
+        for tag, value in values.items():
+            self.scalar(tag, value, iteration, tokens, samples)
 
     def record(self, *, iteration: int, loss: Optional[float | torch.Tensor], elapsed_s: float, lr: float,
                grad_norm: float | torch.Tensor, state, global_batch_size: int, seq_length: int, flops_per_iter: float,
@@ -83,11 +109,16 @@ class TrainingLogger:
                 f" number of skipped iterations: {state.skipped_iterations:3d} |"
                 f" number of nan iterations: {state.nan_iterations:3d} |{extra_text}")
         logger.info(line)
+        megatron = {"learning-rate/learning-rate": lr}
         if math.isfinite(avg_loss):
-            self.scalar("lm-loss", avg_loss, iteration, tokens)
-        self.scalar("learning-rate", lr, iteration, tokens)
+            megatron["lm-loss-training/lm loss"] = avg_loss
         if math.isfinite(grad_norm):
-            self.scalar("grad-norm", grad_norm, iteration, tokens)
+            megatron["grad-norm/grad-norm"] = grad_norm
+        if self.log_batch_size:
+            megatron["batch-size/batch-size"] = global_batch_size
+        if self.log_timers:
+            megatron["iteration-time/iteration-time"] = avg_time
+        self._megatron_scalars(iteration, state.consumed_train_samples, tokens, megatron)
         self.scalar("throughput/tokens-per-sec", tokens_per_s, iteration, tokens)
         self.scalar("throughput/tflops-per-device", tflops, iteration, tokens)
         self.scalar("skipped-iterations", state.skipped_iterations, iteration, tokens)
@@ -99,15 +130,16 @@ class TrainingLogger:
         self._reset()
         return line
 
-    def validation(self, name: str, loss: float, iteration: int, tokens: int) -> str:
+    def validation(self, name: str, loss: float, iteration: int, tokens: int, samples: Optional[int] = None) -> str:
+        """`name` is "validation" or "test": Megatron's `lm-loss-validation/lm loss <name>` (and `... ppl`)."""
         ppl = math.exp(min(loss, 20.0))
         line = f" {name} loss at iteration {iteration} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} |"
         if self.enabled:
             logger.info("-" * len(line))
             logger.info(line)
             logger.info("-" * len(line))
-        self.scalar(f"lm-loss-{name}/lm loss", loss, iteration, tokens)
-        self.scalar(f"lm-loss-{name}/lm loss ppl", ppl, iteration, tokens)
+        self.scalar(f"lm-loss-validation/lm loss {name}", loss, iteration, tokens, samples)
+        self.scalar(f"lm-loss-validation/lm loss {name} ppl", ppl, iteration, tokens, samples)
         return line
 
     def close(self) -> None:

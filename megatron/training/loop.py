@@ -28,6 +28,7 @@ from megatron import comm
 from megatron.accelerator import Accelerator, get_accelerator
 from megatron.config import MegatronConfig
 from megatron.data.provider import Batch, build_loader, make_batch
+from megatron.hpu_kernels import apply_habana_kernels
 from megatron.model.build import build_model
 from megatron.optimizer import build_optimizer
 from megatron.optimizer.lr_scheduler import LrScheduler
@@ -100,6 +101,8 @@ class Trainer:
         self.accel.set_device()
         self.parallel = initialize_parallel_state(config.parallel, self.accel)
         setup_logging(self.parallel.rank)
+        for note in config.compat.notes:  # upstream flags accepted as no-ops, the env recipe (megatron/compat.py)
+            logger.info(note)
         t = config.training
         if t.data_parallel_size != self.parallel.data_parallel_size:
             raise ValueError(f"config was resolved for data-parallel size {t.data_parallel_size} but "
@@ -114,6 +117,7 @@ class Trainer:
         # the FP8 swap, the optimizer and DDP, which must all see this rank's pieces.
         self.model = build_model(config.model, self.accel.device, t.seed, self.parallel,
                                  config.parallel.sequence_parallel, stage)
+        apply_habana_kernels(self.model, config.compat.kernels, self.accel.device_type)
         self.fp8 = Fp8Hooks(self.model, config.fp8, self.parallel.amax_group, config.logging.log_fp8_stats)
         logger.info("> number of parameters: %d", self.model.num_parameters())
         layers_view = self.model
@@ -136,7 +140,8 @@ class Trainer:
         self.train_ds, self.valid_ds, self.test_ds, self.eod = build_datasets(config, tokenizer, self.parallel)
         self.flops_per_iter = flops_per_iteration(config.model, t.global_batch_size)
         self.tlog = TrainingLogger(config.logging.log_interval, t.train_iters, config.logging.tensorboard_dir,
-                                   enabled=self.parallel.is_logging_rank)
+                                   enabled=self.parallel.is_logging_rank, log_batch_size=config.logging.log_batch_size,
+                                   log_timers=config.logging.log_timers)
 
     # -------------------------------------------------------------------------------- checkpoints
     def _load(self) -> None:
@@ -303,7 +308,8 @@ class Trainer:
                 if self.valid_ds is not None and t.eval_interval and s.iteration % t.eval_interval == 0:
                     vloss = self.evaluate(self.valid_ds)
                     result.valid.append((s.iteration, vloss))
-                    self.tlog.validation("validation", vloss, s.iteration, s.consumed_train_tokens)
+                    self.tlog.validation("validation", vloss, s.iteration, s.consumed_train_tokens,
+                                        s.consumed_train_samples)
                     t_mark = time.perf_counter()  # not iteration time (evaluation ends with a host read)
                 c = cfg.checkpoint
                 if c.save and c.save_interval and s.iteration % c.save_interval == 0:
@@ -326,7 +332,8 @@ class Trainer:
                 self.save()  # marked unhealthy in train_state.json if the guard is still worried
             if self.test_ds is not None and result.exit_reason == "train-iters":
                 result.test_loss = self.evaluate(self.test_ds)
-                self.tlog.validation("test", result.test_loss, self.state.iteration, self.state.consumed_train_tokens)
+                self.tlog.validation("test", result.test_loss, self.state.iteration, self.state.consumed_train_tokens,
+                                    self.state.consumed_train_samples)
         finally:
             result.losses.extend(self._read_pending(pending) if pending else [])
             sig.restore()

@@ -37,14 +37,17 @@ our scheduler/RNG/FP8 state.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
+from megatron.config import RecomputeGranularity
 from megatron.data.provider import Batch
 from megatron.model.build import PipelineStage
 from megatron.optimizer.lr_scheduler import LrScheduler
@@ -158,7 +161,7 @@ def build_pipeline_module(model: nn.Module, parallel: ParallelState) -> nn.Modul
               output]
     try:  # the constructor moves its stage's modules to the device: a meta one cannot move
         pipe = PipelineModule(layers=layers, loss_fn=HeadLoss(parallel.tensor_parallel_group), topology=topology,
-                              partition_method="type:TransformerLayerStage")
+                              partition_method="type:TransformerLayerStage", **_full_recompute(model.config))
     except NotImplementedError as exc:
         raise RuntimeError("DeepSpeed's pipeline partition holds a layer that build_model left on the meta "
                            "device: it no longer agrees with pipeline_stage()") from exc
@@ -172,6 +175,20 @@ def build_pipeline_module(model: nn.Module, parallel: ParallelState) -> nn.Modul
                 parallel.pipeline_parallel_rank, parallel.pipeline_parallel_size, local[0], local[-1],
                 len(layers) - 1, len(layers) - 2, len(layers) - 1)
     return pipe
+
+
+def _full_recompute(config) -> dict:
+    """`--recompute-granularity full --recompute-method uniform` on a stage: DeepSpeed checkpoints every
+    `--recompute-num-layers` of the stage's transformer layers (only chunks made of transformer layers: the
+    embedding and the head are never recomputed), with torch's non-reentrant checkpoint as the single-stage
+    model does (megatron/model/gpt.py)."""
+    if config.recompute_granularity is not RecomputeGranularity.FULL:
+        return {}
+    logger.info("pipeline: full activation recompute of every %d transformer layer(s) of the stage",
+                config.recompute_num_layers)
+    return dict(activation_checkpoint_interval=config.recompute_num_layers,
+                activation_checkpoint_func=functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False),
+                checkpointable_layers=["TransformerLayerStage"])
 
 
 def pipeline_stage(num_layers: int, parallel: ParallelState) -> PipelineStage:
