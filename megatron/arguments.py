@@ -109,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-iters", type=int, default=100)
     g.add_argument("--dry-run", action="store_true",
                    help="print the resolved config, parameter count, FLOPs and memory estimate, then exit")
+    g.add_argument("--torch-compile", choices=["auto", "on", "off"], default="auto",
+                   help="torch.compile each transformer block and the FP8 quantization; auto = on for CUDA, off on "
+                        "CPU (measured: docs/performance.md)")
 
     g = p.add_argument_group("mixed precision")
     g.add_argument("--bf16", action="store_true", help="BF16 autocast with FP32 master weights")
@@ -535,7 +538,8 @@ def _resolve(a: argparse.Namespace, world_size: Optional[int], recipe: list) -> 
             micro_batch_size=a.micro_batch_size, global_batch_size=gbs, data_parallel_size=dp, train_iters=train_iters,
             seed=a.seed, eval_interval=a.eval_interval, eval_iters=a.eval_iters, exit_interval=a.exit_interval,
             exit_duration_in_mins=a.exit_duration_in_mins, exit_signal_handler=a.exit_signal_handler,
-            max_consecutive_nan_steps=a.max_consecutive_nan_steps, bf16=a.bf16, dry_run=a.dry_run),
+            max_consecutive_nan_steps=a.max_consecutive_nan_steps, bf16=a.bf16, dry_run=a.dry_run,
+            torch_compile=a.torch_compile),
         checkpoint=CheckpointConfig(
             save=a.save, load=a.load, save_interval=a.save_interval, no_save_optim=a.no_save_optim,
             no_save_rng=a.no_save_rng, no_load_optim=a.no_load_optim, no_load_rng=a.no_load_rng, finetune=a.finetune),

@@ -130,6 +130,8 @@ class TrainingConfig:
     max_consecutive_nan_steps: int = 10
     bf16: bool = False
     dry_run: bool = False
+    # --torch-compile: "auto" (on for CUDA, off on CPU: docs/performance.md), "on" or "off"; per transformer block
+    torch_compile: str = "auto"
 
     @property
     def num_micro_batches(self) -> int:

@@ -60,6 +60,7 @@ import torch
 import torch.nn as nn
 
 from megatron import comm
+from megatron.fp8 import fused
 from megatron.fp8 import stats as fp8_stats
 from megatron.fp8.backends import Backend, backend_format_spec, select_backend
 from megatron.fp8.formats import Fp8FormatSpec
@@ -78,6 +79,15 @@ def nonfinite_guard(scale: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
     A 0-d `where`: no host synchronisation, no pass over the tensor (its amax is computed anyway).
     """
     return torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
+
+
+def _fused_values_dtype(backend: Backend) -> torch.dtype | None | bool:
+    """False: quantize eagerly (fusion off, or a backend with its own cast: Gaudi). Else the dtype in which the
+    fused kernel also writes the FP8 values for the GEMM: fp32 for the emulated backend (its GEMM runs on
+    them; an eager FP8 -> fp32 cast is a slow pass of its own on CPU), None for real FP8 GEMMs."""
+    if not fused.fused_enabled() or backend.name not in ("emulated", "scaled_mm"):
+        return False
+    return torch.float32 if backend.name == "emulated" else None
 
 
 @dataclasses.dataclass
@@ -121,13 +131,22 @@ class _Fp8LinearFunction(torch.autograd.Function):
         backend = module.fp8_backend(x.device)
         specs = module.fp8_specs(backend)
         x2d = x.reshape(-1, x.shape[-1])
+        values_dtype = _fused_values_dtype(backend)
         # Autocast would turn the fp32 GEMM of the emulated backend into bf16; every dtype here is explicit.
         with torch.autocast(x.device.type, enabled=False):
-            x_amax = amax_of(x2d) if input_amax is None else input_amax.float()
-            s_x = module._scale_for(Fp8Role.INPUT, x_amax, specs[Fp8Role.INPUT])
-            if input_amax is not None:  # the exact amax of this very x: current scaling for free
-                s_x = module._own_amax_scale(Fp8Role.INPUT, x_amax, specs[Fp8Role.INPUT])
-            q_x = backend.quantize(x2d, s_x, specs[Fp8Role.INPUT])
+            spec = specs[Fp8Role.INPUT]
+            v_x = None  # Q(x) in the emulated GEMM's dtype, when the fused kernel wrote it
+            if values_dtype is not False and input_amax is None:
+                q_x, v_x, s_x, x_amax = module._fused_quantize(Fp8Role.INPUT, x2d, spec, values_dtype)
+            else:
+                x_amax = amax_of(x2d) if input_amax is None else input_amax.float()
+                s_x = module._scale_for(Fp8Role.INPUT, x_amax, spec)
+                if input_amax is not None:  # the exact amax of this very x: current scaling for free
+                    s_x = module._own_amax_scale(Fp8Role.INPUT, x_amax, spec)
+                if values_dtype is not False:  # one compiled pass with the known scale
+                    q_x, v_x = fused.quantize_known(x2d, s_x, spec.max, spec.torch_dtype, values_dtype)
+                else:
+                    q_x = backend.quantize(x2d, s_x, spec)
             if module.fp8_stats_enabled:
                 fp8_stats.record(module, Fp8Role.INPUT, x2d, q_x, s_x, specs[Fp8Role.INPUT])
             if column_scale is None:
@@ -139,8 +158,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
             # inf/NaN operand makes the whole output NaN, as nn.Linear's would be non-finite.
             s_x = nonfinite_guard(s_x, x_amax)
             pow2 = module.recipe.power_of_two_scales
-            y = backend.gemm_nt(q_x, s_x, w.weight(backend, pow2), nonfinite_guard(w.scale, w.amax), out_dtype,
-                                pow2)
+            y = backend.gemm_nt(q_x if v_x is None else v_x, s_x, w.weight(backend, pow2),
+                                nonfinite_guard(w.scale, w.amax), out_dtype, pow2)
             if bias is not None:
                 y = y + bias.to(out_dtype)
         saved_x = q_x if module.recipe.fp8_wgrad else x2d
@@ -156,10 +175,15 @@ class _Fp8LinearFunction(torch.autograd.Function):
         grad_spec = specs[Fp8Role.GRAD_OUTPUT]
         dy2d = dy.reshape(-1, dy.shape[-1])
         dx = dw = db = None
+        values_dtype = _fused_values_dtype(backend)
         with torch.autocast(dy.device.type, enabled=False):
-            g_amax = amax_of(dy2d)
-            s_g = module._scale_for(Fp8Role.GRAD_OUTPUT, g_amax, grad_spec)
-            q_g = backend.quantize(dy2d, s_g, grad_spec, module.recipe.grad_stochastic_rounding)
+            v_g = None
+            if values_dtype is not False and not module.recipe.grad_stochastic_rounding:
+                q_g, v_g, s_g, g_amax = module._fused_quantize(Fp8Role.GRAD_OUTPUT, dy2d, grad_spec, values_dtype)
+            else:  # stochastic rounding draws its noise eagerly (the generator's stream stays the eager one)
+                g_amax = amax_of(dy2d)
+                s_g = module._scale_for(Fp8Role.GRAD_OUTPUT, g_amax, grad_spec)
+                q_g = backend.quantize(dy2d, s_g, grad_spec, module.recipe.grad_stochastic_rounding)
             if module.fp8_stats_enabled:
                 fp8_stats.record(module, Fp8Role.GRAD_OUTPUT, dy2d, q_g, s_g, grad_spec)
             # An inf/NaN in dy must reach dx and dW (the clamp would turn inf into +-max and hide the overflow
@@ -168,13 +192,15 @@ class _Fp8LinearFunction(torch.autograd.Function):
             pow2 = module.recipe.power_of_two_scales
             if ctx.needs_input_grad[0]:
                 # dx = dy W  ==  gemm_nt(dy, W^T)
-                dx = backend.gemm_nt(q_g, s_g, w.weight_t(backend, pow2), nonfinite_guard(w.scale, w.amax),
-                                     ctx.x_dtype, pow2)
+                dx = backend.gemm_nt(q_g if v_g is None else v_g, s_g, w.weight_t(backend, pow2),
+                                     nonfinite_guard(w.scale, w.amax), ctx.x_dtype, pow2)
                 dx = dx.reshape(ctx.x_shape)
             if ctx.needs_input_grad[1]:
                 if module.recipe.fp8_wgrad:
                     # dW = dy^T x  ==  gemm_nt(dy^T, x^T)
-                    dw = backend.gemm_nt(q_g.t(), s_g, saved_x.t(), s_x, torch.float32, pow2)
+                    if values_dtype is not False and values_dtype is not None:  # emulated: exact fp32 values
+                        saved_x = fused.upcast(saved_x, values_dtype)
+                    dw = backend.gemm_nt((q_g if v_g is None else v_g).t(), s_g, saved_x.t(), s_x, torch.float32, pow2)
                 else:
                     dw = dy2d.float().t() @ saved_x.float()
                 if column_scale is not None:
@@ -254,18 +280,40 @@ class Fp8Linear(nn.Linear):
         # Delayed: the scale from previous steps once the history holds one; the current amax before that.
         return torch.where(self.fp8_scale_valid[role], self.fp8_scale[role], current)
 
+    def _fused_quantize(self, role: Fp8Role, t: torch.Tensor, spec: Fp8FormatSpec,
+                        values_dtype: torch.dtype | None, record: bool | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """`_scale_for` + `quantize` as one compiled function (fused.py): (Q(t), Q(t) in `values_dtype` or
+        None, scale, amax); records the amax (and the tensorwise scale) as `_scale_for` does."""
+        recipe = self.recipe
+        q, values, scale, amax = fused.quantize_tensor(
+            t.detach(), self.fp8_scale[role], self.fp8_scale_valid[role], recipe.scaling is Fp8Scaling.DELAYED,
+            spec.max, recipe.margin, recipe.power_of_two_scales, spec.torch_dtype, values_dtype)
+        if self.training if record is None else record:
+            self.fp8_step_amax[role] = torch.maximum(self.fp8_step_amax[role], amax)
+            if recipe.scaling is Fp8Scaling.TENSORWISE:
+                self.fp8_scale[role] = scale
+        return q, values, scale, amax
+
     def _quantized_weight(self, backend: Backend, spec: Fp8FormatSpec) -> _QuantizedWeight:
         w = self.weight
         key = (w._version, w.data_ptr(), backend.name)
         if self._weight_cache is None or self._weight_cache.key != key:
+            values_dtype = _fused_values_dtype(backend)
+            values = None
             with torch.no_grad():
-                amax = amax_of(w)
-                # Recorded by `_note_weight_use` instead: the cast may happen in an evaluation pass.
-                scale = self._scale_for(Fp8Role.WEIGHT, amax, spec, record=False)
-                q = backend.quantize(w, scale, spec)
+                if values_dtype is not False:
+                    if values_dtype is not None and self.recipe.power_of_two_scales:
+                        values_dtype = torch.bfloat16  # the dtype `_QuantizedWeight.weight` converts to
+                    # Recorded by `_note_weight_use` instead: the cast may happen in an evaluation pass.
+                    q, values, scale, amax = self._fused_quantize(Fp8Role.WEIGHT, w, spec, values_dtype, record=False)
+                else:
+                    amax = amax_of(w)
+                    scale = self._scale_for(Fp8Role.WEIGHT, amax, spec, record=False)
+                    q = backend.quantize(w, scale, spec)
                 if self.fp8_stats_enabled:
                     fp8_stats.record(self, Fp8Role.WEIGHT, w, q, scale, spec)
-            self._weight_cache = _QuantizedWeight(key, q, scale, amax)
+            self._weight_cache = _QuantizedWeight(key, q, scale, amax, values=values)
             self.fp8_weight_quantizations += 1
         return self._weight_cache
 
@@ -277,16 +325,27 @@ class Fp8Linear(nn.Linear):
     def _quantized_scaled_weight(self, backend: Backend, spec: Fp8FormatSpec, column_scale: torch.Tensor,
                                  group: Any = None) -> _QuantizedWeight:
         """Q(W diag(column_scale)), made for this call only (see "Per-input-channel weight scale")."""
+        values_dtype = _fused_values_dtype(backend)
+        values = None
         with torch.no_grad():
-            w = self.weight.float() * column_scale.float()
-            amax = amax_of(w)
+            if values_dtype is not False:  # W diag(c) is never materialized: one amax pass, one cast pass
+                if values_dtype is not None and self.recipe.power_of_two_scales:
+                    values_dtype = torch.bfloat16
+                amax = fused.column_scaled_amax(self.weight, column_scale)
+            else:
+                w = self.weight.float() * column_scale.float()
+                amax = amax_of(w)
             comm.all_reduce(amax, group, comm.ReduceOp.MAX)  # a no-op without a group
             scale = self._own_amax_scale(Fp8Role.WEIGHT, amax, spec)
-            q = backend.quantize(w, scale, spec)
+            if values_dtype is not False:
+                q, values = fused.quantize_known(self.weight, scale, spec.max, spec.torch_dtype, values_dtype,
+                                                 column_scale=column_scale)
+            else:
+                q = backend.quantize(w, scale, spec)
             if self.fp8_stats_enabled:
-                fp8_stats.record(self, Fp8Role.WEIGHT, w, q, scale, spec)
+                fp8_stats.record(self, Fp8Role.WEIGHT, self.weight.float() * column_scale.float(), q, scale, spec)
         self.fp8_weight_quantizations += 1
-        return _QuantizedWeight(None, q, scale, amax)
+        return _QuantizedWeight(None, q, scale, amax, values=values)
 
     def _note_weight_use(self, w: _QuantizedWeight) -> None:
         """Every training forward records the weight's amax, wherever the cached FP8 weight was made."""
@@ -301,6 +360,10 @@ class Fp8Linear(nn.Linear):
 
     # --- nn.Module -------------------------------------------------------------------------------------------
 
+    # A compiled transformer block (`--torch-compile`) runs this layer eagerly (a graph break): dynamo cannot
+    # trace the autograd function that carries the module's scaling state. Its quantization is compiled on
+    # its own (fused.py), so the block's other ops and the FP8 casts are both compiled code.
+    @torch.compiler.disable
     def forward(self, x: torch.Tensor, weight_column_scale: torch.Tensor | None = None,
                 input_amax: torch.Tensor | None = None, column_scale_group: Any = None) -> torch.Tensor:
         """y = Q(x) Q(W)^T + b; with `weight_column_scale` c, W diag(c) replaces W (see the module docstring);

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from megatron.fp8 import fused
 from megatron.fp8 import stats as fp8_stats
 from megatron.fp8.formats import Fp8FormatSpec
 from megatron.fp8.quantize import Tile, TiledFp8, from_e8m0, quantize_tiles, to_e8m0
@@ -70,7 +71,10 @@ def quantize_tile_role(module: "Fp8Linear", role: Fp8Role, t: torch.Tensor, tile
                        record: bool = True, stochastic_rounding: bool = False) -> TiledFp8:
     """`quantize_tiles` with the module's recipe; records statistics and (in training) the role's amax."""
     recipe = module.recipe
-    q = quantize_tiles(t, tile, spec, recipe.margin, recipe.pow2_block_scales, stochastic_rounding)
+    if fused.fused_enabled() and not stochastic_rounding:  # compiled; the eager function is its reference
+        q = fused.quantize_tiles(t, tile, spec, recipe.margin, recipe.pow2_block_scales)
+    else:
+        q = quantize_tiles(t, tile, spec, recipe.margin, recipe.pow2_block_scales, stochastic_rounding)
     if record:
         amax = q.amax.amax() if q.amax.numel() else torch.zeros((), device=t.device)
         if module.training:

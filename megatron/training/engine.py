@@ -212,6 +212,9 @@ class TorchEngine(MicroBatchEngine):
 
 def build_engine(config, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: LrScheduler,
                  parallel: ParallelState, accel: Accelerator) -> Engine:
+    from megatron.model.compile import apply_torch_compile
+
+    apply_torch_compile(config, model, accel.device)  # --torch-compile: blocks compiled in place, warmed up
     if config.parallel.pipeline_model_parallel_size > 1:
         from megatron.training.pipeline_engine import PipelineEngine
 

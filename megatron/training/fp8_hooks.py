@@ -64,8 +64,20 @@ class Fp8Hooks:
         return hits
 
     def log_values(self, iteration: int, log_interval: int) -> tuple[dict, str]:
-        """FP8 statistics for TensorBoard and the worst layer for the log line, every log interval."""
-        if not self.enabled or iteration % log_interval != 0:
+        """FP8 statistics for TensorBoard and the worst layer for the log line, every log interval.
+
+        Called after every iteration. Statistics cost extra passes over every quantized tensor (clipping,
+        flushing, inf/NaN counts), so they are recorded only in the iterations whose log line reports them:
+        this call switches them on for the next iteration exactly when that one logs. (The first iteration
+        of a run records them too: they are on from the start, before any iteration number is known.)
+        """
+        if not self.enabled:
+            return {}, ""
+        if self.stats:
+            from megatron.fp8 import enable_fp8_stats
+
+            enable_fp8_stats(self.model, (iteration + 1) % log_interval == 0)
+        if iteration % log_interval != 0:
             return {}, ""
         values: dict = {"fp8/nonfinite-iterations": self.nonfinite_iterations}
         text = f" fp8 non-finite iterations: {self.nonfinite_iterations:3d} |" if self.nonfinite_iterations else ""

@@ -1,0 +1,171 @@
+"""Fused FP8 quantization: amax, scale, clamp, cast (and the GEMM operand) in compiled kernels.
+
+Eager quantization of one tensor is a chain of separate passes over it: |x|, amax, upcast, multiply, clamp,
+cast to FP8 and, for the emulated GEMM, the cast back to fp32 (slow on CPU: scalar conversion, ~5 ns per
+element on a Xeon). The functions here express the same arithmetic as `quantize.py` in one traceable
+function each and hand it to `torch.compile` (C++ on CPU, Triton on GPU, from this same code). Inductor then
+emits one reduction (the amax) and one pointwise kernel that writes the FP8 tensor and, when asked, the
+same values in fp32 for the emulated GEMM: two reads of x instead of five or six.
+
+The eager functions in `quantize.py` stay the reference and the fallback: every wrapper here calls them
+when fusion is off (the default; `--torch-compile` turns it on with the compiled blocks, `set_fused(True)`), for inputs the compiled path does not take (empty tensors), and,
+with one warning, forever after a compilation failure. Results are bitwise those of the eager path (the
+same fp32 operations, see tests/test_fp8_fused.py).
+
+Recompilation: every function is compiled with `dynamic=False` (a linear's shapes do not change between
+steps) and takes step-dependent values (scales, validity flags) as 0-d tensors, never as Python numbers;
+the Python constants (fp8 maximum, margin, dtypes) take a handful of values per model. Layers of the same
+shape share one compiled kernel. The per-function recompile limit is raised to hold one entry per distinct
+(shape, constants) of a model: Llama-style models have ~8 GEMM operand shapes per role.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+
+from megatron.fp8.quantize import compute_scale
+
+logger = logging.getLogger(__name__)
+
+# Off by default: the first compilation costs seconds per distinct shape. `--torch-compile` turns it on for a
+# training run (megatron/model/compile.py), benchmarks and tests call `set_fused`.
+_ENABLED = False
+# Distinct operand shapes x constants of one model; dynamo's default limit (8) would drop to eager silently.
+_RECOMPILE_LIMIT = 64
+
+
+def set_fused(enabled: bool) -> None:
+    """Turn the compiled quantization on or off (off: the eager reference in quantize.py)."""
+    global _ENABLED
+    _ENABLED = bool(enabled)
+
+
+def fused_enabled() -> bool:
+    return _ENABLED
+
+
+class _Compiled:
+    """`fn` compiled on first use (`dynamic=False`, whole graph); `fn` itself when fusion is off or compiling
+    failed (warned once, then eager for the rest of the process)."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self.compiled: Callable[..., Any] | None = None
+        self.failed = False
+
+    def __call__(self, *args: Any) -> Any:
+        if not _ENABLED or self.failed:
+            return self.fn(*args)
+        if self.compiled is None:
+            import torch._dynamo
+
+            for name in ("recompile_limit", "cache_size_limit"):  # renamed across torch versions
+                if hasattr(torch._dynamo.config, name):
+                    setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), _RECOMPILE_LIMIT))
+            self.compiled = torch.compile(self.fn, dynamic=False, fullgraph=True)
+        try:
+            return self.compiled(*args)
+        except Exception as exc:  # noqa: BLE001 - any compiler failure: the eager reference computes the same
+            self.failed = True
+            logger.warning("fused FP8 quantization: torch.compile of %s failed (%s: %s); using the eager path",
+                           self.fn.__name__, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+            return self.fn(*args)
+
+
+def _quantize_tensor(x: torch.Tensor, previous: torch.Tensor, valid: torch.Tensor, delayed: bool, fp8_max: float,
+                     margin: int, pow2: bool, dtype: torch.dtype, values_dtype: torch.dtype | None):
+    """amax of x, its scale (`Fp8Linear._scale_for`'s rule) and Q(x) (`quantize`), in one function."""
+    amax = x.abs().amax().float()
+    current = compute_scale(amax, fp8_max, margin, pow2, previous=previous)
+    scale = torch.where(valid, previous.float(), current) if delayed else current
+    q = torch.clamp(x.float() * scale, -fp8_max, fp8_max).to(dtype)
+    return q, (q.to(values_dtype) if values_dtype is not None else None), scale, amax
+
+
+def _quantize_known(x: torch.Tensor, scale: torch.Tensor, column_scale: torch.Tensor | None, fp8_max: float,
+                    dtype: torch.dtype, values_dtype: torch.dtype | None):
+    """Q(x diag(column_scale)) with a given scale (no amax pass)."""
+    y = x.float()
+    if column_scale is not None:
+        y = y * column_scale.float()
+    q = torch.clamp(y * scale.float(), -fp8_max, fp8_max).to(dtype)
+    return q, (q.to(values_dtype) if values_dtype is not None else None)
+
+
+def _column_scaled_amax(w: torch.Tensor, column_scale: torch.Tensor) -> torch.Tensor:
+    """max |W diag(c)| without materializing W diag(c)."""
+    return (w.float() * column_scale.float()).abs().amax()
+
+
+def _upcast(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return q.to(dtype)
+
+
+_quantize_tensor_c = _Compiled(_quantize_tensor)
+_quantize_known_c = _Compiled(_quantize_known)
+_column_scaled_amax_c = _Compiled(_column_scaled_amax)
+_upcast_c = _Compiled(_upcast)
+
+
+def quantize_tensor(x: torch.Tensor, previous: torch.Tensor, valid: torch.Tensor, delayed: bool, fp8_max: float,
+                    margin: int, pow2: bool, dtype: torch.dtype, values_dtype: torch.dtype | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """(Q(x), Q(x) in `values_dtype` or None, scale, amax) with one scale for the tensor.
+
+    The scale: `compute_scale(amax, fp8_max, margin, pow2, previous)` under current scaling; under delayed
+    scaling `previous` where `valid`, else that current scale (the first step). `previous` and `valid` are
+    0-d tensors (the module's buffers), so a new step's scale never triggers a recompilation.
+    """
+    if x.numel() == 0:
+        return _eager_empty(x, previous, valid, delayed, fp8_max, margin, pow2, dtype, values_dtype)
+    return _quantize_tensor_c(x, previous, valid, delayed, fp8_max, margin, pow2, dtype, values_dtype)
+
+
+def _eager_empty(x, previous, valid, delayed, fp8_max, margin, pow2, dtype, values_dtype):
+    amax = torch.zeros((), dtype=torch.float32, device=x.device)
+    current = compute_scale(amax, fp8_max, margin, pow2, previous=previous)
+    scale = torch.where(valid, previous.float(), current) if delayed else current
+    q = x.float().to(dtype)
+    return q, (q.to(values_dtype) if values_dtype is not None else None), scale, amax
+
+
+def quantize_known(x: torch.Tensor, scale: torch.Tensor, fp8_max: float, dtype: torch.dtype,
+                   values_dtype: torch.dtype | None = None, column_scale: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(Q(x diag(column_scale)), the same in `values_dtype` or None) with a known scale: one pass."""
+    return _quantize_known_c(x, scale, column_scale, fp8_max, dtype, values_dtype)
+
+
+def column_scaled_amax(w: torch.Tensor, column_scale: torch.Tensor) -> torch.Tensor:
+    if w.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=w.device)
+    return _column_scaled_amax_c(w, column_scale)
+
+
+def upcast(q: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """An FP8 tensor in `dtype` (exact): a vectorized compiled conversion where eager converts per element."""
+    if q.numel() == 0 or q.dtype == dtype:
+        return q.to(dtype)
+    return _upcast_c(q, dtype)
+
+
+def _quantize_tiles(x: torch.Tensor, tile: Any, spec: Any, margin: int, pow2: bool):
+    from megatron.fp8.quantize import quantize_tiles as eager_tiles
+
+    r = eager_tiles(x, tile, spec, margin, pow2)
+    return r.data, r.scale, r.amax
+
+
+_quantize_tiles_c = _Compiled(_quantize_tiles)
+
+
+def quantize_tiles(x: torch.Tensor, tile: Any, spec: Any, margin: int = 0, power_of_two: bool = False):
+    """`quantize.quantize_tiles` (round to nearest) compiled: the tile amaxes, scales and casts in two kernels."""
+    from megatron.fp8.quantize import TiledFp8, quantize_tiles as eager_tiles
+
+    if x.numel() == 0:
+        return eager_tiles(x, tile, spec, margin, power_of_two)
+    data, scale, amax = _quantize_tiles_c(x.detach(), tile, spec, margin, power_of_two)
+    return TiledFp8(data, scale, amax, tile)
