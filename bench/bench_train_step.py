@@ -1,22 +1,28 @@
-"""Whole training step of the demo model: BF16 vs FP8 variants, interleaved, ratios from one run.
+"""Whole training step of the demo model through the real training code: BF16 vs FP8 variants, interleaved.
 
-Each variant is the same Llama-style model (the README demo's shape by default) with its own optimizer;
-iterations alternate between variants so machine noise hits all of them alike. A step is forward +
-backward over `--micro-batches` micro-batches, gradient clipping, the optimizer step and, for FP8, the
-scaling update. Prints the median step time per variant, its ratio to BF16, tokens/s, and optimizer-state
-bytes; `--json FILE` writes the same figures.
+Each variant is a `Trainer` (megatron/training/loop.py) built from pretrain_gpt.py flags: the same model
+builder, FP8 swap, optimizer, LR schedule and engine (`TorchEngine`) the CLI uses, and the timed call is
+`Trainer.train_step`: micro-batches made by the data pipeline's `make_batch` (labels and loss masks), the
+engine's `train_batch` (masked per-token loss, gradient accumulation, clipping, the non-finite check, the
+optimizer step) and the FP8 scaling update. Iterations alternate between variants so machine noise hits
+all of them alike. Prints the median step time per variant, its ratio to the BF16 baseline, tokens/s and
+optimizer-state bytes; `--json FILE` writes the same figures.
 
-On an accelerator (`--device cuda`) `--compile-bf16` adds a torch.compile'd BF16 variant, and the ratios are
-then taken against the faster of the two BF16 baselines (an honest FP8 speed-up beats the best BF16 one).
+`--torch-compile off|on|both` (default both) sets every variant's `--torch-compile`: with `both` each variant
+runs eager and compiled, and the ratios are taken against the faster BF16 baseline (compiling cannot win by
+slowing BF16 down). Compilation happens while the variant is built (a logged warm-up), outside the timing.
+The fused FP8 quantization (megatron/fp8/fused.py) is a process-wide switch: it is set to each variant's
+compile setting before its step.
 
-    python bench/bench_train_step.py                  # demo shape, CPU
-    python bench/bench_train_step.py --iters 10 --threads 2
-    python bench/bench_train_step.py --device cuda --compile-bf16 --iters 30 --extra "<a 1B shape>"
+    python bench/bench_train_step.py                        # demo shape, CPU, eager and compiled
+    python bench/bench_train_step.py --iters 10 --threads 2 --torch-compile off
+    python bench/bench_train_step.py --device cuda --iters 30 --extra "<a 1B shape>"
 """
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import statistics
 import sys
 import time
@@ -27,19 +33,20 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron.arguments import parse_config  # noqa: E402
-from megatron.model import GPTModel  # noqa: E402
-from megatron.optimizer import build_optimizer  # noqa: E402
-from megatron.training.fp8_hooks import Fp8Hooks  # noqa: E402
+from megatron.fp8 import fused  # noqa: E402
+from megatron.training.loop import Trainer  # noqa: E402
 
 DEMO = ("--num-layers 4 --hidden-size 256 --num-attention-heads 8 --num-key-value-heads 4 --ffn-hidden-size 704 "
         "--seq-length 128 --swiglu --normalization RMSNorm --use-rotary-position-embeddings "
         "--untie-embeddings-and-output-weights --disable-bias-linear --hidden-dropout 0 --attention-dropout 0 "
-        "--lr 1e-3 --train-iters 10 --mock-data --vocab-size 4096 --bf16").split()
+        "--lr 1e-3 --train-iters 1000 --mock-data --vocab-size 4096 --bf16 --eval-iters 0").split()
 FP8 = "--fp8-format hybrid --fp8-amax-history-len 16 --fp8-amax-compute-algo max".split()
 VARIANTS = {
     "bf16": [],
     "fp8 linears": FP8,
     "fp8 linears + Fp8AdamW": FP8 + ["--optimizer", "fp8adam"],
+    "fp8 linears + smooth-swiglu": FP8 + ["--smooth-swiglu"],
+    "fp8 + smooth-swiglu + Fp8AdamW": FP8 + ["--smooth-swiglu", "--optimizer", "fp8adam"],
     "bf16 + Fp8AdamW": ["--optimizer", "fp8adam"],
 }
 
@@ -50,34 +57,29 @@ def _sync(device: torch.device) -> None:
 
 
 class Variant:
-    def __init__(self, name: str, argv: list[str], device: torch.device, compiled: bool = False) -> None:
-        self.name = name
+    def __init__(self, name: str, argv: list[str], device: torch.device, compiled: bool) -> None:
+        self.name = f"{name} ({'compiled' if compiled else 'eager'})"
         self.device = device
-        self.config = parse_config(argv)
-        torch.manual_seed(0)
-        self.model = GPTModel(self.config.model).to(device)
-        self.fp8 = Fp8Hooks(self.model, self.config.fp8, None, stats=False)
-        self.optimizer = build_optimizer(self.model, self.config.optimizer)
-        self.forward = torch.compile(self.model) if compiled else self.model
+        self.compiled = compiled
+        fused.set_fused(compiled)
+        config = parse_config(argv + ["--torch-compile", "on" if compiled else "off", "--device", device.type])
+        start = time.perf_counter()
+        self.trainer = Trainer(config)
+        self.build_s = time.perf_counter() - start  # includes the compile warm-up when compiled
         self.times: list[float] = []
 
-    def step(self, batches: list[torch.Tensor]) -> None:
+    def step(self, rows: list[torch.Tensor]) -> None:
+        fused.set_fused(self.compiled)
         _sync(self.device)
         t0 = time.perf_counter()
-        self.optimizer.zero_grad(set_to_none=True)
-        for tokens in batches:
-            with torch.autocast(self.device.type, dtype=torch.bfloat16):
-                loss = self.forward(tokens, labels=tokens).mean() / len(batches)
-            loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-        self.optimizer.step()
-        self.fp8.after_optimizer_step()
-        _sync(self.device)
+        loss, _, _ = self.trainer.train_step(iter(rows))
+        float(loss)  # the loop reads the loss once per log interval; here once per step
         self.times.append(time.perf_counter() - t0)
+        self.trainer.state.iteration += 1
 
     def state_bytes(self) -> int:
         total = 0
-        for state in self.optimizer.state.values():
+        for state in self.trainer.optimizer.state.values():
             total += sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v) and v.ndim > 0)
         return total
 
@@ -85,16 +87,20 @@ class Variant:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--iters", type=int, default=6, help="timed steps per variant (after --warmup steps)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps per variant (first FP8 step, compilation)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per variant (first FP8 step, allocator)")
     p.add_argument("--micro-batch-size", type=int, default=16)
     p.add_argument("--micro-batches", type=int, default=2)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {','.join(VARIANTS)}")
-    p.add_argument("--compile-bf16", action="store_true", help="also time a torch.compile'd BF16 baseline")
+    p.add_argument("--variants", default="bf16,fp8 linears,fp8 + smooth-swiglu + Fp8AdamW",
+                   help=f"comma-separated subset of: {', '.join(VARIANTS)}")
+    p.add_argument("--torch-compile", choices=["off", "on", "both"], default="both")
+    p.add_argument("--compile-bf16", action="store_true",
+                   help="the earlier spelling of --torch-compile both (scripts/gpu_check.py passes it)")
     p.add_argument("--extra", default="", help="extra pretrain_gpt.py flags for every variant, e.g. a model shape")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = p.parse_args()
+    logging.getLogger("megatron").setLevel(logging.WARNING)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -104,38 +110,41 @@ def main() -> None:
     unknown = [n for n in names if n not in VARIANTS]
     if unknown or "bf16" not in names:
         p.error(f"--variants must include bf16 and name only {', '.join(VARIANTS)}; got {args.variants!r}")
-    variants = [Variant(name, base + VARIANTS[name], device) for name in names]
-    if args.compile_bf16:
-        variants.insert(1, Variant("bf16 compiled", base, device, compiled=True))
-    m = variants[0].config.model
+    modes = {"off": [False], "on": [True], "both": [False, True]}["both" if args.compile_bf16 else args.torch_compile]
+    variants = [Variant(name, base + VARIANTS[name], device, c) for name in names for c in modes]
+    logging.getLogger("megatron").setLevel(logging.INFO)
+    m = variants[0].trainer.config.model
     gen = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, variants[0].config.data.vocab_size or 4096, (args.micro_batch_size, m.seq_length), generator=gen).to(device)
-               for _ in range(args.micro_batches)]
-    params = sum(p.numel() for p in variants[0].model.parameters())
+    vocab = variants[0].trainer.config.data.vocab_size or 4096
+    rows = [torch.randint(0, vocab, (args.micro_batch_size, m.seq_length + 1), generator=gen)
+            for _ in range(args.micro_batches)]
+    params = sum(p.numel() for p in variants[0].trainer.model.parameters())
     tokens_per_step = args.micro_batch_size * args.micro_batches * m.seq_length
     print(f"torch {torch.__version__} device={device} threads={torch.get_num_threads()} params={params:,} "
           f"tokens/step={tokens_per_step}")
-    for v in variants:  # warm-up (first FP8 step, allocator, compilation)
+    for v in variants:
         for _ in range(args.warmup):
-            v.step(batches)
+            v.step(rows)
         v.times.clear()
     for _ in range(args.iters):
         for v in variants:
-            v.step(batches)
+            v.step(rows)
     medians = {v.name: statistics.median(v.times) for v in variants}
-    ref = min(t for name, t in medians.items() if name.startswith("bf16") and "Fp8AdamW" not in name)
-    print(f"{'variant':<26} {'median step':>12} {'vs bf16':>8} {'tokens/s':>12} {'optimizer state':>16}")
-    rows = []
+    ref = min(t for name, t in medians.items() if name.startswith("bf16 ("))
+    print(f"{'variant':<42} {'median step':>12} {'vs best bf16':>12} {'tokens/s':>10} {'opt. state':>11} "
+          f"{'build+compile':>13}")
+    rows_out = []
     for v in variants:
         med = medians[v.name]
-        rows.append({"variant": v.name, "median_step_s": med, "vs_best_bf16": med / ref,
-                     "tokens_per_s": tokens_per_step / med, "optimizer_state_MiB": v.state_bytes() / 2**20})
-        print(f"{v.name:<26} {med * 1000:>10.1f}ms {med / ref:>7.2f}x {tokens_per_step / med:>12.0f} "
-              f"{v.state_bytes() / 2**20:>12.2f} MiB")
+        rows_out.append({"variant": v.name, "median_step_s": med, "vs_best_bf16": med / ref,
+                         "tokens_per_s": tokens_per_step / med, "optimizer_state_MiB": v.state_bytes() / 2**20,
+                         "build_s": v.build_s, "steps_s": v.times})
+        print(f"{v.name:<42} {med * 1000:>10.1f}ms {med / ref:>11.2f}x {tokens_per_step / med:>10.0f} "
+              f"{v.state_bytes() / 2**20:>7.2f} MiB {v.build_s:>12.1f}s")
     if args.json:
         Path(args.json).write_text(json.dumps({"params": params, "tokens_per_step": tokens_per_step,
                                                "device": str(device), "torch": torch.__version__,
-                                               "iters": args.iters, "rows": rows}, indent=1))
+                                               "iters": args.iters, "rows": rows_out}, indent=1))
 
 
 if __name__ == "__main__":
