@@ -122,3 +122,13 @@ def test_bad_input_is_one_clear_line(argv, needle, tmp_path, capsys):
     lines = err.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0] and "Traceback" not in err
     assert not list(tmp_path.iterdir())  # rejected before any run
+
+
+def test_report_prints_the_markdown_tables(quick, capsys):
+    out, summary = quick
+    assert stability_lab.main(["--report", str(out / "summary.json")]) == 0
+    text = capsys.readouterr().out
+    assert "c* = 64 (not judged: one seed)" in text
+    bf16 = summary["table"]["bf16/c64"]["final_valid_loss"]["mean"]
+    assert f"| bf16/c64 | {bf16:.4f} (n=1) |" in text and "| fp8/c64 |" in text
+    assert stability_lab.main(["--report", str(out / "missing.json")]) == 2

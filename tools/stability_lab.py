@@ -8,6 +8,7 @@ run's command.txt) with the divergence guard off. Presets (docs/stability.md: th
     python tools/stability_lab.py --preset recipes    # demo model: loss gap to BF16 per --fp8-recipe (issue 16)
     python tools/stability_lab.py --preset ablation   # demo model: FP8 linears / Smooth-SwiGLU / Fp8AdamW
     python tools/stability_lab.py --quick             # the inject preset in miniature (< 60 s; the test)
+    python tools/stability_lab.py --report runs/stability/inject/summary.json   # its markdown tables
 
 Written to --output-dir (default runs/stability/<preset>): summary.json and PNG plots (activation maxima
 over steps per layer, alignment histograms at start and end, losses).
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import sys
 import time
@@ -23,8 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.stability import analysis, presets  # noqa: E402
-from megatron.stability.runs import REPO, VARIANTS, Fp8Settings, data_flags, ensure_demo_data  # noqa: E402
+from megatron.stability import analysis, presets, report  # noqa: E402
+from megatron.stability.runs import REPO, VARIANTS, Fp8Settings, ensure_demo_data  # noqa: E402
 
 RECIPES = ("delayed", "tensorwise", "rowwise", "blockwise", "mxfp8")
 
@@ -57,6 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--inject-channels", type=int, default=2, help="inject: channels per layer set to +-c w2")
     p.add_argument("--base-iters", type=int, default=100, help="inject: iterations before the injection")
     p.add_argument("--resume-iters", type=int, default=60, help="inject: iterations after it")
+    p.add_argument("--fp8-controls", action=argparse.BooleanOptionalAction, default=True,
+                   help="inject: also resume each FP8 variant without the injection (its own control)")
     p.add_argument("--iters", type=int, default=None, help="natural/recipes/ablation: iterations per run")
     p.add_argument("--lr", type=float, default=None, help="tiny-model presets (inject 3e-3, natural 1e-2)")
     p.add_argument("--weight-decay", type=_floats, default=None,
@@ -68,6 +72,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--recipe-seeds", type=_ints, default=None, help="recipes: seeds of the FP8 runs (default --seeds)")
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each run")
     p.add_argument("--dry-run", action="store_true", help="print the commands only")
+    p.add_argument("--report", default=None, metavar="SUMMARY_JSON",
+                   help="print the markdown tables of an earlier run's summary.json and exit")
     return p
 
 
@@ -104,7 +110,8 @@ def _inject(args, out: Path, data: Path, variants: list[str]) -> dict:
                                   threads=args.threads,
                                   fp8=Fp8Settings(amax_history_len=args.amax_history_len, margin=args.fp8_margin))
         result = presets.run_inject(out, data, setup, variants, args.seeds, args.inject_c, args.inject_channels,
-                                    args.base_iters, args.resume_iters, dry_run=args.dry_run)
+                                    args.base_iters, args.resume_iters, fp8_controls=args.fp8_controls,
+                                    dry_run=args.dry_run)
     if args.dry_run:
         return result
     c_star = result["c_star"]
@@ -164,7 +171,7 @@ def _demo(args, out: Path, data: Path) -> dict:
     iters = args.iters or 400
     batch = ["--micro-batch-size", "16", "--global-batch-size", "32", "--train-iters", str(iters),
              "--lr-warmup-iters", str(max(1, iters // 20)), "--log-interval", str(max(1, iters // 10)),
-             "--eval-interval", str(max(1, iters // 5)), "--eval-iters", "4", "--no-divergence-guard"]
+             "--eval-interval", str(max(1, iters // 5)), "--eval-iters", "8", "--no-divergence-guard"]
     linears = ["--fp8-format", "hybrid", "--fp8-amax-history-len", "16", "--fp8-amax-compute-algo", "max"]
     if args.preset == "recipes":
         recipes = [r for r in args.recipes.split(",") if r]
@@ -191,6 +198,13 @@ def _demo(args, out: Path, data: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.report:
+        path = Path(args.report)
+        if not path.is_file():
+            print(f"stability_lab: error: --report {path}: no such file (pass a lab summary.json)", file=sys.stderr)
+            return 2
+        print(report.markdown(json.loads(path.read_text())))
+        return 0
     try:
         variants = _check(args)
         preset = "quick" if args.quick else args.preset

@@ -1,6 +1,6 @@
 """Reading the lab's runs back: per-layer series, per-run summaries, seed statistics and the PNG plots.
 
-Sources, all written by ordinary runs: TensorBoard scalars (`lm-loss`, `grad-norm`, validation loss,
+Sources, all written by ordinary runs: TensorBoard scalars (training, validation and test loss, grad norm,
 `swiglu/layer{i}/{act_max,outlier_ratio,align_max,align_p99}` from the SwiGLU diagnostics, and
 `fp8/<layer>/<role>/{amax,clipped_frac,nan_count,inf_count}` from `--log-fp8-stats`), the runs' logs (the
 diagnostics' "jumped" warnings) and checkpoints (the full |cos(w1_i, w2_i)| distribution, for the top-k
@@ -18,7 +18,14 @@ import numpy as np
 
 from megatron.evaluation.run_compare import read_scalars
 
-VALID = "lm-loss-validation/lm loss"
+TRAIN = "lm-loss-training/lm loss"
+VALID = "lm-loss-validation/lm loss validation"
+TEST = "lm-loss-validation/lm loss test"
+GRAD_NORM = "grad-norm/grad-norm"
+# Per-iteration tags before issue 18 renamed them to Megatron-DeepSpeed's (a base run written before the rename
+# and its resume written after it must merge into one series).
+_LEGACY = {"lm-loss": TRAIN, "lm-loss-validation/lm loss": VALID, "lm-loss-test/lm loss": TEST,
+           "grad-norm": GRAD_NORM}
 _WARNING = re.compile(r"iteration (\d+): SwiGLU (\w+) of layer (\d+) jumped")
 _FP8_TAG = re.compile(r"fp8/decoder\.layers\.(\d+)\.(.+)/(input|weight|grad_output)/(\w+)$")
 
@@ -30,7 +37,7 @@ def merged_scalars(tb_dirs: Sequence[Path]) -> dict[str, tuple[np.ndarray, np.nd
         if not Path(d).is_dir():
             continue
         for tag, (steps, values) in read_scalars(str(d)).items():
-            out.setdefault(tag, {}).update({int(s): float(v) for s, v in zip(steps, values)})
+            out.setdefault(_LEGACY.get(tag, tag), {}).update({int(s): float(v) for s, v in zip(steps, values)})
     return {t: (np.array(sorted(m)), np.array([m[s] for s in sorted(m)])) for t, m in out.items()}
 
 
@@ -78,6 +85,12 @@ def diagnostic_warnings(log: Path) -> list[dict]:
             for m in _WARNING.finditer(log.read_text(errors="replace"))]
 
 
+def loss_series(scalars: dict) -> list[list]:
+    """[iterations, training losses] as plain lists (empty when the run logged none)."""
+    steps, loss = scalars.get(TRAIN, (np.array([]), np.array([])))
+    return [steps.tolist(), loss.tolist()]
+
+
 def _last(scalars: dict, tag: str) -> Optional[float]:
     return float(scalars[tag][1][-1]) if tag in scalars and len(scalars[tag][1]) else None
 
@@ -85,14 +98,14 @@ def _last(scalars: dict, tag: str) -> Optional[float]:
 def run_summary(scalars: dict, log: Optional[Path], start_step: int = 0, tail: int = 3) -> dict:
     """Loss (final = mean of the last `tail` logged training losses), jump after `start_step`, FP8 and
     diagnostics outcomes of one run."""
-    steps, loss = scalars.get("lm-loss", (np.array([]), np.array([])))
+    steps, loss = scalars.get(TRAIN, (np.array([]), np.array([])))
     after = loss[steps > start_step]
     before = loss[steps <= start_step]
     finite = after[np.isfinite(after)]
     s: dict = {
         "final_train_loss": float(np.mean(loss[-tail:])) if len(loss) else None,
         "final_valid_loss": _last(scalars, VALID),
-        "test_loss": _last(scalars, "lm-loss-test/lm loss"),
+        "test_loss": _last(scalars, TEST),
         "loss_before_start": float(before[-1]) if len(before) else None,
         "max_loss_after_start": float(np.max(finite)) if len(finite) else None,
         "nonfinite_loss_points": int(np.sum(~np.isfinite(after))),
@@ -102,8 +115,8 @@ def run_summary(scalars: dict, log: Optional[Path], start_step: int = 0, tail: i
         "fp8_tensors": fp8_tensor_maxima(scalars),
         "warnings": diagnostic_warnings(log) if log is not None else [],
     }
-    if "grad-norm" in scalars:
-        g_steps, g = scalars["grad-norm"]
+    if GRAD_NORM in scalars:
+        g_steps, g = scalars[GRAD_NORM]
         g = g[(g_steps > start_step) & np.isfinite(g)]
         s["max_grad_norm_after_start"] = float(np.max(g)) if len(g) else None
     clips = [v.get("max_clipped_frac", 0.0) for v in s["fp8_tensors"].values()]

@@ -12,13 +12,16 @@
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from megatron.stability import analysis
 from megatron.stability.inject import checkpoint_alignment, copy_checkpoint, inject_aligned_channels
-from megatron.stability.runs import TINY_MODEL, Fp8Settings, RunRecord, data_flags, run_pretrain, variant_flags
+from megatron.stability.runs import (TINY_MODEL, Fp8Settings, RunRecord, command_text, data_flags, run_pretrain,
+                                     variant_flags)
+from megatron.training.checkpointing import read_tracker
 
 
 @dataclass(frozen=True)
@@ -74,7 +77,7 @@ def bf16_holds(control: Sequence[Optional[float]], injected: Sequence[Optional[f
 
 def run_inject(out: Path, data_dir: Path, setup: TinySetup, variants: Sequence[str], seeds: Sequence[int],
                cs: Sequence[float], channels: int, base_iters: int, resume_iters: int, topk: int = 4,
-               controls: bool = True, dry_run: bool = False, log: Callable[[str], None] = print) -> dict:
+               controls: bool = True, fp8_controls: bool = True, dry_run: bool = False, log: Callable[[str], None] = print) -> dict:
     total = base_iters + resume_iters
     records: list[RunRecord] = []
     runs: dict = {}
@@ -82,18 +85,28 @@ def run_inject(out: Path, data_dir: Path, setup: TinySetup, variants: Sequence[s
     def one(variant: str, seed: int, c: Optional[float]) -> None:
         flags = setup.flags(data_dir, seed, total) + variant_flags(variant, setup.fp8)
         base = out / "base" / f"{variant}_s{seed}"
-        if not (base / "ckpt").exists() or dry_run:
-            records.append(run_pretrain(f"base {variant} seed {seed}", flags + [
-                "--exit-interval", str(base_iters), "--save-interval", str(base_iters), "--save", str(base / "ckpt"),
-                "--tensorboard-dir", str(base / "tb")], base, setup.threads, dry_run))
+        base_flags = flags + ["--exit-interval", str(base_iters), "--save-interval", str(base_iters),
+                              "--save", str(base / "ckpt"), "--tensorboard-dir", str(base / "tb")]
+        # A base run is shared by every c of its (variant, seed) and reused by a rerun of the preset into the
+        # same folder, but only if it ran the same command and stopped where this preset injects.
+        recorded = base / "command.txt"
+        if dry_run or read_tracker(base / "ckpt") != base_iters or not recorded.exists() \
+                or recorded.read_text().strip() != command_text(base_flags, setup.threads):
+            shutil.rmtree(base, ignore_errors=True)
+            records.append(run_pretrain(f"base {variant} seed {seed}", base_flags, base, setup.threads, dry_run))
+        elif not any(r.run_dir == str(base) for r in records):
+            records.append(RunRecord(f"base {variant} seed {seed} (reused)", recorded.read_text().strip(), 0,
+                                     float("nan"), str(base)))
         tag = "control" if c is None else f"c{c:g}"
         run = out / "runs" / f"{variant}_{tag}_s{seed}"
         entry: dict = {"variant": variant, "seed": seed, "c": c, "run_dir": str(run)}
         if not dry_run:
+            shutil.rmtree(run, ignore_errors=True)  # stale event files of an earlier attempt would mix in
             start = copy_checkpoint(base / "ckpt", run / "ckpt")
             entry["start_alignment"] = _alignment_lists(run / "ckpt", start)
             if c is not None:
                 entry["injection"] = inject_aligned_channels(run / "ckpt", c, channels)
+                write_json(run / "injection.json", entry["injection"])
                 entry["start_alignment"] = _alignment_lists(run / "ckpt", start)
         rec = run_pretrain(f"{variant} {tag} seed {seed}", flags + [
             "--load", str(run / "ckpt"), "--save", str(run / "ckpt"), "--save-interval", str(max(1, resume_iters // 4)),
@@ -104,8 +117,7 @@ def run_inject(out: Path, data_dir: Path, setup: TinySetup, variants: Sequence[s
             scalars = analysis.merged_scalars([base / "tb", run / "tb"])
             entry["summary"] = analysis.run_summary(scalars, run / "train.log", start_step=base_iters)
             entry["per_layer"] = analysis.per_layer(scalars)
-            entry["loss"] = [scalars["lm-loss"][0].tolist(), scalars["lm-loss"][1].tolist()] if "lm-loss" in scalars \
-                else [[], []]
+            entry["loss"] = analysis.loss_series(scalars)
             saved = _saved_iterations(run / "ckpt")
             align = {it: _alignment_lists(run / "ckpt", it) for it in saved}
             entry["topk_alignment"] = analysis.topk_series(align, topk)
@@ -132,7 +144,7 @@ def run_inject(out: Path, data_dir: Path, setup: TinySetup, variants: Sequence[s
         if variant == "bf16":
             continue
         for seed in seeds:
-            if controls:
+            if controls and fp8_controls:
                 one(variant, seed, None)
             if c_star is not None:
                 one(variant, seed, c_star)
@@ -173,8 +185,7 @@ def run_simple(out: Path, configs: dict[str, list[str]], seeds_of: dict[str, Seq
                 scalars = analysis.merged_scalars([run / "tb"])
                 entry["summary"] = analysis.run_summary(scalars, run / "train.log", start_step=start_step)
                 entry["per_layer"] = analysis.per_layer(scalars)
-                entry["loss"] = [scalars["lm-loss"][0].tolist(), scalars["lm-loss"][1].tolist()] \
-                    if "lm-loss" in scalars else [[], []]
+                entry["loss"] = analysis.loss_series(scalars)
                 saved = _saved_iterations(run / "ckpt")
                 if saved:  # first and last checkpoint: the alignment histograms "start" and "end"
                     entry["start_alignment"] = _alignment_lists(run / "ckpt", saved[0])

@@ -92,6 +92,12 @@ class RunRecord:
         return dict(self.__dict__)
 
 
+def command_text(flags: Sequence[str], threads: int) -> str:
+    """The shell command line of a run, as recorded."""
+    cmd = [sys.executable, "pretrain_gpt.py", *flags]
+    return f"OMP_NUM_THREADS={threads} " + " ".join(shlex.quote(c) for c in cmd)
+
+
 def run_pretrain(name: str, flags: Sequence[str], run_dir: Path, threads: int = 1, dry_run: bool = False,
                  echo: bool = True) -> RunRecord:
     """Run `pretrain_gpt.py flags` with its log in run_dir/train.log; the record holds the exact command."""
@@ -99,7 +105,7 @@ def run_pretrain(name: str, flags: Sequence[str], run_dir: Path, threads: int = 
         raise ValueError(f"run {name}: lab runs must pass --no-divergence-guard (the guard stops what the lab "
                          "studies)")
     cmd = [sys.executable, "pretrain_gpt.py", *flags]
-    text = f"OMP_NUM_THREADS={threads} " + " ".join(shlex.quote(c) for c in cmd)
+    text = command_text(flags, threads)
     if echo:
         print(f"[lab] {name}: {text}", flush=True)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,70 @@
+"""Markdown tables from a lab summary.json (`tools/stability_lab.py --report FILE`), for docs/stability.md.
+
+Values are mean +- sample std over seeds (n given); a gap is to the BF16 row of the same summary.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+
+def _pm(stat: Optional[dict], digits: int = 4) -> str:
+    if not stat or stat.get("mean") is None:
+        return "-"
+    std = stat.get("std")
+    text = f"{stat['mean']:.{digits}f}" + (f" +- {std:.{digits}f}" if std is not None else "")
+    return f"{text} (n={stat['n']})"
+
+
+def _peak(entry: dict, key: str, after: int) -> Optional[float]:
+    vals = [v for d in entry.get("per_layer", {}).values()
+            for s, v in zip(d.get("steps", []), d.get(key, [])) if s > after]
+    return max(vals) if vals else None
+
+
+def inject_tables(summary: dict) -> str:
+    lines = ["BF16 control per c (final validation loss, paired by seed: injected - control):", "",
+             "| c | mean excess | 2 x BF16 seed std | holds |", "|---|---|---|---|"]
+    for c, v in summary["bf16_verdicts"].items():
+        exc, thr = v.get("mean_excess"), v.get("threshold")
+        lines.append(f"| {c} | {'-' if exc is None else f'{exc:+.4f}'} | {'-' if thr is None else f'{thr:.4f}'} "
+                     f"| {v.get('holds')} |")
+    base = summary["base_iters"]
+    ref = summary["table"].get("bf16/control", {}).get("final_valid_loss", {}).get("mean")
+    lines += ["", f"c* = {summary['c_star']}" + (" (not judged: one seed)" if summary.get("c_star_unjudged") else ""),
+              "", "| run | final valid loss | gap to BF16 control | max train loss after injection | "
+              "peak fc2-input max | peak outlier ratio | max FP8 clipped frac | non-finite loss points | "
+              "first diagnostics warning |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, row in summary["table"].items():
+        m = row["final_valid_loss"].get("mean")
+        gap = "-" if m is None or ref is None else f"{m - ref:+.4f}"
+        variant, tag = name.split("/")
+        keys = [f"{variant}_{tag}_s{s}" for s in summary["seeds"]]
+        entries = [summary["runs"][k] for k in keys if k in summary["runs"]]
+        peaks = [_peak(e, "act_max", base) for e in entries]
+        ratios = [_peak(e, "outlier_ratio", base) for e in entries]
+        peak = max((p for p in peaks if p is not None), default=None)
+        ratio = max((p for p in ratios if p is not None), default=None)
+        lines.append(f"| {name} | {_pm(row['final_valid_loss'])} | {gap} | {_pm(row['max_loss_after_start'])} | "
+                     f"{'-' if peak is None else f'{peak:.3g}'} | {'-' if ratio is None else f'{ratio:.3g}'} | "
+                     f"{_pm(row['max_fp8_clipped_frac'], 5)} | {row['nonfinite_loss_points']} | "
+                     f"{row['first_warning']} |")
+    return "\n".join(lines)
+
+
+def simple_tables(summary: dict) -> str:
+    ref = summary["table"].get("bf16", {}).get("final_valid_loss", {}).get("mean")
+    lines = ["| run | final valid loss | gap to BF16 mean | test loss | max FP8 clipped frac |", "|---|---|---|---|---|"]
+    for name, row in summary["table"].items():
+        m = row["final_valid_loss"].get("mean")
+        gap = "-" if m is None or ref is None or name == "bf16" else f"{m - ref:+.4f}"
+        lines.append(f"| {name} | {_pm(row['final_valid_loss'])} | {gap} | {_pm(row['test_loss'])} | "
+                     f"{_pm(row['max_fp8_clipped_frac'], 5)} |")
+    return "\n".join(lines)
+
+
+def markdown(summary: dict) -> str:
+    if summary.get("preset") in ("inject", None) and "bf16_verdicts" in summary:
+        return inject_tables(summary)
+    if "by_weight_decay" in summary:
+        return "\n\n".join(f"weight decay {wd}:\n\n" + simple_tables(s) for wd, s in summary["by_weight_decay"].items())
+    return simple_tables(summary)
