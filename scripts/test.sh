@@ -9,7 +9,7 @@
 # select no such test, pytest exits with 5 ("no tests collected"), which is not a failure here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup_env.sh "test,demo,bench,deepspeed"
+bash scripts/setup_env.sh "test,eval,demo,bench,deepspeed"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
 
 status=0

@@ -29,7 +29,6 @@ def two_runs(tmp_path_factory):
 
 
 def test_table_json_and_plots(two_runs, tmp_path, capsys):
-    pytest.importorskip("matplotlib", reason="plots need matplotlib (the demo/eval extras)")
     root, base, fp8 = two_runs
     out_dir = tmp_path / "plots"
     runs = _tool()([str(root / "baseline"), str(root / "fp8"), "--output-dir", str(out_dir),

@@ -16,7 +16,9 @@ from megatron.arguments import parse_config
 from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder
 from megatron.evaluation.lm_eval_adapter import LM_EVAL_AVAILABLE, MegatronLM
 from megatron.evaluation.multiple_choice import MultipleChoiceItem, accuracy, load_task, score_items
-from megatron.evaluation.scoring import LogLikelihoodScorer, Window, rolling_windows, score_windows
+from megatron.evaluation.scoring import (
+    LogLikelihoodScorer, Window, lm_eval_rolling_windows, rolling_windows, score_windows,
+)
 from megatron.tokenizer import NullTokenizer
 from megatron.training.loop import pretrain
 
@@ -165,11 +167,77 @@ def test_lm_eval_adapter_methods():
     assert lm.rank == 0 and lm.world_size == 1
 
 
-@pytest.mark.skipif(not LM_EVAL_AVAILABLE, reason="lm-eval (optional extra) is not installed")
 def test_adapter_is_an_lm_eval_model():
+    """lm-eval is in the test extras (setup.py): this runs in CI, it is not skipped."""
     from lm_eval.api.model import LM
 
-    assert issubclass(MegatronLM, LM)
+    assert LM_EVAL_AVAILABLE and issubclass(MegatronLM, LM)
+
+
+def test_lm_eval_rolling_windows_are_lm_evals():
+    """Our windows equal lm-eval's get_rolling_token_windows + make_disjoint_window (context_len=1)."""
+    from lm_eval import utils
+
+    for n, length in ((70, 32), (64, 32), (5, 32), (33, 32), (1, 4)):
+        tokens = list(range(100, 100 + n))
+        theirs = [utils.make_disjoint_window(w) for w in
+                  utils.get_rolling_token_windows(tokens, prefix_token=7, max_seq_len=length, context_len=1)]
+        ours = lm_eval_rolling_windows(tokens, 7, length)
+        # lm-eval's (context, continuation) -> the model reads (context + continuation)[:-1], scores continuation
+        assert [(tuple(c + x), len(x)) for c, x in theirs] == [(w.tokens, w.num_scored) for w in ours]
+
+
+def test_rolling_perplexity_equals_lm_evals_hf_model_on_the_export(tmp_path):
+    """Rolling log-likelihood through our adapter == lm-eval's own `hf` model on the exported folder.
+
+    Both run in float64 except HF's LlamaRMSNorm, which computes in float32: the gap is float32 rounding (2^-24
+    relative) of the normalised activations, carried through 2 layers to log-probabilities of size ~6 (log 320):
+    of order 2^-24 x 6 x a few tens ~ 1e-5 per token at most; we allow 2^-14 (6e-5) per scored token, summed.
+    A convention mismatch moves the sum by far more (negative controls below: the old one-token-context last
+    window, and <s> instead of the end-of-document token as prefix, move it by 0.27-0.8 nats).
+    """
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from megatron.checkpoint_conversion import export_to_hf
+    from megatron.model import GPTModel
+    from megatron.tokenizer import GPTSentencePieceTokenizer
+    from megatron.tokenizer.train import train_sentencepiece
+    from megatron.training.checkpointing import save_checkpoint
+
+    words = "in the beginning god created heavens and earth light darkness water day night said let be".split()
+    rng = np.random.default_rng(0)
+    docs = [" ".join(words[i] for i in rng.integers(0, len(words), 40)).capitalize() + "." for _ in range(200)]
+    tok_file = train_sentencepiece(docs, str(tmp_path / "tok"), vocab_size=320)
+    tok = GPTSentencePieceTokenizer(tok_file)
+    config = parse_config(tiny_argv(vocab_size=tok.vocab_size), env={})
+    torch.manual_seed(0)
+    model = GPTModel(config.model).eval()
+    cfg = config.to_dict()
+    cfg["data"].update(tokenizer_type="GPTSentencePieceTokenizer", tokenizer_model=tok_file)
+    save_checkpoint(tmp_path / "ckpt", 1, {"model": model.state_dict()}, {"iteration": 1}, cfg)
+    out = export_to_hf(tmp_path / "ckpt", tmp_path / "hf")
+
+    texts = [docs[1] + " " + docs[2], docs[3][:60], docs[4] + " " + docs[5] + " " + docs[6]]
+    n_tokens = [len(tok.tokenize(t)) for t in texts]
+    assert max(n_tokens) > 2 * 32 and any(n % 32 for n in n_tokens)  # several windows, a partial last one
+    requests = [Instance("loglikelihood_rolling", None, (t,), i) for i, t in enumerate(texts)]
+    hf = HFLM(pretrained=str(out), device="cpu", dtype="float64", batch_size=4)
+    theirs = hf.loglikelihood_rolling(requests, disable_tqdm=True)
+    ours_lm = MegatronLM(model.double(), tok, max_length=config.model.seq_length)
+    ours = ours_lm.loglikelihood_rolling(requests)
+    tolerance = [n * 2.0 ** -14 for n in n_tokens]
+    for a, b, tol in zip(ours, theirs, tolerance):
+        assert abs(a - b) <= tol, (a, b, tol)
+
+    # Negative controls: the conventions this test guards change the result by far more than the tolerance.
+    scorer = ours_lm.scorer
+    old = [sum(t for t, _ in score_windows(scorer.model, rolling_windows([tok.eod] + tok.tokenize(x), 32)))
+           for x in texts]
+    assert max(abs(a - b) - tol for a, b, tol in zip(old, theirs, tolerance)) > 0
+    bos = [sum(t for t, _ in score_windows(scorer.model, lm_eval_rolling_windows(tok.tokenize(x), tok.bos, 32)))
+           for x in texts]
+    assert all(abs(a - b) > tol for a, b, tol in zip(bos, theirs, tolerance))
 
 
 def test_make_demo_tasks(tmp_path):

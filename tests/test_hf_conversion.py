@@ -171,3 +171,30 @@ def test_sentencepiece_tokenizer_exported(tmp_path):
     assert hf_tok.encode(text, add_special_tokens=False) == ours_tok.tokenize(text)
     assert hf_tok.decode(ours_tok.tokenize(text)) == text
     assert json.loads((out / "config.json").read_text())["eos_token_id"] == ours_tok.eod
+
+
+def test_import_refuses_a_tokenizer_that_does_not_fit_the_vocabulary(tmp_path):
+    """A 300-token SentencePiece model for a 512-row table: refused at import, naming both sizes (issue 18)."""
+    pytest.importorskip("sentencepiece")
+    from megatron.checkpoint_conversion.convert import import_from_hf as import_hf
+    from megatron.tokenizer.train import train_sentencepiece
+
+    words = "in the beginning god created heavens and earth light darkness water day night".split()
+    docs = [" ".join(words[(i * 5 + j) % len(words)] for j in range(30)) for i in range(100)]
+    tok_file = train_sentencepiece(docs, str(tmp_path / "tok"), vocab_size=300)
+    hf_config = transformers.LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+    transformers.LlamaForCausalLM(hf_config).save_pretrained(tmp_path / "hf")
+    with pytest.raises(ValueError, match=r"has 300 tokens but the model's vocabulary table has 512 rows"):
+        import_hf(tmp_path / "hf", tmp_path / "ours", tokenizer_type="GPTSentencePieceTokenizer",
+                  tokenizer_model=tok_file)
+    assert not (tmp_path / "ours").exists()
+
+
+def test_null_tokenizer_checkpoint_exports_the_model_alone(tmp_path, caplog):
+    config = _tiny_config()
+    save_dir, _ = _save(tmp_path, config, {"tokenizer_type": "NullTokenizer"})
+    with caplog.at_level("WARNING"):
+        out = export_to_hf(save_dir, tmp_path / "hf")
+    assert (out / "config.json").exists() and not (out / "tokenizer_config.json").exists()
+    assert "exporting the model alone" in caplog.text and "not found" not in caplog.text

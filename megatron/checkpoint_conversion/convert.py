@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,6 +81,23 @@ def _import_tokenizer(hf_dir: Path, save_dir: Path, tokenizer_type: Optional[str
     return DataConfig()
 
 
+def _check_tokenizer_fits(data: DataConfig, model_config) -> None:
+    """The tokenizer must pad back to the model's vocabulary table (`training_flags` sets the divisor), else
+    training from the import fails later with an embedding shape mismatch; refuse it now, naming both sizes."""
+    if not data.tokenizer_type:
+        return
+    from megatron.tokenizer import build_tokenizer, pad_vocab_size
+
+    vocab = build_tokenizer(data).vocab_size
+    table = model_config.padded_vocab_size
+    divisor = math.gcd(table, 128)
+    if pad_vocab_size(vocab, divisor) != table:
+        raise ValueError(f"the tokenizer ({data.tokenizer_type} {data.tokenizer_model}) has {vocab} tokens but the "
+                         f"model's vocabulary table has {table} rows (vocab_size in config.json): they must match up "
+                         f"to padding to a multiple of {divisor}; pass the model's own tokenizer with "
+                         "--tokenizer-type/--tokenizer-model")
+
+
 def import_from_hf(hf_dir: str | Path, save: str | Path, seq_length: Optional[int] = None,
                    tokenizer_type: Optional[str] = None, tokenizer_model: Optional[str] = None) -> ImportResult:
     """Write a local HF Llama folder as iteration 0 of `save`; returns the path and the training flags."""
@@ -89,6 +107,7 @@ def import_from_hf(hf_dir: str | Path, save: str | Path, seq_length: Optional[in
     state = llama.from_hf_state_dict(hf_folder.load_hf_weights(hf_dir), model_config)
     state = {k: v.float() for k, v in state.items()}  # FP32 master weights, as training keeps them
     data = _import_tokenizer(hf_dir, save_dir, tokenizer_type, tokenizer_model)
+    _check_tokenizer_fits(data, model_config)
     path = save_converted_checkpoint(save_dir, state, model_config, data, str(hf_dir))
     flags = llama.training_flags(model_config)
     if data.tokenizer_type:

@@ -101,7 +101,10 @@ def _sentencepiece_files(model_file: Path, out: Path, max_length: int) -> dict[s
     sp = sentencepiece.SentencePieceProcessor(model_file=str(model_file))
     piece = lambda i: sp.id_to_piece(i) if i >= 0 else None  # noqa: E731
     shutil.copyfile(model_file, out / "tokenizer.model")
-    special = {"bos_token": piece(sp.bos_id()), "eos_token": piece(sp.eos_id()), "unk_token": piece(sp.unk_id())}
+    # BOS is declared as the end-of-document token (</s>): training put it before every document (documents are
+    # separated by EOD, never started by <s>), so it is the token to condition a text's first token on. lm-eval's
+    # `hf` model prefixes rolling windows with the BOS id; our adapter uses EOD: the two then agree.
+    special = {"bos_token": piece(sp.eos_id()), "eos_token": piece(sp.eos_id()), "unk_token": piece(sp.unk_id())}
     special = {k: v for k, v in special.items() if v is not None}
     write_json(out / "tokenizer_config.json", {
         "tokenizer_class": "LlamaTokenizer", **special,
@@ -113,8 +116,8 @@ def _sentencepiece_files(model_file: Path, out: Path, max_length: int) -> dict[s
     })
     write_json(out / "special_tokens_map.json", special)
     _add_fast_tokenizer(out, sp.encode_as_ids(_PROBE_TEXT))
-    return {"bos_token_id": sp.bos_id() if sp.bos_id() >= 0 else None,
-            "eos_token_id": sp.eos_id() if sp.eos_id() >= 0 else None}
+    eod = sp.eos_id() if sp.eos_id() >= 0 else None
+    return {"bos_token_id": eod, "eos_token_id": eod}
 
 
 def _add_fast_tokenizer(out: Path, expected_ids: list[int]) -> None:
@@ -154,8 +157,9 @@ def export_tokenizer(data: DataConfig, out: Path, max_length: int,
     """Write the run's tokenizer into the HF folder `out`; returns bos/eos ids for config.json ({} if skipped)."""
     kind = data.tokenizer_type
     model = tokenizer_model or data.tokenizer_model
-    if kind is None:
-        logger.warning("the checkpoint was trained without a tokenizer (--mock-data): no tokenizer files written")
+    if kind is None or kind == "NullTokenizer":
+        logger.warning("the checkpoint was trained without a tokenizer file (%s): exporting the model alone, no "
+                       "tokenizer files written", "--mock-data" if kind is None else "NullTokenizer")
         return {}
     if model is None or not os.path.exists(model):
         raise FileNotFoundError(f"tokenizer file {model!r} of the checkpoint (--tokenizer-model at training time) "

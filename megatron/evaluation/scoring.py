@@ -9,8 +9,12 @@ Windows of different lengths are batched with right padding, which cannot change
 are comparable: a (context, continuation) pair is encoded as `tok(context + continuation)` split at
 `len(tok(context))` (trailing spaces of the context move to the continuation first), an empty
 context becomes the end-of-document token, and inputs longer than the model's window are
-truncated on the left. Rolling (whole-text) log-likelihood cuts the text into disjoint windows of
-`max_length` predicted tokens, each conditioned on its window only (lm-eval's `context_len=1`).
+truncated on the left. Rolling (whole-text) log-likelihood follows lm-eval's rolling windows
+(`get_rolling_token_windows` with `context_len=1`, made disjoint): the first window reads the prefix token and
+the text's first `max_length - 1` tokens and scores `max_length` of them; each later window scores the next
+`max_length` tokens (fewer in the last) and reads the `max_length` tokens before each, so a short last window
+still sees a full window of context. The prefix token is the end-of-document token, the separator the model
+was trained after; the Hugging Face export declares it as BOS so lm-eval's `hf` model uses the same one.
 """
 from __future__ import annotations
 
@@ -74,6 +78,22 @@ def rolling_windows(stream: Sequence[int], max_length: int) -> list[Window]:
     return windows
 
 
+def lm_eval_rolling_windows(tokens: Sequence[int], prefix: int, max_length: int) -> list[Window]:
+    """Windows scoring every token of `tokens` once, with lm-eval's rolling convention (module docstring)."""
+    if not tokens:
+        return []
+    first = min(max_length, len(tokens))
+    windows = [Window((prefix, *tokens[:first]), first)]
+    predicted = first
+    while predicted < len(tokens):
+        scored = min(len(tokens) - predicted, max_length)
+        end = predicted + scored
+        # reads tokens[end - max_length - 1 : end - 1], scores tokens[end - scored : end]
+        windows.append(Window(tuple(tokens[end - max_length - 1:end]), scored))
+        predicted = end
+    return windows
+
+
 class LogLikelihoodScorer:
     """Scores text under a model and tokenizer (our tokenizer interface: tokenize/detokenize/eod)."""
 
@@ -115,9 +135,6 @@ class LogLikelihoodScorer:
         return score_windows(self.model, windows, self.batch_size, self.device, self.bf16)
 
     def rolling_loglikelihood(self, text: str) -> float:
-        """log P(text), every token scored once, starting after an end-of-document token."""
-        stream = [self.tokenizer.eod] + self.tokenizer.tokenize(text)
-        if len(stream) < 2:
-            return 0.0
-        return sum(total for total, _ in score_windows(self.model, rolling_windows(stream, self.max_length),
-                                                         self.batch_size, self.device, self.bf16))
+        """log P(text), every token scored once after an end-of-document token, in lm-eval's windows."""
+        windows = lm_eval_rolling_windows(self.tokenizer.tokenize(text), self.tokenizer.eod, self.max_length)
+        return sum(total for total, _ in score_windows(self.model, windows, self.batch_size, self.device, self.bf16))
