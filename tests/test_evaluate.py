@@ -187,6 +187,7 @@ def test_lm_eval_rolling_windows_are_lm_evals():
         assert [(tuple(c + x), len(x)) for c, x in theirs] == [(w.tokens, w.num_scored) for w in ours]
 
 
+@pytest.mark.isa_sensitive
 def test_rolling_perplexity_equals_lm_evals_hf_model_on_the_export(tmp_path):
     """Rolling log-likelihood through our adapter == lm-eval's own `hf` model on the exported folder.
 

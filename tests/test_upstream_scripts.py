@@ -233,6 +233,7 @@ def _fake_hpex(monkeypatch) -> list[str]:
     return calls
 
 
+@pytest.mark.isa_sensitive
 @pytest.mark.parametrize("device", ["hpu", "cpu"])
 def test_habana_kernel_switches_select_the_fused_kernels_on_hpu_only(monkeypatch, device):
     import torch
