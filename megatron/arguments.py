@@ -8,7 +8,6 @@ not implemented yet are rejected with a clear "not supported yet" error, never s
 from __future__ import annotations
 
 import argparse
-import difflib
 import math
 import os
 import sys
@@ -20,7 +19,8 @@ from megatron.config import (
     SmoothSwiGLUGranularity, TrainingConfig,
 )
 from megatron.compat import (
-    CompatConfig, add_compat_arguments, env_recipe_flags, normalization_type, optimizer_type, resolve_compat,
+    CompatConfig, add_compat_arguments, env_recipe_flags, normalization_type, optimizer_type,
+    parse_collecting_problems, resolve_compat,
 )
 from megatron.fp8.recipe import AmaxComputeAlgo, Fp8Backend, Fp8Format, Fp8Recipe, Fp8Scaling
 from megatron.parallel_state import world_size_from_env
@@ -419,44 +419,6 @@ def _schedule(a: argparse.Namespace, gbs: int) -> tuple[int, SchedulerConfig]:
                                         warmup_iters=warmup, decay_iters=decay)
 
 
-def _parse_flags(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str], bool]:
-    """Parse `argv`, collecting every unknown flag (with the closest known one as a hint) and every invalid
-    choice instead of stopping at the first as argparse does. Returns (namespace, problems, choices_ok)."""
-    parser = build_parser()
-    parser.exit_on_error = False  # a bad type (--num-layers x) raises ArgumentError, turned into ValueError
-    choices = {}
-    for action in parser._actions:  # checked after parsing, all at once
-        if action.choices is not None and action.option_strings:
-            choices[action.dest] = (action.option_strings[0], list(action.choices))
-            action.metavar = action.metavar or "{" + ",".join(map(str, action.choices)) + "}"
-            action.choices = None
-    try:
-        a, unknown = parser.parse_known_args(list(argv))
-    except argparse.ArgumentError as exc:
-        raise ValueError(str(exc)) from None
-    known = list(parser._option_string_actions)
-    problems = []
-    after_unknown_flag = False
-    for token in unknown:
-        if token.startswith("-") and not token.lstrip("-").replace(".", "").isdigit():
-            flag = token.split("=")[0]
-            hint = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
-            problems.append(f"unknown flag {flag}" + (f" (did you mean {hint[0]}?)" if hint else ""))
-            after_unknown_flag = "=" not in token
-        elif not after_unknown_flag:
-            problems.append(f"unexpected argument {token!r}")
-        else:
-            after_unknown_flag = False
-    choices_ok = True
-    for dest, (flag, allowed) in choices.items():
-        value = getattr(a, dest)
-        for v in (value if isinstance(value, list) else [value]):
-            if v is not None and v not in allowed:
-                choices_ok = False
-                problems.append(f"{flag}: invalid choice {v!r} (choose from {', '.join(map(str, allowed))})")
-    return a, problems, choices_ok
-
-
 def parse_config(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None,
                  env: Optional[dict] = None) -> MegatronConfig:
     """Parse and validate flags into a `MegatronConfig`. Raises ValueError naming the flag and the fix.
@@ -467,7 +429,7 @@ def parse_config(argv: Optional[Sequence[str]] = None, world_size: Optional[int]
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     recipe_flags, recipe = env_recipe_flags(os.environ if env is None else env)
-    a, problems, choices_ok = _parse_flags(recipe_flags + argv)
+    a, problems, choices_ok = parse_collecting_problems(build_parser(), recipe_flags + argv)
     config = None
     if choices_ok:
         try:

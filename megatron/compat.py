@@ -12,15 +12,17 @@ This file owns, in one place, everything that exists only because Microsoft's an
 * the reference code's environment-variable FP8 recipe (FP8_LINEAR, SCALED_SWIGLU, ...): `env_recipe_flags`
   turns it into our flags, which go *before* the command line's, so a flag given explicitly wins.
 
-`parse_config` (megatron/arguments.py) calls `add_compat_arguments`, `env_recipe_flags` and `resolve_compat`;
+`parse_config` (megatron/arguments.py) calls `add_compat_arguments`, `env_recipe_flags`,
+`parse_collecting_problems` (all flag problems in one error, a typo hint from difflib) and `resolve_compat`;
 the result, `CompatConfig`, is part of `MegatronConfig` (so the recipe mapping lands in the checkpoint's
 config.json) and its `notes` are logged at startup. docs/migration.md has the user-facing tables.
 """
 from __future__ import annotations
 
 import argparse
+import difflib
 from dataclasses import dataclass, field
-from typing import Mapping, Optional, Tuple
+from typing import Mapping, Optional, Sequence, Tuple
 
 # Upstream value spellings -> ours. All three Megatron-DeepSpeed repositories spell norms in lowercase.
 NORMALIZATION_SPELLINGS = {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}
@@ -111,6 +113,45 @@ def add_compat_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--use-fast-softmax", action="store_true", help="HPU: FusedSDPA's fast softmax mode")
     g.add_argument("--verify-checkpoint", action="store_true", help="refused: " + REFUSED_FLAGS["--verify-checkpoint"])
     g.add_argument("--verify-checkpoint-model-type", type=str, default=None, help="refused, as --verify-checkpoint")
+
+
+def parse_collecting_problems(parser: argparse.ArgumentParser,
+                              argv: Sequence[str]) -> tuple[argparse.Namespace, list[str], bool]:
+    """Parse `argv`, collecting every unknown flag (with the closest known one as a hint) and every invalid
+    choice instead of stopping at the first as argparse does: a user porting a launch script sees all its
+    problems in one round. Returns (namespace, problems, whether every choice was valid)."""
+    parser.exit_on_error = False  # a bad type (--num-layers x) raises ArgumentError, turned into ValueError
+    choices = {}
+    for action in parser._actions:  # checked after parsing, all at once
+        if action.choices is not None and action.option_strings:
+            choices[action.dest] = (action.option_strings[0], list(action.choices))
+            action.metavar = action.metavar or "{" + ",".join(map(str, action.choices)) + "}"
+            action.choices = None
+    try:
+        a, unknown = parser.parse_known_args(list(argv))
+    except argparse.ArgumentError as exc:
+        raise ValueError(str(exc)) from None
+    known = list(parser._option_string_actions)
+    problems = []
+    after_unknown_flag = False
+    for token in unknown:
+        if token.startswith("-") and not token.lstrip("-").replace(".", "").isdigit():
+            flag = token.split("=")[0]
+            hint = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+            problems.append(f"unknown flag {flag}" + (f" (did you mean {hint[0]}?)" if hint else ""))
+            after_unknown_flag = "=" not in token
+        elif not after_unknown_flag:
+            problems.append(f"unexpected argument {token!r}")
+        else:
+            after_unknown_flag = False
+    choices_ok = True
+    for dest, (flag, allowed) in choices.items():
+        value = getattr(a, dest)
+        for v in (value if isinstance(value, list) else [value]):
+            if v is not None and v not in allowed:
+                choices_ok = False
+                problems.append(f"{flag}: invalid choice {v!r} (choose from {', '.join(map(str, allowed))})")
+    return a, problems, choices_ok
 
 
 def _flag_dest(flag: str) -> str:

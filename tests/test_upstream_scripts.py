@@ -189,8 +189,8 @@ def test_env_recipe_is_recorded_in_the_checkpoint_config(tmp_path):
     from megatron.training.loop import pretrain
 
     env = {"FP8_LINEAR": "true", "SCALED_SWIGLU": "true", "DETACH_SCALED_SWIGLU": "true"}
-    pretrain(parse_config(tiny_argv("--fp8-backend", "emulated", train_iters=2, lr_warmup_iters=0, eval_iters=0, save=tmp_path),
-                          env=env))
+    argv = tiny_argv("--fp8-backend", "emulated", train_iters=2, lr_warmup_iters=0, eval_iters=0, save=tmp_path)
+    pretrain(parse_config(argv, env=env))
     folder = ckpt.iteration_dir(tmp_path, ckpt.read_tracker(tmp_path))
     saved = json.loads((folder / "config.json").read_text())
     assert [row[0] for row in saved["compat"]["env_recipe"]] == ["FP8_LINEAR", "SCALED_SWIGLU", "DETACH_SCALED_SWIGLU"]
