@@ -115,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("mixed precision")
     g.add_argument("--bf16", action="store_true", help="BF16 autocast with FP32 master weights")
+    g.add_argument("--params-dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="dtype of the weights on the device (with --bf16). fp32: the weights are the master weights. "
+                        "bf16: Megatron's layout (upstream --bf16): BF16 weights, FP32 main gradients, the FP32 master "
+                        "copy kept with the optimizer state and sharded with it by ZeRO (docs/fp8_adam.md, Memory)")
     g.add_argument("--fp16", action="store_true")
     g.add_argument("--device", choices=["auto", "cpu", "cuda", "hpu"], default="auto")
 
@@ -227,6 +231,27 @@ def _not_supported_yet(a: argparse.Namespace) -> None:
     if a.fp16:
         raise ValueError("--fp16 is not supported: use --bf16 (BF16 autocast with FP32 master weights). "
                          "On CPU, FP16 compute is also about 1000x slower than BF16.")
+    _main_params_checks(a)
+
+
+def _main_params_checks(a: argparse.Namespace) -> None:
+    """--params-dtype bf16 (Megatron's layout): where it is implemented, and what it needs."""
+    if a.params_dtype == "fp32":
+        return
+    stage = a.zero_stage  # None: the DeepSpeed JSON decides (deepspeed_config.py checks it there)
+    unsupported = (
+        (not a.bf16, "needs --bf16 (BF16 compute; the weights themselves become BF16)"),
+        (a.pipeline_model_parallel_size > 1, "is not supported yet with --pipeline-model-parallel-size > 1"),
+        (a.deepspeed and stage in (0, 3),
+         f"under --deepspeed needs --zero-stage 1 or 2 (got {stage}): DeepSpeed 0.19 accumulates BF16 weights' "
+         "gradients in BF16 without ZeRO (FP32 accumulation is what this layout keeps), and ZeRO-3 is not supported "
+         "with it yet; without --deepspeed the torch engine implements it at any data-parallel size"),
+        (not a.deepspeed and a.sequence_parallel and a.tensor_model_parallel_size > 1,
+         "is not supported yet with --sequence-parallel under the torch engine (use --deepspeed --zero-stage 1)"),
+    )
+    for bad, why in unsupported:
+        if bad:
+            raise ValueError(f"--params-dtype bf16 {why}")
 
 
 def _parallel_size(flag: str, value: int) -> int:
@@ -500,7 +525,7 @@ def _resolve(a: argparse.Namespace, world_size: Optional[int], recipe: list) -> 
             micro_batch_size=a.micro_batch_size, global_batch_size=gbs, data_parallel_size=dp, train_iters=train_iters,
             seed=a.seed, eval_interval=a.eval_interval, eval_iters=a.eval_iters, exit_interval=a.exit_interval,
             exit_duration_in_mins=a.exit_duration_in_mins, exit_signal_handler=a.exit_signal_handler,
-            max_consecutive_nan_steps=a.max_consecutive_nan_steps, bf16=a.bf16, dry_run=a.dry_run,
+            max_consecutive_nan_steps=a.max_consecutive_nan_steps, bf16=a.bf16, params_dtype=a.params_dtype, dry_run=a.dry_run,
             torch_compile=a.torch_compile),
         checkpoint=CheckpointConfig(
             save=a.save, load=a.load, save_interval=a.save_interval, no_save_optim=a.no_save_optim,

@@ -129,6 +129,9 @@ class TrainingConfig:
     exit_signal_handler: bool = False
     max_consecutive_nan_steps: int = 10
     bf16: bool = False
+    # "fp32": the weights are the master weights; "bf16": Megatron's layout (BF16 weights, FP32 main grads, FP32
+    # master copy with the optimizer state; megatron/optimizer/main_params.py), --params-dtype
+    params_dtype: str = "fp32"
     dry_run: bool = False
     # --torch-compile: "auto" (on for CUDA, off on CPU: docs/performance.md), "on" or "off"; per transformer block
     torch_compile: str = "auto"

@@ -72,6 +72,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--recipe-seeds", type=_ints, default=None, help="recipes: seeds of the FP8 runs (default --seeds)")
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each run")
     p.add_argument("--dry-run", action="store_true", help="print the commands only")
+    p.add_argument("--reanalyze", action="store_true",
+                   help="inject: recompute the figures of <output-dir>/summary.json from its run folders, run nothing")
     p.add_argument("--report", default=None, metavar="SUMMARY_JSON",
                    help="print the markdown tables of an earlier run's summary.json and exit")
     return p
@@ -114,6 +116,12 @@ def _inject(args, out: Path, data: Path, variants: list[str]) -> dict:
                                     dry_run=args.dry_run)
     if args.dry_run:
         return result
+    result.update(_plots_inject(result, out))
+    return result
+
+
+def _plots_inject(result: dict, out: Path) -> dict:
+    """Seed-one runs at c* beside the BF16 control: activation maxima, losses, alignment histograms."""
     c_star = result["c_star"]
     tag = "control" if c_star is None else f"c{c_star:g}"
     seed = result["seeds"][0]
@@ -132,8 +140,7 @@ def _inject(args, out: Path, data: Path, variants: list[str]) -> dict:
             safe = name.replace(" ", "_")
             plots.append(analysis.plot_alignment_histograms(e["start_alignment"], e["end_alignment"],
                                                             out / f"stability_inject_align_{safe}.png", name))
-    result["plots"] = [str(p) for p in plots]
-    return result
+    return {"plots": [str(p) for p in plots]}
 
 
 def _natural(args, out: Path, data: Path, variants: list[str]) -> dict:
@@ -215,7 +222,13 @@ def main(argv: list[str] | None = None) -> int:
         data = (data if data.is_absolute() else REPO / data).resolve()
         ensure_demo_data(data)
         start = time.time()
-        if args.preset == "inject":
+        if args.reanalyze:
+            if args.preset != "inject" or not (out / "summary.json").is_file():
+                raise ValueError(f"--reanalyze needs --preset inject and an earlier {out / 'summary.json'}")
+            old = json.loads((out / "summary.json").read_text())
+            result = presets.reanalyze_inject(old, out)
+            result.update(_plots_inject(result, out))
+        elif args.preset == "inject":
             result = _inject(args, out, data, variants)
         elif args.preset == "natural":
             result = _natural(args, out, data, variants)
@@ -224,10 +237,14 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"stability_lab: error: {exc}", file=sys.stderr)
         return 2
-    result["wall_s"] = time.time() - start
-    result["argv"] = sys.argv[1:] if argv is None else list(argv)
+    argv_used = sys.argv[1:] if argv is None else list(argv)
+    if args.reanalyze:  # keep the wall time and argv of the runs themselves
+        result["reanalyzed"] = {"argv": argv_used, "wall_s": time.time() - start}
+    else:
+        result["wall_s"] = time.time() - start
+        result["argv"] = argv_used
     presets.write_json(out / "summary.json", result)
-    print(f"[lab] {preset} done in {result['wall_s']:.0f} s: {out / 'summary.json'}")
+    print(f"[lab] {preset} done in {time.time() - start:.0f} s: {out / 'summary.json'}")
     return 0
 
 

@@ -2,7 +2,8 @@
 
 `read_full_state(folder)` returns a `FullState` whose tensors are all full-model (TP = 1, PP = 1, DP = 1):
 
-    model        the merged state dict (`layouts.read_model_state`)
+    model        the merged state dict (`layouts.read_model_state`); FP32 master weights where the checkpoint
+                 has them apart from BF16 module weights (--params-dtype bf16 under ZeRO 1/2: `_use_masters`)
     optimizer    None (saved with --no-save-optim), or
                  {"groups":  the saved hyper-parameters of each param group (0: decay, 1: no decay),
                   "params":  {full parameter name: {"step", "exp_avg", "exp_avg_sq"}} (FP32 moments),
@@ -46,9 +47,14 @@ from megatron.parallel.layout import ShardSpec, merge_shards, shard_spec
 from megatron.training import checkpointing as ckpt
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+# ZeRO partitions also hold each slice's FP32 master weights: with --params-dtype bf16 the module states are
+# BF16, and the master (what resume continues from) is read from the partitions instead (`_use_masters`).
+MASTER = "master"
+_PARTITIONED = (*MOMENTS, MASTER)
 DS_MODEL_FILE = "mp_rank_00_model_states.pt"
 CLIENT_KEY = "megatron"  # our client state inside DeepSpeed's model-states files (deepspeed_engine.CLIENT_KEY)
-_ZERO_OPTIM = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
+# DeepSpeed's BF16_Optimizer (ZeRO-1 with --params-dtype bf16) prefixes its partition files with "bf16_".
+_ZERO_OPTIM = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
 
 
 @dataclass
@@ -186,13 +192,14 @@ def _zero_moments(files: list[Path], rename) -> tuple[dict[str, dict], dict]:
                 continue
             partition = osd["single_partition_of_fp32_groups"][i]
             flat = {m: moment_values(saved, m, partition.shape) for m in MOMENTS}
+            flat[MASTER] = partition.float()  # the FP32 master weights of this slice
             for local_name, address in mapping.items():
                 name = rename(local_name)
-                slot = pieces.setdefault(name, {m: [] for m in MOMENTS})
-                for m in MOMENTS:
+                slot = pieces.setdefault(name, {m: [] for m in _PARTITIONED})
+                for m in _PARTITIONED:
                     slot[m].append(flat[m][address.start:address.start + address.numel])
                 steps[name] = _step(saved)
-    out = {name: {"step": steps[name], **{m: torch.cat(slot[m]) for m in MOMENTS}} for name, slot in pieces.items()}
+    out = {name: {"step": steps[name], **{m: torch.cat(slot[m]) for m in _PARTITIONED}} for name, slot in pieces.items()}
     return out, base0
 
 
@@ -204,7 +211,7 @@ def _merge_tensor_parallel(per_rank: list[dict[str, dict]], model: dict[str, tor
     for name in per_rank[0]:
         spec, local = _tensor_parallel_shape(name, model[name].shape, model_config, tp)
         entry = {"step": per_rank[0][name]["step"]}
-        for m in MOMENTS:
+        for m in _PARTITIONED:
             pieces = []
             for rank in per_rank:
                 values = rank.get(name, {}).get(m)
@@ -220,7 +227,7 @@ def _merge_tensor_parallel(per_rank: list[dict[str, dict]], model: dict[str, tor
 
 def _zero_files(folder: Path, mp_rank: int) -> list[Path]:
     found = {}
-    for p in folder.glob("zero_pp_rank_*_optim_states.pt"):
+    for p in folder.glob("*zero_pp_rank_*_optim_states.pt"):
         m = _ZERO_OPTIM.fullmatch(p.name)
         if m and int(m.group(2)) == mp_rank:
             found[int(m.group(1))] = p
@@ -322,6 +329,7 @@ def read_full_state(folder: Path) -> FullState:
         optimizer = None
         extras = dict(layouts.load_file(folder / "zero_pp_rank_0_mp_rank_00_model_states.pt").get(CLIENT_KEY) or {})
     if optimizer is not None:
+        _use_masters(model, optimizer["params"])
         missing = [n for n in names if n not in optimizer["params"]]
         if missing and len(missing) < len(names):
             raise ckpt.CheckpointError(f"{folder}: the optimizer state covers {len(names) - len(missing)} of "
@@ -332,6 +340,20 @@ def read_full_state(folder: Path) -> FullState:
                       if layout == layouts.DEEPSPEED_ZERO3 else "saved with --no-save-optim")
     return FullState(model=model, optimizer=optimizer, fp8=fp8, extras=extras, train_state=train_state,
                      config=config, layout=layout, path=folder, optimizer_missing=missing_reason)
+
+
+def _use_masters(model: dict[str, torch.Tensor], params: dict[str, dict]) -> None:
+    """Replace BF16 module weights by the FP32 master weights the ZeRO partitions hold (--params-dtype bf16), and
+    drop the masters from the moment entries. FP32 module weights are the masters already (checked equal)."""
+    for name, entry in params.items():
+        master = entry.pop(MASTER, None)
+        if master is None or name not in model:
+            continue
+        if master.numel() != model[name].numel():
+            raise ckpt.CheckpointError(f"the ZeRO partitions hold {master.numel()} master values of {name}, the "
+                                       f"module {model[name].numel()}: the partition files are incomplete")
+        if model[name].dtype != torch.float32:
+            model[name] = master.reshape(model[name].shape).clone()
 
 
 def tensor_parallel_piece(name: str, full: torch.Tensor, model_config: ModelConfig, tp_rank: int,

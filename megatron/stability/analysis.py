@@ -65,12 +65,15 @@ def per_layer(scalars: dict) -> dict[int, dict[str, list]]:
     return out
 
 
-def fp8_tensor_maxima(scalars: dict) -> dict[str, dict[str, float]]:
-    """Per FP8 tensor (`<layer>/<role>`): the largest clipped fraction over the run and the NaN/Inf counts."""
+def fp8_tensor_maxima(scalars: dict, start_step: int = 0) -> dict[str, dict[str, float]]:
+    """Per FP8 tensor (`<layer>/<role>`): the largest clipped fraction and NaN/Inf counts after `start_step`."""
     out: dict[str, dict[str, float]] = {}
-    for tag, (_, values) in scalars.items():
+    for tag, (steps, values) in scalars.items():
         m = _FP8_TAG.match(tag)
         if not m or m.group(4) not in ("clipped_frac", "nan_count", "inf_count"):
+            continue
+        values = values[steps > start_step]
+        if not len(values):
             continue
         name = f"layer{m.group(1)}.{m.group(2)}/{m.group(3)}"
         out.setdefault(name, {})[f"max_{m.group(4)}"] = float(np.max(values))
@@ -112,7 +115,7 @@ def run_summary(scalars: dict, log: Optional[Path], start_step: int = 0, tail: i
         "skipped_iterations": _last(scalars, "skipped-iterations"),
         "nan_iterations": _last(scalars, "nan-iterations"),
         "max_grad_norm_after_start": None,
-        "fp8_tensors": fp8_tensor_maxima(scalars),
+        "fp8_tensors": fp8_tensor_maxima(scalars, start_step),
         "warnings": diagnostic_warnings(log) if log is not None else [],
     }
     if GRAD_NORM in scalars:

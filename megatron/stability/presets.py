@@ -75,6 +75,47 @@ def bf16_holds(control: Sequence[Optional[float]], injected: Sequence[Optional[f
             "holds": ok}
 
 
+def analyze_inject_run(entry: dict, base: Path, run: Path, base_iters: int, topk: int) -> None:
+    """Fill one inject run's summary (post-injection figures count from `base_iters` on), series and alignment."""
+    scalars = analysis.merged_scalars([base / "tb", run / "tb"])
+    entry["summary"] = analysis.run_summary(scalars, run / "train.log", start_step=base_iters)
+    entry["per_layer"] = analysis.per_layer(scalars)
+    entry["loss"] = analysis.loss_series(scalars)
+    saved = _saved_iterations(run / "ckpt")
+    align = {it: _alignment_lists(run / "ckpt", it) for it in saved}
+    entry["topk_alignment"] = analysis.topk_series(align, topk)
+    entry["end_alignment"] = align[saved[-1]] if saved else None
+
+
+def inject_table(runs: dict, variants: Sequence[str], seeds: Sequence[int], cs: Sequence[float],
+                 c_star: Optional[float]) -> dict:
+    """Seed statistics per (variant, c) row; FP8 variants have rows for their control and c* only."""
+    table = {}
+    for variant in variants:
+        for c in [None] + (list(cs) if variant == "bf16" else [c_star] if c_star is not None else []):
+            tag = "control" if c is None else f"c{c:g}"
+            sums = [runs.get(f"{variant}_{tag}_s{s}", {}).get("summary", {}) for s in seeds]
+            table[f"{variant}/{tag}"] = {
+                "final_valid_loss": analysis.seed_stats([s.get("final_valid_loss") for s in sums]),
+                "final_train_loss": analysis.seed_stats([s.get("final_train_loss") for s in sums]),
+                "max_loss_after_start": analysis.seed_stats([s.get("max_loss_after_start") for s in sums]),
+                "max_fp8_clipped_frac": analysis.seed_stats([s.get("max_fp8_clipped_frac") for s in sums]),
+                "nonfinite_loss_points": [s.get("nonfinite_loss_points") for s in sums],
+                "first_warning": [min((w["iteration"] for w in s.get("warnings", [])), default=None) for s in sums],
+            }
+    return table
+
+
+def reanalyze_inject(summary: dict, out: Path, topk: int = 4) -> dict:
+    """Recompute every run's figures and the table of an inject summary from its run folders (no run starts)."""
+    for name, entry in summary["runs"].items():
+        base = out / "base" / f"{entry['variant']}_s{entry['seed']}"
+        analyze_inject_run(entry, base, Path(entry["run_dir"]), summary["base_iters"], topk)
+    summary["table"] = inject_table(summary["runs"], summary["variants"], summary["seeds"], summary["c_values"],
+                                    summary["c_star"])
+    return summary
+
+
 def run_inject(out: Path, data_dir: Path, setup: TinySetup, variants: Sequence[str], seeds: Sequence[int],
                cs: Sequence[float], channels: int, base_iters: int, resume_iters: int, topk: int = 4,
                controls: bool = True, fp8_controls: bool = True, dry_run: bool = False, log: Callable[[str], None] = print) -> dict:
@@ -114,14 +155,7 @@ def run_inject(out: Path, data_dir: Path, setup: TinySetup, variants: Sequence[s
         records.append(rec)
         entry["returncode"] = rec.returncode
         if not dry_run:
-            scalars = analysis.merged_scalars([base / "tb", run / "tb"])
-            entry["summary"] = analysis.run_summary(scalars, run / "train.log", start_step=base_iters)
-            entry["per_layer"] = analysis.per_layer(scalars)
-            entry["loss"] = analysis.loss_series(scalars)
-            saved = _saved_iterations(run / "ckpt")
-            align = {it: _alignment_lists(run / "ckpt", it) for it in saved}
-            entry["topk_alignment"] = analysis.topk_series(align, topk)
-            entry["end_alignment"] = align[saved[-1]] if saved else None
+            analyze_inject_run(entry, base, run, base_iters, topk)
         runs[f"{variant}_{tag}_s{seed}"] = entry
 
     def finals(variant: str, c: Optional[float]) -> list[Optional[float]]:
@@ -148,20 +182,7 @@ def run_inject(out: Path, data_dir: Path, setup: TinySetup, variants: Sequence[s
                 one(variant, seed, None)
             if c_star is not None:
                 one(variant, seed, c_star)
-    table = {}
-    for variant in variants:
-        for c in [None] + (list(cs) if variant == "bf16" else [c_star] if c_star is not None else []):
-            tag = "control" if c is None else f"c{c:g}"
-            keys = [f"{variant}_{tag}_s{s}" for s in seeds]
-            sums = [runs.get(k, {}).get("summary", {}) for k in keys]
-            table[f"{variant}/{tag}"] = {
-                "final_valid_loss": analysis.seed_stats([s.get("final_valid_loss") for s in sums]),
-                "final_train_loss": analysis.seed_stats([s.get("final_train_loss") for s in sums]),
-                "max_loss_after_start": analysis.seed_stats([s.get("max_loss_after_start") for s in sums]),
-                "max_fp8_clipped_frac": analysis.seed_stats([s.get("max_fp8_clipped_frac") for s in sums]),
-                "nonfinite_loss_points": [s.get("nonfinite_loss_points") for s in sums],
-                "first_warning": [min((w["iteration"] for w in s.get("warnings", [])), default=None) for s in sums],
-            }
+    table = inject_table(runs, variants, seeds, cs, c_star)
     return {"preset": "inject", "base_iters": base_iters, "resume_iters": resume_iters, "channels": channels,
             "c_values": list(cs), "c_star": c_star, "c_star_unjudged": unjudged, "bf16_verdicts": verdicts,
             "seeds": list(seeds), "variants": list(variants), "table": table, "runs": runs,

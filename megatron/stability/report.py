@@ -32,21 +32,26 @@ def inject_tables(summary: dict) -> str:
     ref = summary["table"].get("bf16/control", {}).get("final_valid_loss", {}).get("mean")
     lines += ["", f"c* = {summary['c_star']}" + (" (not judged: one seed)" if summary.get("c_star_unjudged") else ""),
               "", "| run | final valid loss | gap to BF16 control | max train loss after injection | "
-              "peak fc2-input max | peak outlier ratio | max FP8 clipped frac | non-finite loss points | "
-              "first diagnostics warning |", "|---|---|---|---|---|---|---|---|---|"]
+              "peak fc2-input max | peak outlier ratio | max FP8 clipped frac (any tensor) | max fc2-input clipped "
+              "frac | non-finite loss points | first diagnostics warning |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, row in summary["table"].items():
         m = row["final_valid_loss"].get("mean")
         gap = "-" if m is None or ref is None else f"{m - ref:+.4f}"
         variant, tag = name.split("/")
         keys = [f"{variant}_{tag}_s{s}" for s in summary["seeds"]]
         entries = [summary["runs"][k] for k in keys if k in summary["runs"]]
+        if not entries:  # e.g. FP8 controls skipped (--no-fp8-controls)
+            continue
+        fc2 = [v.get("max_clipped_frac", 0.0) for e in entries
+               for t, v in e.get("summary", {}).get("fp8_tensors", {}).items() if "linear_fc2/input" in t]
         peaks = [_peak(e, "act_max", base) for e in entries]
         ratios = [_peak(e, "outlier_ratio", base) for e in entries]
         peak = max((p for p in peaks if p is not None), default=None)
         ratio = max((p for p in ratios if p is not None), default=None)
         lines.append(f"| {name} | {_pm(row['final_valid_loss'])} | {gap} | {_pm(row['max_loss_after_start'])} | "
                      f"{'-' if peak is None else f'{peak:.3g}'} | {'-' if ratio is None else f'{ratio:.3g}'} | "
-                     f"{_pm(row['max_fp8_clipped_frac'], 5)} | {row['nonfinite_loss_points']} | "
+                     f"{_pm(row['max_fp8_clipped_frac'], 5)} | {f'{max(fc2):.5f}' if fc2 else '-'} | "
+                     f"{row['nonfinite_loss_points']} | "
                      f"{row['first_warning']} |")
     return "\n".join(lines)
 

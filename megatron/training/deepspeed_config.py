@@ -12,6 +12,7 @@ with them, and keys it omits are filled from the flags:
 | `gradient_clipping`                             | `--clip-grad` (0 = off in both)                |
 | `zero_optimization.stage`                       | `--zero-stage` (default 0)                     |
 | `torch_autocast.enabled`, `.dtype`              | `--bf16` (BF16 autocast, FP32 master weights)  |
+| `bf16.enabled`, `data_types.grad_accum_dtype`   | `--params-dtype bf16` (true, fp32; ZeRO 1/2)   |
 | `pipeline.pipe_partitioned`, `.grad_partitioned`| false under `--sequence-parallel` with PP x TP |
 
 Why `--bf16` is DeepSpeed's `torch_autocast` and not its `bf16` section: our `--bf16` means FP32
@@ -23,6 +24,12 @@ instead. `torch_autocast` (DeepSpeed >= 0.17) keeps the module in FP32 and runs 
 under `torch.autocast`, which is exactly our recipe. We generate `lower_precision_safe_modules: []`
 so gradients are communicated in FP32 as with torch DDP; a user JSON may list modules there to
 reduce their gradients in BF16 instead.
+
+`--params-dtype bf16` (Megatron's layout, opt-in) is where DeepSpeed's `bf16` section belongs: the module
+in BF16, `data_types.grad_accum_dtype: fp32` (FP32 main gradients) and the FP32 master copy in ZeRO's
+partitions (ZeRO 1: DeepSpeed's BF16_Optimizer; ZeRO 2: its ZeRO optimizer), with our AdamW/Fp8AdamW as
+the client optimizer stepping the FP32 partitions. `torch_autocast` stays on with it (same compute as
+--bf16). ZeRO 0 is refused: DeepSpeed 0.19 accumulates BF16 gradients in BF16 without ZeRO.
 
 Pipeline x tensor parallelism: DeepSpeed's pipeline sends each TP rank only its 1/tp slice of the stage's
 output (and of the gradient coming back), and the receiving stage all-gathers the slices from its TP peers.
@@ -98,17 +105,37 @@ def _is_bf16_dtype(value: Any) -> bool:
     return str(value).lower() in ("bf16", "bfloat16", "torch.bfloat16")
 
 
-def _check_precision(ds: dict, bf16: bool, source: str) -> None:
+def _check_bf16_params(ds: dict, stage: int, source: str) -> None:
+    """--params-dtype bf16: DeepSpeed's own bf16 mode (module cast to BF16, FP32 master partitions in its
+    optimizer wrapper) with FP32 gradient accumulation. ZeRO-1 then runs DeepSpeed's BF16_Optimizer (FP32
+    accumulation buffer, FP32 master partition), ZeRO-2 its ZeRO optimizer over BF16 weights."""
+    if stage not in (1, 2):
+        raise DeepSpeedConfigError(f"{source}: --params-dtype bf16 needs ZeRO stage 1 or 2 (the config gives {stage}): "
+                                   "DeepSpeed 0.19 accumulates BF16 weights' gradients in BF16 without ZeRO")
+    section = next((k for k in ("bf16", "bfloat16") if k in ds), "bf16")
+    bf16 = _section(ds, section, source)
+    if bf16.setdefault("enabled", True) is not True:
+        raise DeepSpeedConfigError(f"{source}: `{section}.enabled` is false but --params-dtype bf16 keeps the weights in "
+                                   "BF16 through DeepSpeed's bf16 mode; drop the key or set it true")
+    data_types = _section(ds, "data_types", source)
+    accum = data_types.setdefault("grad_accum_dtype", "fp32")
+    if str(accum).lower() not in ("fp32", "float32", "torch.float32"):
+        raise DeepSpeedConfigError(f"{source}: `data_types.grad_accum_dtype` is {accum!r}; --params-dtype bf16 "
+                                   "accumulates gradients in FP32 (Megatron's main gradients): set it to fp32")
+
+
+def _check_precision(ds: dict, bf16: bool, source: str, bf16_params: bool = False) -> None:
     for key in ("fp16", "float16"):
         if isinstance(ds.get(key), dict) and ds[key].get("enabled", False):
             raise DeepSpeedConfigError(f"{source}: `{key}.enabled` is true, but FP16 training is not supported: "
                                        "remove the section and pass --bf16 for BF16 autocast")
     for key in ("bf16", "bfloat16"):
-        if isinstance(ds.get(key), dict) and ds[key].get("enabled", False):
+        if not bf16_params and isinstance(ds.get(key), dict) and ds[key].get("enabled", False):
             raise DeepSpeedConfigError(
                 f"{source}: `{key}.enabled` is true, which makes DeepSpeed cast the model to BF16. megatron-fp8's "
                 "--bf16 is BF16 autocast with FP32 weights, i.e. DeepSpeed's `torch_autocast` section: remove "
-                f"`{key}` (or set `enabled` false) and pass --bf16; `torch_autocast` is then filled in for you")
+                f"`{key}` (or set `enabled` false) and pass --bf16; `torch_autocast` is then filled in for you. "
+                "For BF16 weights with an FP32 master copy in the optimizer, pass --params-dtype bf16")
     autocast = ds.get("torch_autocast")
     if autocast is None:
         if bf16:
@@ -185,9 +212,12 @@ def build_deepspeed_config(config: MegatronConfig, user_json: Optional[dict] = N
            f"--global-batch-size {t.global_batch_size} / (--micro-batch-size {t.micro_batch_size} x "
            f"data-parallel size {t.data_parallel_size})", source)
     _agree(ds, "gradient_clipping", config.optimizer.clip_grad, "--clip-grad", source)
-    _check_precision(ds, t.bf16, source)
+    bf16_params = t.params_dtype == "bf16"
+    _check_precision(ds, t.bf16, source, bf16_params)
     bucket = min(DEFAULT_BUCKET_SIZE, num_parameters) if num_parameters else DEFAULT_BUCKET_SIZE
     stage = _check_zero(ds, p.zero_stage, source, bucket)
+    if bf16_params:
+        _check_bf16_params(ds, stage, source)
     if stage == 3 and (config.fp8 is not None or config.optimizer.optimizer == "fp8adam"):
         raise DeepSpeedConfigError("ZeRO stage 3 (--zero-stage 3 or `zero_optimization.stage` 3) is not supported yet "
                                    "with FP8 linears (--fp8-format) or Fp8AdamW (--optimizer fp8adam): use "

@@ -1,4 +1,8 @@
-"""`--dry-run`: the resolved configuration, parameter count, FLOPs and memory, without building anything."""
+"""`--dry-run`: the resolved configuration, parameter count, FLOPs and memory, without building anything.
+
+The memory estimate is `flops.memory_estimate_bytes`; `persistent_line` adds what the weight layout
+(`--params-dtype`) and ZeRO decide: persistent bytes per parameter on one device.
+"""
 from __future__ import annotations
 
 import json
@@ -19,5 +23,16 @@ def describe(config: MegatronConfig) -> str:
              f"FLOPs per iteration (model, fwd+bwd): {flops:.4e}",
              f"total FLOPs for {t.train_iters} iterations: {flops * t.train_iters:.4e}",
              "memory estimate per device (GiB): "
-             + ", ".join(f"{k.removesuffix('_GiB')} {v:.2f}" for k, v in mem.items())]
+             + ", ".join(f"{k.removesuffix('_GiB')} {v:.2f}" for k, v in mem.items()),
+             persistent_line(config, mem)]
     return "\n".join(lines)
+
+
+def persistent_line(config: MegatronConfig, mem: dict[str, float]) -> str:
+    """Persistent state (weights, gradients, master, optimizer: not activations) per parameter of this device's
+    model piece, the figure the weight layout and ZeRO change."""
+    p = config.parallel
+    params = count_parameters(config.model) / (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
+    persistent = sum(mem[k] for k in ("weights_GiB", "grads_GiB", "master_GiB", "optimizer_GiB")) * 2.0**30
+    return (f"persistent state per device: {persistent / params:.3f} bytes/param (--params-dtype "
+            f"{config.training.params_dtype}, ZeRO {p.zero_stage or 0}, data parallel {config.training.data_parallel_size})")

@@ -30,6 +30,7 @@ from megatron import comm
 from megatron.accelerator import Accelerator
 from megatron.data.provider import Batch
 from megatron.optimizer.lr_scheduler import LrScheduler
+from megatron.optimizer.main_params import MainParams
 from megatron.checkpoint_conversion import layouts
 from megatron.parallel import clip_grad_norm, reduce_sequence_parallel_grads
 from megatron.parallel.checkpoint import save_tensor_parallel_checkpoint
@@ -131,7 +132,7 @@ class TorchEngine(MicroBatchEngine):
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: LrScheduler,
                  parallel: ParallelState, clip_grad: float, *, accel: Optional[Accelerator] = None,
-                 save_optimizer: bool = True) -> None:
+                 save_optimizer: bool = True, bf16_params: bool = False) -> None:
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -141,12 +142,17 @@ class TorchEngine(MicroBatchEngine):
         self.clip_grad = clip_grad
         self.save_optimizer = save_optimizer
         self.module: nn.Module = model
+        # --params-dtype bf16: BF16 weights, FP32 main gradients (all-reduced in step), FP32 masters in the optimizer
+        self.main_params: Optional[MainParams] = MainParams(model, optimizer) if bf16_params else None
         # DDP over the data-parallel group only: tensor-parallel ranks hold different shards.
-        self.ddp = parallel.data_parallel_size > 1
+        self.ddp = parallel.data_parallel_size > 1 and self.main_params is None
         if self.ddp:
             self.module = nn.parallel.DistributedDataParallel(model, process_group=parallel.data_parallel_group)
 
     def zero_grad(self) -> None:
+        if self.main_params is not None:
+            self.main_params.zero_grad()
+            return
         self.optimizer.zero_grad(set_to_none=True)
 
     def micro_batch_context(self, is_last: bool) -> ContextManager:
@@ -161,7 +167,11 @@ class TorchEngine(MicroBatchEngine):
     def step(self, iteration: int, loss_finite: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """`loss_finite` (0-d bool) and the returned norm stay on the device; the one host read is the skip
         decision itself (docs/distributed.md, "Host synchronisation")."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.main_params is not None:  # the FP32 main gradients, averaged over data parallelism, on the masters
+            params = self.main_params.reduce_and_attach(self.parallel.data_parallel_group,
+                                                        self.parallel.data_parallel_size)
+        else:
+            params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.clip_grad if self.clip_grad > 0 else float("inf")
         reduce_sequence_parallel_grads(self.model, self.parallel.tensor_parallel_group)
         grad_norm = clip_grad_norm(params, max_norm, self.parallel.tensor_parallel_group)
@@ -170,6 +180,8 @@ class TorchEngine(MicroBatchEngine):
             return grad_norm, False
         self.scheduler.apply(iteration)
         self.optimizer.step()
+        if self.main_params is not None:
+            self.main_params.copy_to_model()
         return grad_norm, True
 
     def save_checkpoint(self, save_dir: str, iteration: int, extras: dict, train_state: dict,
@@ -177,7 +189,8 @@ class TorchEngine(MicroBatchEngine):
         """The first data-parallel replica writes: one shard per tensor-parallel rank (mp_rank_XX)."""
         payload = None
         if self.parallel.data_parallel_rank == 0:
-            payload = {"model": self.model.state_dict(), **extras}
+            weights = self.model.state_dict() if self.main_params is None else self.main_params.state_dict(self.model)
+            payload = {"model": weights, **extras}
             if self.save_optimizer:
                 payload["optimizer"] = self.optimizer.state_dict()
         if self.parallel.tensor_parallel_size > 1:
@@ -193,6 +206,10 @@ class TorchEngine(MicroBatchEngine):
             tp = self.parallel.tensor_parallel_size
             if saved["layout"] is not None and not (saved["layout"] in (layouts.SINGLE, layouts.TENSOR_PARALLEL)
                                                     and saved["mp_files"] == tp):
+                if self.main_params is not None:
+                    raise ckpt.CheckpointError(f"{folder} was written at another layout ({saved['layout']}); resharding "
+                                               "into --params-dtype bf16 under the torch engine is not supported yet: "
+                                               "resume at the saved layout, or under --deepspeed --zero-stage 1/2")
                 return reshard.load_resharded(
                     folder, model=self.model, full_name=lambda n: n, model_config=self.model.config,
                     tp_rank=self.parallel.tensor_parallel_rank, tp_size=tp, optimizer=self.optimizer,
@@ -202,6 +219,8 @@ class TorchEngine(MicroBatchEngine):
             return None
         payload = loaded["payload"]
         ckpt.load_model_state(self.model, payload["model"], loaded["path"])
+        if self.main_params is not None:  # the saved FP32 weights are the masters (either layout)
+            self.main_params.load(payload["model"])
         if load_optimizer and not module_only:
             if "optimizer" not in payload:
                 raise ckpt.CheckpointError(f"{loaded['path']} has no optimizer state (saved with --no-save-optim); "
@@ -224,4 +243,5 @@ def build_engine(config, model: nn.Module, optimizer: torch.optim.Optimizer, sch
 
         return DeepSpeedEngine(config, model, optimizer, scheduler, parallel, accel)
     return TorchEngine(model, optimizer, scheduler, parallel, config.optimizer.clip_grad, accel=accel,
-                       save_optimizer=not config.checkpoint.no_save_optim)
+                       save_optimizer=not config.checkpoint.no_save_optim,
+                       bf16_params=config.training.params_dtype == "bf16")

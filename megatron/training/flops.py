@@ -48,10 +48,13 @@ def flops_per_iteration(m: ModelConfig, global_batch_size: int) -> float:
 
 
 def memory_estimate_bytes(cfg: MegatronConfig) -> dict[str, float]:
-    """A rough per-device estimate in GiB: weights, gradients, optimizer state, activations.
+    """A rough per-device estimate in GiB: weights, gradients, master weights, optimizer state, activations.
 
-    FP32 master weights and gradients; AdamW keeps 8 bytes/param of moments, Fp8AdamW about 2;
-    ZeRO stages divide what they shard by the data-parallel size; TP/PP divide the model.
+    Default layout (--params-dtype fp32): FP32 weights (they are the master weights) and FP32 gradients.
+    Megatron's layout (--params-dtype bf16): BF16 weights, FP32 main gradients and an FP32 master copy that
+    lives with the optimizer state (ZeRO >= 1 shards it like the moments). AdamW keeps 8 bytes/param of
+    moments, Fp8AdamW about 2; ZeRO stages divide what they shard by the data-parallel size; TP/PP divide
+    the model.
     Activations follow Korthikanti et al. (sbh(34 + 5as/h) bytes per layer in 16-bit, no recompute). With FP8
     linears the inputs that QKV, the attention projection, fc1 and fc2 save for backward are kept in 1 byte
     instead of 2: per FP8 layer s*b*(3h + ffn) bytes less (fc2's input is ffn wide; its term stays with
@@ -64,8 +67,10 @@ def memory_estimate_bytes(cfg: MegatronConfig) -> dict[str, float]:
     dp = t.data_parallel_size
     zero = p.zero_stage or 0
     opt_bytes = 2.0 if cfg.optimizer.optimizer == "fp8adam" else 8.0
-    weights = params * 4.0 / (dp if zero >= 3 else 1)
-    grads = params * 4.0 / (dp if zero >= 2 else 1)
+    bf16_params = cfg.training.params_dtype == "bf16"
+    weights = params * (2.0 if bf16_params else 4.0) / (dp if zero >= 3 else 1)
+    grads = params * 4.0 / (dp if zero >= 2 else 1)  # FP32 either way (main gradients in the BF16 layout)
+    master = params * 4.0 / (dp if zero >= 1 else 1) if bf16_params else 0.0
     optim = params * opt_bytes / (dp if zero >= 1 else 1)
     s, b, h, a = m.seq_length, t.micro_batch_size, m.hidden_size, m.num_attention_heads
     layers = m.num_layers / p.pipeline_model_parallel_size
@@ -80,7 +85,7 @@ def memory_estimate_bytes(cfg: MegatronConfig) -> dict[str, float]:
         saved_bytes_per_token = 3.0 * h + (0.0 if cfg.fp8.mlp_fc2_bf16 else float(m.ffn_hidden_size))
         act -= s * b * saved_bytes_per_token * fp8_layers / p.tensor_model_parallel_size
     gib = 2.0**30
-    out = {"weights_GiB": weights / gib, "grads_GiB": grads / gib, "optimizer_GiB": optim / gib,
-           "activations_GiB": act / gib}
+    out = {"weights_GiB": weights / gib, "grads_GiB": grads / gib, "master_GiB": master / gib,
+           "optimizer_GiB": optim / gib, "activations_GiB": act / gib}
     out["total_GiB"] = sum(out.values())
     return out

@@ -41,7 +41,7 @@ def saved_layout(folder: Path) -> dict:
     """What the files of iteration folder `folder` say about its layout: {"layout", "mp_files", "zero_ranks"}."""
     layout = layouts.detect_layout(folder)
     mp = len(list(folder.glob("mp_rank_*_model_states.pt"))) or len(list(folder.glob("mp_rank_*/model_optim_rng.pt")))
-    zero = len(list(folder.glob("zero_pp_rank_*_mp_rank_00_optim_states.pt")))
+    zero = len(list(folder.glob("*zero_pp_rank_*_mp_rank_00_optim_states.pt")))  # "bf16_" prefix: BF16_Optimizer
     return {"layout": layout, "mp_files": mp, "zero_ranks": zero}
 
 
@@ -123,8 +123,11 @@ def _load_zero_optimizer(zero, full_name: dict[int, str], full: FullState, model
     """
     base = zero.optimizer
     state = {}
-    for i, params in enumerate(zero.bit16_groups):
-        partition = zero.single_partition_of_fp32_groups[i]
+    # DeepSpeed's ZeRO 1/2 optimizer, or its BF16_Optimizer (ZeRO-1 with --params-dtype bf16): other attribute names
+    bit16_groups = getattr(zero, "bit16_groups", None) or zero.bf16_groups
+    fp32_partitions = getattr(zero, "single_partition_of_fp32_groups", None) or zero.fp32_groups_flat_partition
+    for i, params in enumerate(bit16_groups):
+        partition = fp32_partitions[i]
         flat = {m: torch.zeros_like(partition, dtype=torch.float32) for m in MOMENTS}
         step = None
         for p in params:
