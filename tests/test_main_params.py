@@ -124,7 +124,8 @@ def test_deepspeed_config_is_its_bf16_mode_with_fp32_accumulation():
     from megatron.training.deepspeed_config import DeepSpeedConfigError, build_deepspeed_config
 
     ds = build_deepspeed_config(_ds_cfg("--zero-stage", "1"))
-    assert ds["bf16"] == {"enabled": True} and ds["data_types"] == {"grad_accum_dtype": "fp32"}
+    assert ds["bf16"] == {"enabled": True, "immediate_grad_update": True}
+    assert ds["data_types"] == {"grad_accum_dtype": "fp32"}
     assert ds["torch_autocast"]["enabled"] is True  # the same BF16 compute as --bf16
     zero1 = {"zero_optimization": {"stage": 1}}
     for user, message in (({**zero1, "bf16": {"enabled": False}}, "`bf16.enabled` is false"),

@@ -31,6 +31,11 @@ gradient of a micro-batch covers only this rank's part of the sequence: `sum_seq
 sums it over the TP group as backward produces it, before DeepSpeed accumulates, reduces or partitions it.
 ZeRO-3 is refused with TP (`deepspeed_config.py` says why).
 
+`--params-dtype bf16` (Megatron's layout) is DeepSpeed's bf16 mode, set up by `deepspeed_config.py`: DeepSpeed
+casts the module's parameters to BF16 and keeps the FP32 masters in its partitions (ZeRO-1: its BF16_Optimizer,
+whose partition files are named `bf16_zero_pp_rank_...`; ZeRO-2: its ZeRO optimizer); our AdamW/Fp8AdamW, built
+on the FP32 model before the cast, steps those partitions. Nothing else changes here.
+
 Fp8AdamW: ZeRO 1-3 hand the optimizer one flattened 1-D FP32 partition per param group, which defeats
 its "matrices get FP8 states" rule, so every group is tagged with `"fp8_states"` before wrapping: our
 groups are all-matrix (weight decay) or all-vector (no decay). Per-tensor scaling then means one
@@ -139,6 +144,12 @@ def sum_sequence_parallel_grads_in_backward(model: nn.Module, tp_group) -> None:
             param.register_hook(lambda grad: all_reduce_sum(grad.clone(), tp_group))
 
 
+def _precision(config) -> str:
+    if config.training.params_dtype == "bf16":  # DeepSpeed's bf16 mode (deepspeed_config._check_bf16_params)
+        return "BF16 autocast, BF16 weights with FP32 main gradients and FP32 masters in the ZeRO partitions"
+    return "BF16 autocast" if config.training.bf16 else "FP32"
+
+
 def _ensure_process_group(parallel: ParallelState) -> None:
     """DeepSpeed needs torch.distributed and LOCAL_RANK even for one process: give it a 1-rank group."""
     if parallel.is_distributed or dist.is_initialized():
@@ -223,7 +234,7 @@ class DeepSpeedEngine(DeepSpeedBase, MicroBatchEngine):
         tensor_parallel = parallel.tensor_parallel_size > 1
         self._wrap(model, optimizer, ModelParallelUnit(parallel) if tensor_parallel else None)
         logger.info("DeepSpeed %s: ZeRO stage %d, %s, optimizer %s wrapped by %s", deepspeed.__version__,
-                    self.zero_stage, "BF16 autocast" if config.training.bf16 else "FP32", type(optimizer).__name__,
+                    self.zero_stage, _precision(config), type(optimizer).__name__,
                     type(self.engine.optimizer).__name__)
         self._loss_nonfinite: Optional[torch.Tensor] = None
         self._is_last = True
