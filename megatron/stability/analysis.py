@@ -179,8 +179,9 @@ def plot_alignment_histograms(start: list, end: list, path: Path, title: str) ->
     fig, axes = plt.subplots(1, max(1, n), figsize=(5 * max(1, n), 3.5), squeeze=False)
     bins = np.linspace(0, 1, 41)
     for i, ax in enumerate(axes[0]):
-        ax.hist(np.asarray(start[i]), bins=bins, alpha=0.6, label="start", log=True)
-        ax.hist(np.asarray(end[i]), bins=bins, alpha=0.6, label="end", log=True)
+        # An injected channel's |cos| can round to 1 + 1 ulp: clip into the last bin instead of losing it.
+        ax.hist(np.clip(start[i], 0, 1), bins=bins, alpha=0.6, label="start", log=True)
+        ax.hist(np.clip(end[i], 0, 1), bins=bins, alpha=0.6, label="end", log=True)
         ax.set(title=f"{title}: layer {i}", xlabel="|cos(w1_i, w2_i)|", ylabel="channels")
         ax.legend(fontsize=7)
     fig.tight_layout()
@@ -198,7 +199,7 @@ def plot_losses(series: dict[str, tuple[Sequence, Sequence]], path: Path, mark_s
         ax.axvline(mark_step, color="gray", ls="--", lw=0.8)
     ax.set(title="training loss", xlabel="iteration", ylabel="lm loss")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
