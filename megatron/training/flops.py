@@ -50,7 +50,8 @@ def flops_per_iteration(m: ModelConfig, global_batch_size: int) -> float:
 def memory_estimate_bytes(cfg: MegatronConfig) -> dict[str, float]:
     """A rough per-device estimate in GiB: weights, gradients, master weights, optimizer state, activations.
 
-    Default layout (--params-dtype fp32): FP32 weights (they are the master weights) and FP32 gradients.
+    Default layout (--params-dtype fp32): FP32 weights (they are the master weights) and FP32 gradients;
+    DeepSpeed ZeRO >= 1 still keeps its own FP32 copy of each rank's partition (counted as master).
     Megatron's layout (--params-dtype bf16): BF16 weights, FP32 main gradients and an FP32 master copy that
     lives with the optimizer state (ZeRO >= 1 shards it like the moments). AdamW keeps 8 bytes/param of
     moments, Fp8AdamW about 2; ZeRO stages divide what they shard by the data-parallel size; TP/PP divide
@@ -70,7 +71,9 @@ def memory_estimate_bytes(cfg: MegatronConfig) -> dict[str, float]:
     bf16_params = cfg.training.params_dtype == "bf16"
     weights = params * (2.0 if bf16_params else 4.0) / (dp if zero >= 3 else 1)
     grads = params * 4.0 / (dp if zero >= 2 else 1)  # FP32 either way (main gradients in the BF16 layout)
-    master = params * 4.0 / (dp if zero >= 1 else 1) if bf16_params else 0.0
+    # DeepSpeed ZeRO >= 1 copies FP32 weights into its FP32 partitions too (the default layout's master, sharded)
+    separate_master = bf16_params or (p.deepspeed and zero >= 1)
+    master = params * 4.0 / (dp if zero >= 1 else 1) if separate_master else 0.0
     optim = params * opt_bytes / (dp if zero >= 1 else 1)
     s, b, h, a = m.seq_length, t.micro_batch_size, m.hidden_size, m.num_attention_heads
     layers = m.num_layers / p.pipeline_model_parallel_size
