@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -132,3 +133,27 @@ def test_report_prints_the_markdown_tables(quick, capsys):
     bf16 = summary["table"]["bf16/c64"]["final_valid_loss"]["mean"]
     assert f"| bf16/c64 | {bf16:.4f} (n=1) |" in text and "| fp8/c64 |" in text
     assert stability_lab.main(["--report", str(out / "missing.json")]) == 2
+
+
+def test_reanalyze_reproduces_the_summary_from_the_run_folders(quick, tmp_path):
+    out, summary = quick
+    copy = tmp_path / "lab"
+    shutil.copytree(out, copy)
+    # Run folders are recorded with absolute paths; point them at the copy.
+    text = (copy / "summary.json").read_text().replace(str(out), str(copy))
+    (copy / "summary.json").write_text(text)
+    assert stability_lab.main(["--reanalyze", "--output-dir", str(copy)]) == 0
+    again = json.loads((copy / "summary.json").read_text())
+    assert again["table"] == summary["table"] and again["wall_s"] == summary["wall_s"]
+    assert "reanalyzed" in again
+
+
+@pytest.mark.parametrize("controls, expected", [(True, 6), (False, 5)])
+def test_dry_run_prints_every_command_and_fp8_controls_flag_works(controls, expected, tmp_path, capsys):
+    flag = "--fp8-controls" if controls else "--no-fp8-controls"
+    assert stability_lab.main(["--dry-run", "--seeds", "1", "--inject-c", "8", "--variants", "bf16,fp8", flag,
+                               "--output-dir", str(tmp_path)]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("[lab] ") and "pretrain_gpt.py" in ln]
+    assert len(lines) == expected  # base bf16, bf16 control, bf16 c8, base fp8, (fp8 control,) fp8 c8
+    assert all("--no-divergence-guard" in ln for ln in lines)
+    assert sum("--fp8-format hybrid" in ln for ln in lines) == expected - 3

@@ -118,7 +118,8 @@ def reanalyze_inject(summary: dict, out: Path, topk: int = 4) -> dict:
 
 def run_inject(out: Path, data_dir: Path, setup: TinySetup, variants: Sequence[str], seeds: Sequence[int],
                cs: Sequence[float], channels: int, base_iters: int, resume_iters: int, topk: int = 4,
-               controls: bool = True, fp8_controls: bool = True, dry_run: bool = False, log: Callable[[str], None] = print) -> dict:
+               controls: bool = True, fp8_controls: bool = True, dry_run: bool = False,
+               log: Callable[[str], None] = print) -> dict:
     total = base_iters + resume_iters
     records: list[RunRecord] = []
     runs: dict = {}
@@ -131,11 +132,13 @@ def run_inject(out: Path, data_dir: Path, setup: TinySetup, variants: Sequence[s
         # A base run is shared by every c of its (variant, seed) and reused by a rerun of the preset into the
         # same folder, but only if it ran the same command and stopped where this preset injects.
         recorded = base / "command.txt"
-        if dry_run or read_tracker(base / "ckpt") != base_iters or not recorded.exists() \
+        if any(r.run_dir == str(base) for r in records):
+            pass  # run (or found) earlier in this call
+        elif dry_run or read_tracker(base / "ckpt") != base_iters or not recorded.exists() \
                 or recorded.read_text().strip() != command_text(base_flags, setup.threads):
             shutil.rmtree(base, ignore_errors=True)
             records.append(run_pretrain(f"base {variant} seed {seed}", base_flags, base, setup.threads, dry_run))
-        elif not any(r.run_dir == str(base) for r in records):
+        else:
             records.append(RunRecord(f"base {variant} seed {seed} (reused)", recorded.read_text().strip(), 0,
                                      float("nan"), str(base)))
         tag = "control" if c is None else f"c{c:g}"
@@ -173,6 +176,8 @@ def run_inject(out: Path, data_dir: Path, setup: TinySetup, variants: Sequence[s
     held = [c for c in cs if verdicts[f"{c:g}"]["holds"]]
     unjudged = all(v["holds"] is None for v in verdicts.values())
     c_star = max(held) if held else (max(cs) if unjudged else None)
+    if dry_run:  # nothing ran, nothing judged: show the FP8 commands at the largest c
+        c_star, unjudged = max(cs), True
     log(f"[lab] BF16 verdicts per c: { {c: v['holds'] for c, v in verdicts.items()} }; c* = {c_star}")
     for variant in variants:
         if variant == "bf16":

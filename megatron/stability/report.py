@@ -33,7 +33,7 @@ def inject_tables(summary: dict) -> str:
     lines += ["", f"c* = {summary['c_star']}" + (" (not judged: one seed)" if summary.get("c_star_unjudged") else ""),
               "", "| run | final valid loss | gap to BF16 control | max train loss after injection | "
               "peak fc2-input max | peak outlier ratio | max FP8 clipped frac (any tensor) | max fc2-input clipped "
-              "frac | non-finite loss points | first diagnostics warning |", "|---|---|---|---|---|---|---|---|---|---|"]
+              "frac | non-finite loss points | first diagnostics warning |", "|---" * 10 + "|"]
     for name, row in summary["table"].items():
         m = row["final_valid_loss"].get("mean")
         gap = "-" if m is None or ref is None else f"{m - ref:+.4f}"
@@ -58,7 +58,7 @@ def inject_tables(summary: dict) -> str:
 
 def simple_tables(summary: dict) -> str:
     ref = summary["table"].get("bf16", {}).get("final_valid_loss", {}).get("mean")
-    lines = ["| run | final valid loss | gap to BF16 mean | test loss | max FP8 clipped frac |", "|---|---|---|---|---|"]
+    lines = ["| run | final valid loss | gap to BF16 mean | test loss | max FP8 clipped frac |", "|---" * 5 + "|"]
     for name, row in summary["table"].items():
         m = row["final_valid_loss"].get("mean")
         gap = "-" if m is None or ref is None or name == "bf16" else f"{m - ref:+.4f}"
