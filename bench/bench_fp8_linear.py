@@ -5,11 +5,13 @@ them alike), on whatever device is present. Reported per shape: median milliseco
 the ratio to BF16 (> 1 means slower than BF16), and the bytes each variant saves for backward.
 
 Shapes: the four linears of a Llama2-7B layer (hidden 4096, FFN 11008; fc1 is w1|w2 = 22016 outputs) and a
-small layer. Tokens per micro-batch default to 4096 on an accelerator; on CPU the emulated FP8 path (real FP8
-casts, then an fp32 GEMM, or a bf16 one with power-of-two scales) is slow by design, so pass a reduced
-`--tokens`.
+small layer. 4096 tokens per micro-batch and the FP8 weight cast once per 8 micro-batches (one optimizer step
+of gradient accumulation), as in training. On CPU the FP8 GEMMs are emulated (real FP8 casts, then an fp32
+GEMM on the exact FP8 values, or a bf16 one with power-of-two scales). `--fused` times our layer with the
+eager quantization, the compiled one (megatron/fp8/fused.py), or both side by side (default). torchao's
+Float8Linear (emulated off CUDA) runs in the same loop as a peer.
 
-    python bench/bench_fp8_linear.py --tokens 256 --iters 3          # CPU, a few minutes
+    python bench/bench_fp8_linear.py --shapes 7b.proj,7b.fc2 --iters 3  # CPU, 7B shapes, ~10 minutes
     python bench/bench_fp8_linear.py --tokens 8192 --iters 20        # H100/H200
     python bench/bench_fp8_linear.py --recipe delayed,tensorwise,rowwise,blockwise,mxfp8 --no-torchao
     python bench/bench_fp8_linear.py --sqnr --recipe tensorwise,rowwise,blockwise,mxfp8
@@ -24,7 +26,7 @@ import time
 import torch
 import torch.nn as nn
 
-from megatron.fp8 import Fp8Linear, Fp8Recipe, Fp8Scaling, fp8_optimizer_step
+from megatron.fp8 import Fp8Linear, Fp8Recipe, Fp8Scaling, fp8_optimizer_step, fused
 from megatron.fp8.accuracy import fprop_operands, wgrad_layout_sqnr
 from megatron.fp8.backends import select_backend
 from megatron.fp8.stats import sqnr_db
@@ -71,7 +73,7 @@ def _torchao_variant(linear: nn.Linear, emulate: bool) -> nn.Module | None:
 
 def bench_shape(name: str, in_f: int, out_f: int, tokens: int, iters: int, warmup: int,
                 device: torch.device, use_torchao: bool, micro_batches_per_step: int,
-                recipes: tuple[str, ...] = ("delayed",)) -> list[str]:
+                recipes: tuple[str, ...] = ("delayed",), fused_modes: tuple[bool, ...] = (False,)) -> list[str]:
     torch.manual_seed(0)
     base = nn.Linear(in_f, out_f, bias=False, device=device, dtype=torch.bfloat16)
     variants: dict[str, nn.Module] = {"bf16": base}
@@ -85,11 +87,15 @@ def bench_shape(name: str, in_f: int, out_f: int, tokens: int, iters: int, warmu
             configs += [("fp8 (ours)", recipe, False), ("fp8 (ours, pow2 scales)", recipe, True)]
         else:
             configs.append((f"fp8 {recipe}", recipe, False))
+    fused_variant: dict[str, bool] = {}
     for label, recipe, pow2 in configs:
-        layer = Fp8Linear.from_linear(nn.Linear(in_f, out_f, bias=False, device=device, dtype=torch.bfloat16),
-                                      Fp8Recipe(scaling=recipe, power_of_two_scales=pow2))
-        variants[label] = layer
-        fp8_layers.append(layer)
+        for on in fused_modes:
+            layer = Fp8Linear.from_linear(nn.Linear(in_f, out_f, bias=False, device=device, dtype=torch.bfloat16),
+                                          Fp8Recipe(scaling=recipe, power_of_two_scales=pow2))
+            name_ = f"{label} fused" if on else label
+            variants[name_] = layer
+            fused_variant[name_] = on
+            fp8_layers.append(layer)
     if use_torchao:
         ao = _torchao_variant(nn.Linear(in_f, out_f, bias=False, device=device, dtype=torch.bfloat16),
                               emulate=device.type != "cuda")
@@ -106,6 +112,7 @@ def bench_shape(name: str, in_f: int, out_f: int, tokens: int, iters: int, warmu
     times: dict[str, list[float]] = {k: [] for k in variants}
     for i in range(warmup + iters):
         for label, module in variants.items():  # interleaved: load on the machine hits all variants alike
+            fused.set_fused(fused_variant.get(label, False))
             _sync(device)
             start = time.perf_counter()
             step(module, i)
@@ -119,8 +126,9 @@ def bench_shape(name: str, in_f: int, out_f: int, tokens: int, iters: int, warmu
     rows = []
     for label, module in variants.items():
         t = statistics.median(times[label])
+        fused.set_fused(fused_variant.get(label, False))
         saved = _saved_bytes(module, x) / 2**20
-        rows.append(f"{name:8s} {in_f:>5d}x{out_f:<5d} {tokens:>5d}  {label:28s} {t * 1e3:10.1f} ms "
+        rows.append(f"{name:8s} {in_f:>5d}x{out_f:<5d} {tokens:>5d}  {label:34s} {t * 1e3:10.1f} ms "
                     f"{t / ref:6.2f}x  saved {saved:7.1f} MiB")
     return rows
 
@@ -182,12 +190,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shapes", default="7b.qkv,7b.proj,7b.fc1,7b.fc2,small",
                         help=f"comma-separated subset of {','.join(SHAPES)}")
     parser.add_argument("--tokens", type=int, default=None,
-                        help="tokens per micro-batch (default 4096 on an accelerator, 256 on CPU)")
+                        help="tokens per micro-batch (default 4096)")
     parser.add_argument("--iters", type=int, default=None, help="timed iterations (default 20 GPU, 3 CPU)")
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--micro-batches-per-step", type=int, default=1,
+    parser.add_argument("--micro-batches-per-step", type=int, default=8,
                         help="forward+backward passes per optimizer step (the FP8 weight is cast once per step)")
     parser.add_argument("--no-torchao", action="store_true", help="skip the torchao comparison")
+    parser.add_argument("--fused", choices=["off", "on", "both"], default="both",
+                        help="our FP8 quantization eager, compiled (megatron/fp8/fused.py), or both side by side")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (torch.set_num_threads)")
     parser.add_argument("--recipe", default="delayed",
@@ -211,16 +221,17 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     on_cpu = device.type == "cpu"
-    tokens = args.tokens or (256 if on_cpu else 4096)
+    tokens = args.tokens or 4096
     iters = args.iters or (3 if on_cpu else 20)
     backend = select_backend("auto", device).name
     print(f"device={device} fp8 backend={backend} torch={torch.__version__} threads={torch.get_num_threads()} "
           f"tokens={tokens} iters={iters} micro_batches_per_step={args.micro_batches_per_step}")
-    print(f"{'shape':8s} {'in x out':11s} {'tok':>5s}  {'variant':28s} {'fwd+bwd':>13s} {'vs bf16':>7s}")
+    print(f"{'shape':8s} {'in x out':11s} {'tok':>5s}  {'variant':34s} {'fwd+bwd':>13s} {'vs bf16':>7s}")
     for name in args.shapes.split(","):
         in_f, out_f = SHAPES[name]
         for row in bench_shape(name, in_f, out_f, tokens, iters, args.warmup, device, not args.no_torchao,
-                               args.micro_batches_per_step, recipes):
+                               args.micro_batches_per_step, recipes,
+                               {"off": (False,), "on": (True,), "both": (False, True)}[args.fused]):
             print(row, flush=True)
 
 

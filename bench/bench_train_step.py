@@ -84,6 +84,34 @@ class Variant:
         return total
 
 
+def _self_times(v: Variant, rows: list[torch.Tensor]) -> dict[str, float]:
+    """Self CPU/device time per op (ms) over one training step of `v`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if v.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        v.step(rows)
+    v.times.pop()
+    out: dict[str, float] = {}
+    for e in prof.key_averages():
+        t = e.self_device_time_total if v.device.type == "cuda" else e.self_cpu_time_total
+        out[e.key] = out.get(e.key, 0.0) + t / 1e3
+    return out
+
+
+def profile_table(variants: list[Variant], rows: list[torch.Tensor], top: int) -> None:
+    """Per op: self time in each variant and the difference to the first (the BF16 baseline), largest first."""
+    times = [_self_times(v, rows) for v in variants]
+    ops = set().union(*times)
+    base = times[0]
+    order = sorted(ops, key=lambda k: -max(abs(t.get(k, 0.0) - base.get(k, 0.0)) for t in times[1:]))
+    print(f"\nprofile: self time per op (ms, one step), ops ordered by their largest difference to {variants[0].name}")
+    print(f"{'op':<44}" + "".join(f"{v.name[:24]:>26}" for v in variants))
+    for op in order[:top]:
+        print(f"{op[:44]:<44}" + "".join(f"{t.get(op, 0.0):>26.1f}" for t in times))
+    print(f"{'total (all ops)':<44}" + "".join(f"{sum(t.values()):>26.1f}" for t in times))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--iters", type=int, default=6, help="timed steps per variant (after --warmup steps)")
@@ -99,6 +127,9 @@ def main() -> None:
                    help="the earlier spelling of --torch-compile both (scripts/gpu_check.py passes it)")
     p.add_argument("--extra", default="", help="extra pretrain_gpt.py flags for every variant, e.g. a model shape")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after timing, profile one step per variant (torch.profiler) and print the N ops whose "
+                        "self time differs most from the first variant's: where the extra time goes")
     args = p.parse_args()
     logging.getLogger("megatron").setLevel(logging.WARNING)
     if args.threads:
@@ -141,6 +172,8 @@ def main() -> None:
                          "build_s": v.build_s, "steps_s": v.times})
         print(f"{v.name:<42} {med * 1000:>10.1f}ms {med / ref:>11.2f}x {tokens_per_step / med:>10.0f} "
               f"{v.state_bytes() / 2**20:>7.2f} MiB {v.build_s:>12.1f}s")
+    if args.profile:
+        profile_table(variants, rows, args.profile)
     if args.json:
         Path(args.json).write_text(json.dumps({"params": params, "tokens_per_step": tokens_per_step,
                                                "device": str(device), "torch": torch.__version__,

@@ -94,6 +94,14 @@ def test_tiles_bitwise(fused_on, tile) -> None:
     assert torch.equal(got.scale, ref.scale) and torch.equal(got.amax, ref.amax)
 
 
+def test_gemm_epilogue_bitwise(fused_on) -> None:
+    out = _sample(torch.float32) * 1e3
+    a_scale, b_scale = torch.tensor(3.7), torch.tensor(0.011)  # not powers of two: the division rounds
+    for dtype in (torch.bfloat16, torch.float32):
+        got = fused.scale_output(out, a_scale, b_scale, dtype)
+        assert torch.equal(got, (out / (a_scale * b_scale)).to(dtype))
+
+
 def _linear_run(scaling: str, stats: bool) -> list[torch.Tensor]:
     torch.manual_seed(0)
     lin = Fp8Linear(96, 64, bias=False, recipe=Fp8Recipe(scaling=scaling))

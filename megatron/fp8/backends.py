@@ -37,6 +37,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from megatron.fp8 import fused
 from megatron.fp8.formats import Fp8FormatSpec, format_spec
 from megatron.fp8.quantize import TiledFp8, dequantize_tiles, quantize
 from megatron.fp8.recipe import Fp8Backend, Fp8Scaling
@@ -69,8 +70,7 @@ class EmulatedBackend:
             out = (a.to(torch.bfloat16) @ b.to(torch.bfloat16).t()).float()
         else:
             out = a.float() @ b.float().t()
-        out = out / (a_scale.float() * b_scale.float())
-        return out.to(out_dtype)
+        return fused.scale_output(out, a_scale, b_scale, out_dtype)  # eager unless fusion is on
 
     def gemm_tiles(self, a: TiledFp8, b: TiledFp8, out_dtype: torch.dtype) -> torch.Tensor:
         """`a @ b^T` of two tile-scaled operands: exact dequantization tile by tile (a division by a power of

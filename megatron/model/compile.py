@@ -117,6 +117,7 @@ def apply_torch_compile(config: Any, model: nn.Module, device: torch.device) -> 
         (per_token * batch.loss_mask).sum().backward()
 
     seconds = warm_up(model, run)
-    logger.info("> torch.compile: %d transformer blocks and the FP8 quantization compiled in %.1f s "
-                "(startup, not counted in tokens/s)", n, seconds)
+    fp8 = any(hasattr(m, "fp8_weight_quantizations") for m in model.modules())
+    logger.info("> torch.compile: %d transformer blocks%s compiled in %.1f s (startup, not counted in tokens/s)",
+                n, " and the FP8 quantization" if fp8 else "", seconds)
     return True
