@@ -27,7 +27,9 @@ def test_main_gradients_accumulate_in_fp32_and_masters_round_into_bf16_weights()
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
     reference = [p.detach().clone() for p in model.parameters()]
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model[0].weight.tensor_parallel_dim = 0  # as a TP shard carries it: clipping counts shards per TP rank
     main = MainParams(model, opt)
+    assert main.masters[0].tensor_parallel_dim == 0 and not hasattr(main.masters[1], "tensor_parallel_dim")
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     assert all(m.dtype == torch.float32 for g in opt.param_groups for m in g["params"])
     assert all(torch.equal(m, r) for m, r in zip(main.masters, reference))  # masters start as the FP32 weights
