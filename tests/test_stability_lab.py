@@ -157,3 +157,15 @@ def test_dry_run_prints_every_command_and_fp8_controls_flag_works(controls, expe
     assert len(lines) == expected  # base bf16, bf16 control, bf16 c8, base fp8, (fp8 control,) fp8 c8
     assert all("--no-divergence-guard" in ln for ln in lines)
     assert sum("--fp8-format hybrid" in ln for ln in lines) == expected - 3
+
+
+def test_recipes_dry_run_uses_the_demo_run_and_no_bf16_skips_bf16(tmp_path, capsys):
+    argv = ["--preset", "recipes", "--recipes", "blockwise,mxfp8", "--iters", "60", "--seeds", "1,2",
+            "--recipe-seeds", "1", "--dry-run", "--output-dir", str(tmp_path)]
+    assert stability_lab.main(argv) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "pretrain_gpt.py" in ln]
+    assert len(lines) == 4  # BF16 seeds 1 and 2, each recipe seed 1
+    assert sum("--fp8-recipe blockwise" in ln for ln in lines) == 1 and "--hidden-size 256" in lines[0]
+    assert stability_lab.main(argv + ["--no-bf16"]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "pretrain_gpt.py" in ln]
+    assert len(lines) == 2 and all("--fp8-recipe" in ln for ln in lines)

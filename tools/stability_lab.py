@@ -70,6 +70,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--log-interval", type=int, default=5)
     p.add_argument("--recipes", default=",".join(RECIPES), help="recipes: comma-separated --fp8-recipe values")
     p.add_argument("--recipe-seeds", type=_ints, default=None, help="recipes: seeds of the FP8 runs (default --seeds)")
+    p.add_argument("--no-bf16", action="store_true",
+                   help="recipes/ablation: skip the BF16 runs (they ran into another --output-dir, e.g. in parallel)")
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each run")
     p.add_argument("--dry-run", action="store_true", help="print the commands only")
     p.add_argument("--reanalyze", action="store_true",
@@ -193,9 +195,11 @@ def _demo(args, out: Path, data: Path) -> dict:
                    "fp8adam": ["--optimizer", "fp8adam"],
                    "all_three": linears + ["--smooth-swiglu", "--optimizer", "fp8adam"]}
         seeds = {k: args.seeds for k in configs}
+    if args.no_bf16:
+        del configs["bf16"]
     result = presets.run_simple(out, configs, seeds, lambda seed: [
         *demo.MODEL, *demo.OPTIM, *batch, *demo._data_flags(data), "--seed", str(seed)], args.threads, args.dry_run)
-    bf16 = result["table"]["bf16"]["final_valid_loss"]
+    bf16 = result["table"].get("bf16", {}).get("final_valid_loss", {"mean": None, "std": None})
     for name, row in result["table"].items():  # gap to BF16's mean, and BF16's own spread as the yardstick
         m = row["final_valid_loss"]["mean"]
         row["valid_gap_to_bf16"] = None if m is None or bf16["mean"] is None else m - bf16["mean"]
@@ -215,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         variants = _check(args)
         preset = "quick" if args.quick else args.preset
+        if args.no_bf16 and args.preset not in ("recipes", "ablation"):
+            raise ValueError("--no-bf16 applies to the recipes and ablation presets only")
         if args.quick and args.preset != "inject":
             raise ValueError("--quick runs the inject preset in miniature: drop --preset or use --preset inject")
         out = Path(args.output_dir or REPO / "runs" / "stability" / preset).resolve()
