@@ -135,8 +135,6 @@ class TrainingConfig:
     dry_run: bool = False
     # --torch-compile: "auto" (on for CUDA, off on CPU: docs/performance.md), "on" or "off"; per transformer block
     torch_compile: str = "auto"
-    # --torch-compile: "auto" (on for CUDA, off on CPU: docs/performance.md), "on" or "off"; per transformer block
-    torch_compile: str = "auto"
 
     @property
     def num_micro_batches(self) -> int:
