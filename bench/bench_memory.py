@@ -35,6 +35,8 @@ ZERO1 = ["--deepspeed", "--zero-stage", "1"]
 CONFIGS = {  # name: (processes, flags)
     "ZeRO-1 DP=2 Fp8AdamW, fp32 weights (today)": (2, ZERO1 + FP8ADAM),
     "ZeRO-1 DP=2 Fp8AdamW, --params-dtype bf16": (2, ZERO1 + FP8ADAM + ["--params-dtype", "bf16"]),
+    "ZeRO-2 DP=2 Fp8AdamW, --params-dtype bf16": (2, ["--deepspeed", "--zero-stage", "2"] + FP8ADAM
+                                                  + ["--params-dtype", "bf16"]),
     "ZeRO 0 DP=1 AdamW, fp32 weights": (1, []),
     "ZeRO 0 DP=1 Fp8AdamW, fp32 weights": (1, FP8ADAM),
     "ZeRO 0 DP=1 AdamW, --params-dtype bf16": (1, ["--params-dtype", "bf16"]),
