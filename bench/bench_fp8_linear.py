@@ -185,6 +185,24 @@ def smooth_swiglu_table(recipes: tuple[str, ...], ratios: tuple[float, ...] = (1
                       flush=True)
 
 
+def gemm_table(n: int, iters: int = 4) -> None:
+    """bf16 vs fp32 GEMM of n x n x n, interleaved: what the emulated FP8 GEMM (fp32 on exact FP8 values) costs
+    against BF16's own GEMM on this machine (docs/performance.md, "The GEMM")."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    ab, bb = a.bfloat16(), b.bfloat16()
+    cases = {"bf16 a @ b.T": lambda: ab @ bb.t(), "fp32 a @ b.T": lambda: a @ b.t()}
+    times: dict[str, list[float]] = {k: [] for k in cases}
+    for f in cases.values():
+        f()
+    for _ in range(iters):
+        for k, f in cases.items():
+            start = time.perf_counter()
+            f()
+            times[k].append(time.perf_counter() - start)
+    for k, t in times.items():
+        print(f"{n}^3 {k:14s} {statistics.median(t) * 1e3:9.1f} ms")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", default="7b.qkv,7b.proj,7b.fc1,7b.fc2,small",
@@ -205,6 +223,8 @@ def main(argv: list[str] | None = None) -> None:
                              f"{','.join(s.value for s in Fp8Scaling)}")
     parser.add_argument("--sqnr", action="store_true",
                         help="print the SQNR table per recipe (docs/fp8.md, Fine-grained recipes) and exit")
+    parser.add_argument("--gemm", type=int, default=0, metavar="N",
+                        help="time a bf16 and an fp32 N x N x N GEMM side by side and exit")
     parser.add_argument("--smooth-swiglu", action="store_true",
                         help="print the Smooth-SwiGLU x recipe table (outlier MLP, per part) and exit")
     args = parser.parse_args(argv)
@@ -219,6 +239,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.gemm:
+        gemm_table(args.gemm)
+        return
     device = torch.device(args.device)
     on_cpu = device.type == "cpu"
     tokens = args.tokens or 4096

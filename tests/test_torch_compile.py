@@ -103,7 +103,7 @@ def test_cli_refuses_a_bad_value_in_one_line() -> None:
 def _launch(nproc: int, *switches: str, **overrides) -> str:
     from tests.test_deepspeed import free_port
 
-    argv = tiny_argv(*switches, **{**COMMON, "train_iters": 4, **overrides})
+    argv = tiny_argv(*switches, **{**COMMON, "train_iters": 4, "global_batch_size": 8, **overrides})
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
            str(free_port()), "pretrain_gpt.py", *argv]
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
