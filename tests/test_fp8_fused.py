@@ -133,10 +133,46 @@ def test_fp8_linear_fused_equals_eager(scaling: str, stats: bool) -> None:
         assert torch.equal(a, b)
 
 
+def _mlp_losses(steps: int = 50) -> list[float]:
+    """A tiny FP8 MLP (two 32x32 Fp8Linears, SiLU, delayed scaling) fitted with AdamW for `steps` steps."""
+    torch.manual_seed(0)
+    layers = [Fp8Linear(32, 32, bias=False, recipe=Fp8Recipe()) for _ in range(2)]
+    params = [p for layer in layers for p in layer.parameters()]
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    x, target = torch.randn(64, 32, generator=g), torch.randn(64, 32, generator=g)
+    losses = []
+    for _ in range(steps):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = layers[1](torch.nn.functional.silu(layers[0](x)))
+        loss = (out.float() - target).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        for layer in layers:
+            fp8_optimizer_step(layer)
+        losses.append(loss.item())
+    return losses
+
+
+def test_mlp_losses_fused_equal_eager_over_50_steps() -> None:
+    """The issue asks for 1e-4 relative over 50 steps; bitwise-equal quantization gives equal losses, which is
+    what is asserted (the full model through `pretrain` is the slow test below)."""
+    eager = _mlp_losses()
+    fused.set_fused(True)
+    try:
+        compiled = _mlp_losses()
+    finally:
+        fused.set_fused(False)
+    assert eager[-1] < 0.9 * eager[0]  # it trains
+    worst = max(abs(a - b) / abs(a) for a, b in zip(eager, compiled))
+    assert worst == 0.0, f"largest relative loss difference {worst:.2e} (issue bound 1e-4)"
+
+
+@pytest.mark.slow
 def test_training_losses_fused_equal_eager_over_50_steps() -> None:
-    """A tiny FP8 model (1 layer, Smooth-SwiGLU: every fused path) trained 50 steps both ways: the issue asks for
-    1e-4 relative; bitwise-equal quantization gives equal losses, which is what is asserted (with the 1e-4
-    bound as the message's yardstick)."""
+    """A tiny FP8 model (1 layer, Smooth-SwiGLU: every fused path) trained 50 steps both ways through `pretrain`:
+    losses equal (~30 compilations of distinct operand shapes: ~40 s on 2 cores, hence slow)."""
     argv = tiny_argv("--fp8-format", "hybrid", "--smooth-swiglu", "--torch-compile", "off", num_layers=1,
                      hidden_size=32, num_attention_heads=2, num_key_value_heads=1, seq_length=16,
                      micro_batch_size=2, global_batch_size=2, train_iters=50, eval_interval=1000, eval_iters=0,
