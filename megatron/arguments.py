@@ -475,13 +475,13 @@ def parse_config(argv: Optional[Sequence[str]] = None, world_size: Optional[int]
 
 def _resolve(a: argparse.Namespace, world_size: Optional[int], recipe: list) -> MegatronConfig:
     _not_supported_yet(a)
-    if a.use_torch_compile is not None and hasattr(a, "torch_compile"):  # Habana's spelling of --torch-compile
+    if a.use_torch_compile is not None:  # Habana's spelling of --torch-compile
         wanted = "on" if a.use_torch_compile else "off"
         if a.torch_compile not in ("auto", wanted):
             raise ValueError(f"--use-torch-compile {str(a.use_torch_compile).lower()} contradicts --torch-compile "
                              f"{a.torch_compile}: drop one")
         a.torch_compile = wanted
-    compat = resolve_compat(a, a.device, "torch_compile" if hasattr(a, "torch_compile") else None)
+    compat = resolve_compat(a, a.device)
     compat = CompatConfig(kernels=compat.kernels, env_recipe=tuple(recipe),
                           notes=tuple(f"environment {var}={value}: {meaning}" for var, value, meaning in recipe)
                           + compat.notes)

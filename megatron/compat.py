@@ -271,19 +271,13 @@ def env_recipe_flags(env: Mapping[str, str]) -> tuple[list[str], list[tuple[str,
     return flags, mapping
 
 
-def resolve_compat(a: argparse.Namespace, device: str, torch_compile_flag: Optional[str]) -> CompatConfig:
-    """Check the compatibility flags of parsed `a`; returns the kernels and the notes to log at startup.
-
-    `torch_compile_flag` is our torch.compile flag's dest name if the parser has one, else None.
-    """
+def resolve_compat(a: argparse.Namespace, device: str) -> CompatConfig:
+    """Check the compatibility flags of parsed `a`; returns the kernels and the notes to log at startup."""
     if a.verify_checkpoint or a.verify_checkpoint_model_type is not None:
         raise ValueError(f"--verify-checkpoint is not supported: {REFUSED_FLAGS['--verify-checkpoint']}")
     if a.use_torch_compiled_autograd:
         raise ValueError("--use-torch-compiled-autograd true is not supported (no compiled autograd here): "
                          "pass false or drop it")
-    if a.use_torch_compile and torch_compile_flag is None:
-        raise ValueError("--use-torch-compile true is not supported yet (torch.compile of the model is not "
-                         "available in this version): pass false or drop it")
     notes = [f"{flag}: no-op, {why}" for flag, why in NOOP_FLAGS.items() if getattr(a, _flag_dest(flag))]
     if a.data_impl is not None:
         notes.append(f"--data-impl {a.data_impl}: no-op, indexed datasets are always read with mmap")
@@ -292,7 +286,7 @@ def resolve_compat(a: argparse.Namespace, device: str, torch_compile_flag: Optio
     if a.compiled_autograd_fallback_mode is not None:
         notes.append(f"--compiled-autograd-fallback-mode {a.compiled_autograd_fallback_mode}: no-op "
                      "without compiled autograd")
-    if a.use_torch_compile is not None and torch_compile_flag is not None:
+    if a.use_torch_compile is not None:
         notes.append(f"--use-torch-compile {str(a.use_torch_compile).lower()}: --torch-compile "
                      f"{'on' if a.use_torch_compile else 'off'}")
     if a.deepspeed_activation_checkpointing:
