@@ -64,25 +64,72 @@ def _fp8_step_bound(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torc
 
 @pytest.mark.isa_sensitive  # generated kernels follow the ISA: CI runs it with AVX2 forced too
 def test_compiled_training_matches_eager_over_50_steps(runs):
-    """Same fp32 expressions, same counter-based noise: only FMA contraction / vectorized reductions may move
-    a pre-rounding value by a few fp32 ulps, which can flip an FP8 rounding decision by one grid step. A
-    flip is not amplified: both runs then requantize values < 1 step apart with the same noise, which
-    lands them at most one step apart again. Parameters and losses then agree to 1e-4 relative."""
+    """Free-running: 50 steps of training, compiled vs eager, losses within 1e-4 relative (issue 17's bound).
+
+    Parameters are not compared here: the kernels may round a pre-rounding value differently by an fp32 ulp
+    (FMA contraction, vectorization), which now and then flips an FP8 rounding decision of v by one grid
+    step; where v is small that changes the step of that weight by up to a whole Adam step, and the changed
+    loss then moves every weight. Measured: with MKL's AVX2 kernels one such flip at step 40 left the weights
+    2e-4 apart (a control run in another summation order: 1e-7). The per-step comparison below is the exact one.
+    """
     (m_e, opt_e, loss_e), (m_c, opt_c, loss_c) = runs
     assert max(abs(a - b) / abs(a) for a, b in zip(loss_e, loss_c)) <= 1e-4
     assert loss_e[-1] < 0.5 * loss_e[0]  # it trained: the comparison is not between two frozen runs
-    for (name, a), b in zip(m_e.named_parameters(), m_c.parameters()):
-        assert (a - b).norm() <= 1e-4 * a.norm(), name
-        se, sc = opt_e.state[a], opt_c.state[b]
-        assert float(se["step"]) == float(sc["step"]) == STEPS
-        for key, fmt in (("exp_avg", opt_e.m_format), ("exp_avg_sq", opt_e.v_format)):
-            if a.ndim < 2:  # FP32 states (the same foreach code in both) of gradients that moved with the weights
-                assert (se[key] - sc[key]).norm() <= 1e-4 * se[key].norm(), (name, key)
-                continue
-            s_e, s_c = se[key + "_scale_inv"], sc[key + "_scale_inv"]
-            x_e, x_c = dequantize(se[key], s_e, a.numel()), dequantize(sc[key], s_c, a.numel())
-            bound = _fp8_step_bound(x_e, x_c, s_e, s_c, fmt.mantissa_bits, fmt.min_subnormal)
-            assert ((x_e - x_c).abs() <= bound).all(), (name, key)
+    assert all(float(opt_e.state[a]["step"]) == float(opt_c.state[b]["step"]) == STEPS
+               for a, b in zip(m_e.parameters(), m_c.parameters()))
+
+
+@pytest.mark.isa_sensitive
+def test_compiled_update_matches_eager_at_every_step_over_50_steps():
+    """Lockstep: at each of 50 training steps the compiled optimizer gets the eager run's gradients, weights and
+    state, steps, and is compared with the eager step. FP8 moments: every element within one FP8 grid step
+    (a flipped rounding), few flipped at all; weights: within 4 fp32 ulps of the old weight and of the step,
+    except where a moment flipped."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fp8_adam, "_CHUNK", CHUNK)
+        model = _model()
+        twin = _model()
+        opt_e = Fp8AdamW(model.parameters(), lr=LR, compile=False)
+        opt_c = Fp8AdamW(twin.parameters(), lr=LR, compile=True)
+        if opt_c._kernel is opt_c._eager_kernel:
+            pytest.skip("torch.compile is unavailable here (Fp8AdamW fell back to eager)")
+        g = torch.Generator().manual_seed(1)
+        x, w = torch.randn(512, 24, generator=g), torch.randn(24, 8, generator=g)
+        y = torch.tanh(x @ w / 24**0.5)
+        flipped = total = 0
+        for i in range(STEPS):
+            idx = torch.arange(64) + 64 * (i % 8)
+            opt_e.zero_grad()
+            nn.functional.mse_loss(model(x[idx]), y[idx]).backward()
+            with torch.no_grad():
+                for a, b in zip(model.parameters(), twin.parameters()):
+                    b.copy_(a)
+                    b.grad = a.grad.clone()
+                    for key, value in opt_e.state.get(a, {}).items():
+                        opt_c.state[b][key] = value.clone() if torch.is_tensor(value) else value
+            before = [a.detach().clone() for a in model.parameters()]
+            opt_e.step()
+            opt_c.step()
+            for a, b, old in zip(model.parameters(), twin.parameters(), before):
+                se, sc = opt_e.state[a], opt_c.state[b]
+                moved = torch.zeros(a.numel(), dtype=torch.bool)
+                for key, fmt in (("exp_avg", opt_e.m_format), ("exp_avg_sq", opt_e.v_format)):
+                    if a.ndim < 2:  # FP32 states: the same foreach code in both runs
+                        assert torch.equal(se[key], sc[key]), (i, key)
+                        continue
+                    s_e, s_c = se[key + "_scale_inv"], sc[key + "_scale_inv"]
+                    x_e, x_c = dequantize(se[key], s_e, a.numel()), dequantize(sc[key], s_c, a.numel())
+                    bound = _fp8_step_bound(x_e, x_c, s_e, s_c, fmt.mantissa_bits, fmt.min_subnormal)
+                    assert ((x_e - x_c).abs() <= bound).all(), (i, key)
+                    # a flipped rounding: a different stored byte (not a scale one ulp apart, which the bound covers)
+                    moved |= (se[key].view(torch.uint8) != sc[key].view(torch.uint8)).flatten()[: a.numel()]
+                flipped += int(moved.sum())
+                total += a.numel()
+                # w*decay - lr*m/denom: a few roundings, each within an ulp of the weight or of its step
+                ulps = 4 * torch.finfo(torch.float32).eps * (old.abs() + (a - old).abs()).flatten()
+                close = (a - b).abs().flatten() <= ulps
+                assert (close | moved).all(), i
+        assert flipped <= 0.01 * total, (flipped, total)  # rounding flips are rare; another noise stream is not
 
 
 def test_compiled_resume_is_exact(runs):
