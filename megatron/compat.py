@@ -169,6 +169,23 @@ def _env_true(env: Mapping[str, str], name: str) -> Optional[bool]:
     raise ValueError(f"environment variable {name}={value!r}: expected true or false (the reference code's values)")
 
 
+# The reference's switches we do not implement: refused when true (with what it is and the fix), noted when false.
+_REFUSED_SWITCHES = {
+    "DISABLE_FP8": "the reference's debug switch: FP8 code path without FP8 casts) is not supported: unset it, "
+                   "or set FP8_LINEAR=false for BF16",
+    "DELAYED_SCALED_SWIGLU": "scales from the previous step) is not supported: unset it or set it to false",
+    "SFTZ": "stochastic flush of FP8 subnormals in the optimizer) is not supported: unset it or set it to false",
+}
+
+
+def _refused_switch(env: Mapping[str, str], name: str, note) -> None:
+    value = _env_true(env, name)
+    if value:
+        raise ValueError(f"environment variable {name}=true ({_REFUSED_SWITCHES[name]}")
+    if value is False:
+        note(name, "nothing to do (false)")
+
+
 def _moment_flags(env: Mapping[str, str], name: str, flag: str, stochastic_ok: bool) -> list[str]:
     value = env[name].lower()
     if value not in _MOMENT_DTYPES:
@@ -207,11 +224,7 @@ def env_recipe_flags(env: Mapping[str, str]) -> tuple[list[str], list[tuple[str,
         note("FP8_LINEAR", "--fp8-format hybrid --fp8-grad-stochastic-rounding")
     elif fp8 is False:
         note("FP8_LINEAR", "no FP8 linears (unless --fp8-format is given)")
-    if _env_true(env, "DISABLE_FP8"):
-        raise ValueError("environment variable DISABLE_FP8=true (the reference's debug switch: FP8 code path "
-                         "without FP8 casts) is not supported: unset it, or set FP8_LINEAR=false for BF16")
-    if _env_true(env, "DISABLE_FP8") is False:
-        note("DISABLE_FP8", "nothing to do (false)")
+    _refused_switch(env, "DISABLE_FP8", note)
     fc2 = _env_true(env, "DISABLE_FP8_MLP_LINEAR2")
     if fc2 is not None:
         if fc2:
@@ -232,16 +245,8 @@ def env_recipe_flags(env: Mapping[str, str]) -> tuple[list[str], list[tuple[str,
     if detach is not None:
         note("DETACH_SCALED_SWIGLU", "the Smooth-SwiGLU scale takes no gradient (always so here)" if detach
              else "nothing to do (no SCALED_SWIGLU)")
-    if _env_true(env, "DELAYED_SCALED_SWIGLU"):
-        raise ValueError("environment variable DELAYED_SCALED_SWIGLU=true (scales from the previous step) is not "
-                         "supported: unset it or set it to false")
-    if _env_true(env, "DELAYED_SCALED_SWIGLU") is False:
-        note("DELAYED_SCALED_SWIGLU", "nothing to do (false)")
-    if _env_true(env, "SFTZ"):
-        raise ValueError("environment variable SFTZ=true (stochastic flush of FP8 subnormals in the optimizer) is "
-                         "not supported: unset it or set it to false")
-    if _env_true(env, "SFTZ") is False:
-        note("SFTZ", "nothing to do (false)")
+    _refused_switch(env, "DELAYED_SCALED_SWIGLU", note)
+    _refused_switch(env, "SFTZ", note)
     fp8_adam = _env_true(env, "FP8_OPTIMIZER")
     if fp8_adam:
         flags.append("--fp8-optimizer")
