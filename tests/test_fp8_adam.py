@@ -296,8 +296,8 @@ def test_compile_failure_falls_back_to_eager(monkeypatch):
 def test_compiled_matches_eager(block_size):
     """20 steps of fixed gradients (no feedback through the model), compiled vs eager.
 
-    Both kernels evaluate the same fp32 expressions and get the same stochastic-rounding noise (drawn
-    outside the kernel from identically seeded generators); fusion and FMA contraction may still move a
+    Both kernels evaluate the same fp32 expressions and draw the same stochastic-rounding noise (the
+    counter-based hash of seed, parameter, step and element, inside the kernel); fusion and FMA contraction may still move a
     pre-rounding value by a few fp32 ulps (say <= 8 * 2^-23 relative). An FP8 rounding decision flips only
     if its boundary falls inside that interval; boundaries are >= 2^-4 apart relative to the value
     (E4M3; E5M2: 2^-3), so P(flip) <= 8 * 2^-23 * 2^4 = 2^-16 per element, moment and step: <= 6e-4 of
