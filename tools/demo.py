@@ -81,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
              "--train-iters", str(iters), "--lr-warmup-iters", str(max(1, iters // 20)),
              "--log-interval", str(max(1, iters // 10)), "--eval-interval", str(max(1, iters // 5)),
              "--eval-iters", "4" if not args.quick else "2", "--seed", "1234"]
+    if not args.quick:  # 400 iterations repay the few seconds of compiling (docs/performance.md), both runs alike
+        batch += ["--torch-compile", "on"]
     runs = {"bf16": [], "fp8": FP8}
     task = data_dir / "tasks" / "next_verse_test.jsonl"
     _run([py, "tools/make_demo_tasks.py", "--input", str(data_dir / "test.jsonl"), "--output", str(task)])
