@@ -77,7 +77,7 @@ def warm_up(model: nn.Module, run_micro_batch) -> float:
     dropped, gradients cleared."""
     model.train()  # the mode training runs in (dynamo guards on it)
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-    counters = {name: (m.fp8_weight_quantizations,) for name, m in model.named_modules()
+    counters = {name: m.fp8_weight_quantizations for name, m in model.named_modules()
                 if hasattr(m, "fp8_weight_quantizations")}
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     start = time.perf_counter()
@@ -90,7 +90,7 @@ def warm_up(model: nn.Module, run_micro_batch) -> float:
                 b.copy_(buffers[name])
     for name, m in model.named_modules():
         if name in counters:
-            m.fp8_weight_quantizations = counters[name][0]
+            m.fp8_weight_quantizations = counters[name]
         if hasattr(m, "invalidate_fp8_weight_cache"):
             m.invalidate_fp8_weight_cache()
     for p in model.parameters():
