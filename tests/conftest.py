@@ -50,6 +50,23 @@ def tiny_argv(*switches: str, **overrides) -> list[str]:
     return argv + list(switches)
 
 
+def assert_resume_is_exact(tmp_path, switches: tuple, stop: int, **common):
+    """Train straight through; train again saving at iteration `stop` (`--exit-interval`), then resume in a new
+    run: the losses after `stop` and the final weights equal the straight run's bit for bit. Returns both runs."""
+    import torch
+
+    from megatron.arguments import parse_config
+    from megatron.training.loop import pretrain
+
+    straight = pretrain(parse_config(tiny_argv(*switches, **common)))
+    pretrain(parse_config(tiny_argv(*switches, save=tmp_path / "c", exit_interval=stop, **common)))
+    resumed = pretrain(parse_config(tiny_argv(*switches, load=tmp_path / "c", **common)))
+    assert straight.losses[stop:] == resumed.losses
+    for (k, a), (_, b) in zip(straight.model.state_dict().items(), resumed.model.state_dict().items()):
+        assert torch.equal(a, b), k
+    return straight, resumed
+
+
 @pytest.fixture(autouse=True)
 def _single_process_env(monkeypatch):
     """Tests run as one process unless they spawn workers themselves."""

@@ -27,7 +27,7 @@ from megatron.fp8.formats import format_spec
 from megatron.fp8.quantize import Tile, compute_scale, dequantize_tiles, from_e8m0, quantize_tiles, to_e8m0
 from megatron.fp8.stats import sqnr_db
 from megatron.training.loop import pretrain
-from tests.conftest import tiny_argv
+from tests.conftest import assert_resume_is_exact, tiny_argv
 from tests.run_noise import NOISE_FACTOR
 from tests.test_tensor_parallel import _errors, _free_port, _train_side_by_side
 
@@ -293,13 +293,7 @@ def test_cli_resume_is_exact(tmp_path, scaling):
     """Save at iteration 4 and resume: the same losses and weights bit for bit as the uninterrupted run (the
     FP8 state of a current-scaling recipe saves and loads through the checkpoint)."""
     fp8 = ("--bf16", "--fp8-format", "hybrid", "--fp8-recipe", scaling)
-    common = dict(train_iters=8, eval_interval=4, hidden_dropout=0.1)
-    straight = pretrain(parse_config(tiny_argv(*fp8, **common)))
-    pretrain(parse_config(tiny_argv(*fp8, save=tmp_path / "c", exit_interval=4, **common)))
-    resumed = pretrain(parse_config(tiny_argv(*fp8, load=tmp_path / "c", **common)))
-    assert straight.losses[4:] == resumed.losses
-    for (k, a), (_, b) in zip(straight.model.state_dict().items(), resumed.model.state_dict().items()):
-        assert torch.equal(a, b), k
+    assert_resume_is_exact(tmp_path, fp8, 4, train_iters=8, eval_interval=4, hidden_dropout=0.1)
 
 
 def test_each_recipe_trains_and_tracks_bf16():

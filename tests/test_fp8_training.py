@@ -6,7 +6,7 @@ from torch import nn
 from megatron.arguments import parse_config
 from megatron.fp8 import Fp8Linear
 from megatron.training.loop import pretrain
-from tests.conftest import tiny_argv
+from tests.conftest import assert_resume_is_exact, tiny_argv
 
 FP8 = ("--fp8-format", "hybrid", "--fp8-amax-history-len", "4", "--fp8-amax-compute-algo", "max")
 
@@ -93,13 +93,7 @@ def test_only_block_linears_are_fp8():
 
 
 def test_fp8_exact_resume(tmp_path):
-    common = dict(train_iters=8, eval_interval=4, hidden_dropout=0.1)
-    straight = pretrain(parse_config(tiny_argv("--bf16", *FP8, **common)))
-    pretrain(parse_config(tiny_argv("--bf16", *FP8, save=tmp_path / "c", exit_interval=4, **common)))
-    resumed = pretrain(parse_config(tiny_argv("--bf16", *FP8, load=tmp_path / "c", **common)))
-    assert straight.losses[4:] == resumed.losses
-    for (k, a), (_, b) in zip(straight.model.state_dict().items(), resumed.model.state_dict().items()):
-        assert torch.equal(a, b), k
+    assert_resume_is_exact(tmp_path, ("--bf16", *FP8), 4, train_iters=8, eval_interval=4, hidden_dropout=0.1)
 
 
 def test_checkpoint_from_another_recipe_says_what_differs(tmp_path):

@@ -8,7 +8,7 @@ from megatron.model import GPTModel
 from megatron.optimizer import build_optimizer
 from megatron.optimizer.fp8_adam import Fp8AdamW
 from megatron.training.loop import pretrain
-from tests.conftest import tiny_argv
+from tests.conftest import assert_resume_is_exact, tiny_argv
 
 
 def test_no_weight_decay_on_norms_and_biases():
@@ -39,10 +39,4 @@ def test_fp8adam_trains_like_adamw_and_stores_one_byte_moments():
 
 
 def test_fp8adam_exact_resume(tmp_path):
-    common = dict(train_iters=8, eval_iters=0)
-    straight = pretrain(parse_config(tiny_argv("--fp8-optimizer", **common)))
-    pretrain(parse_config(tiny_argv("--fp8-optimizer", save=tmp_path / "c", exit_interval=4, **common)))
-    resumed = pretrain(parse_config(tiny_argv("--fp8-optimizer", load=tmp_path / "c", **common)))
-    assert straight.losses[4:] == resumed.losses
-    for (k, a), (_, b) in zip(straight.model.state_dict().items(), resumed.model.state_dict().items()):
-        assert torch.equal(a, b), k
+    assert_resume_is_exact(tmp_path, ("--fp8-optimizer",), 4, train_iters=8, eval_iters=0)

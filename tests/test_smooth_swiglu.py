@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from conftest import load_tool, tiny_argv
+from conftest import assert_resume_is_exact, load_tool, tiny_argv
 from megatron.arguments import parse_config
 from megatron.config import ModelConfig, SmoothSwiGLUGranularity as G
 from megatron.fp8 import Fp8Linear, Fp8Recipe, Fp8Scaling
@@ -238,14 +238,7 @@ def test_smooth_swiglu_trains_like_bf16():
 
 
 def test_smooth_swiglu_resumes_exactly(tmp_path):
-    args = (*FP8, "--smooth-swiglu")
-    common = dict(train_iters=4, eval_interval=2, eval_iters=1)
-    straight = pretrain(parse_config(tiny_argv(*args, **common)))
-    pretrain(parse_config(tiny_argv(*args, save=tmp_path / "c", exit_interval=2, **common)))
-    resumed = pretrain(parse_config(tiny_argv(*args, load=tmp_path / "c", **common)))
-    assert straight.losses[2:] == resumed.losses
-    for (k, a), (_, b) in zip(straight.model.state_dict().items(), resumed.model.state_dict().items()):
-        assert torch.equal(a, b), k
+    assert_resume_is_exact(tmp_path, (*FP8, "--smooth-swiglu"), 2, train_iters=4, eval_interval=2, eval_iters=1)
 
 
 def test_fp8_mlp_fc2_bf16_trains_and_smoothing_becomes_a_no_op(capfd):
