@@ -23,6 +23,7 @@ from megatron.compat import (
     parse_collecting_problems, resolve_compat,
 )
 from megatron.fp8.recipe import AmaxComputeAlgo, Fp8Backend, Fp8Format, Fp8Recipe, Fp8Scaling
+from megatron.model.compile import check_torch_compile_supported
 from megatron.parallel_state import world_size_from_env
 
 
@@ -513,7 +514,7 @@ def _resolve(a: argparse.Namespace, world_size: Optional[int], recipe: list) -> 
     model = _model_config(a, _padded_vocab_size(a, data))
     _tensor_parallel_checks(a, model)
     _pipeline_parallel_checks(a, model)
-    return MegatronConfig(
+    config = MegatronConfig(
         model=model,
         optimizer=OptimizerConfig(
             optimizer=a.optimizer, lr=a.lr, weight_decay=a.weight_decay, adam_beta1=a.adam_beta1,
@@ -550,3 +551,6 @@ def _resolve(a: argparse.Namespace, world_size: Optional[int], recipe: list) -> 
             max_weight=a.divergence_max_weight),
         compat=compat,
     )
+    if config.training.torch_compile == "on":  # refused here, before any process group or model is built
+        check_torch_compile_supported(config)
+    return config

@@ -94,6 +94,22 @@ def test_unsupported_combinations_are_refused(pp, deepspeed, zero, needle) -> No
         check_torch_compile_supported(config)
 
 
+def test_on_is_refused_at_parse_time_and_auto_falls_back_with_a_log_line(caplog) -> None:
+    """`on` + pipeline parallelism fails in parse_config (before any process group); `auto` on a device where
+    it would compile turns itself off and says why."""
+    from megatron.model.compile import apply_torch_compile
+
+    argv = tiny_argv("--pipeline-model-parallel-size", "2", "--deepspeed", "--torch-compile", "on")
+    with pytest.raises(ValueError, match=re.escape("--torch-compile on is not supported with "
+                                                   "--pipeline-model-parallel-size > 1")):
+        parse_config(argv, world_size=2)
+    argv = tiny_argv("--pipeline-model-parallel-size", "2", "--deepspeed", "--torch-compile", "auto")
+    config = parse_config(argv, world_size=2)
+    with caplog.at_level(logging.INFO, logger="megatron"):
+        assert apply_torch_compile(config, torch.nn.Linear(2, 2), torch.device("cuda")) is False
+    assert any("auto -> off with --pipeline-model-parallel-size > 1" in r.getMessage() for r in caplog.records)
+
+
 def test_cli_refuses_a_bad_value_in_one_line() -> None:
     out = subprocess.run([sys.executable, "pretrain_gpt.py", *tiny_argv("--torch-compile", "maybe")], cwd=REPO,
                          capture_output=True, text=True, timeout=120)

@@ -17,14 +17,15 @@ weight caches, gradients), and logs the time in one line. A later recompilation 
 gradients: one more graph per block) is counted where it happens.
 
 The default (`auto`) and why: docs/performance.md ("--torch-compile"). Composes with tensor parallelism,
-activation recompute (selective and full) and the plain and DeepSpeed ZeRO 0-2 engines; pipeline parallelism
-and ZeRO-3 (which swaps parameters in and out around each block's forward) are refused with an error.
+activation recompute (selective and full) and the plain and DeepSpeed ZeRO 0-2 engines. Pipeline
+parallelism and ZeRO-3 (which swaps parameters in and out around each block's forward) are refused by
+parse_config under `on`; under `auto` they turn compilation off with a log line saying why.
 """
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -43,15 +44,21 @@ def resolve_torch_compile(mode: str, device_type: str) -> bool:
     return mode == "on"
 
 
-def check_torch_compile_supported(config: Any) -> None:
-    """ValueError for the combinations `--torch-compile on` does not support."""
+def unsupported_reason(config: Any) -> Optional[str]:
+    """Why block compilation cannot run with this configuration, or None."""
     parallel = config.parallel
     if parallel.pipeline_model_parallel_size > 1:
-        raise ValueError("--torch-compile on is not supported with --pipeline-model-parallel-size > 1 (DeepSpeed's "
-                         "pipeline engine runs the layers itself); use --torch-compile off")
+        return "--pipeline-model-parallel-size > 1 (DeepSpeed's pipeline engine runs the layers itself)"
     if parallel.deepspeed and parallel.zero_stage == 3:
-        raise ValueError("--torch-compile on is not supported with --zero-stage 3 (ZeRO-3 gathers parameters "
-                         "around each block's forward); use --zero-stage 0, 1 or 2, or --torch-compile off")
+        return "--zero-stage 3 (ZeRO-3 gathers parameters around each block's forward; use 0, 1 or 2)"
+    return None
+
+
+def check_torch_compile_supported(config: Any) -> None:
+    """ValueError for the combinations `--torch-compile on` does not support (parse_config calls it)."""
+    reason = unsupported_reason(config)
+    if reason is not None:
+        raise ValueError(f"--torch-compile on is not supported with {reason}; use --torch-compile off or auto")
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
@@ -101,9 +108,15 @@ def warm_up(model: nn.Module, run_micro_batch) -> float:
 def apply_torch_compile(config: Any, model: nn.Module, device: torch.device) -> bool:
     """The `--torch-compile` step of building a training run: compile the blocks and warm them up on one
     synthetic micro-batch of the training shape (logged, excluded from tokens/s). False when off."""
-    if not resolve_torch_compile(config.training.torch_compile, device.type):
+    mode = config.training.torch_compile
+    if not resolve_torch_compile(mode, device.type):
         return False
-    check_torch_compile_supported(config)
+    reason = unsupported_reason(config)
+    if reason is not None:
+        if mode == "on":  # parse_config refuses this already; a config built another way gets the same error
+            check_torch_compile_supported(config)
+        logger.info("> torch.compile: --torch-compile auto -> off with %s", reason)
+        return False
     n = compile_blocks(model)
     from megatron.data.provider import make_batch
 
