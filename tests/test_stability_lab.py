@@ -169,3 +169,67 @@ def test_recipes_dry_run_uses_the_demo_run_and_no_bf16_skips_bf16(tmp_path, caps
     assert stability_lab.main(argv + ["--no-bf16"]) == 0
     lines = [ln for ln in capsys.readouterr().out.splitlines() if "pretrain_gpt.py" in ln]
     assert len(lines) == 2 and all("--fp8-recipe" in ln for ln in lines)
+
+
+def test_jobs_run_every_chain_in_order_and_reraise():
+    seen: list[str] = []
+    chains = [lambda k=k: [seen.append(f"{k}{i}") for i in range(3)] for k in "abcd"]
+    presets.run_chains(chains, jobs=2)
+    assert sorted(seen) == sorted(f"{k}{i}" for k in "abcd" for i in range(3))
+    for k in "abcd":  # each chain's runs stay in order (a resume needs its base run)
+        assert [x for x in seen if x[0] == k] == [f"{k}0", f"{k}1", f"{k}2"]
+
+    def boom() -> None:
+        raise RuntimeError("chain failed")
+    with pytest.raises(RuntimeError, match="chain failed"):
+        presets.run_chains([chains[0], boom], jobs=2)
+
+
+@pytest.mark.parametrize("preset", ["inject", "ablation"])
+def test_jobs_and_torch_compile_change_no_command(preset, tmp_path, capsys):
+    """--jobs runs the same commands (recorded in the same order); --torch-compile reaches every run."""
+    argv = ["--preset", preset, "--seeds", "1,2", "--inject-c", "8,64", "--iters", "20", "--dry-run"]
+    recorded = []
+    for jobs in (1, 2):
+        out = tmp_path / f"j{jobs}"
+        assert stability_lab.main([*argv, "--jobs", str(jobs), "--output-dir", str(out)]) == 0
+        summary = json.loads((out / "summary.json").read_text())
+        recorded.append([c["command"].replace(str(out), "OUT") for c in summary["commands"]])
+    assert recorded[0] == recorded[1] and len(recorded[0]) >= 10
+    assert all("--torch-compile auto" in c for c in recorded[0])  # the CLI's default, stated in every command
+    capsys.readouterr()
+    assert stability_lab.main([*argv, "--torch-compile", "on", "--output-dir", str(tmp_path / "on")]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "pretrain_gpt.py" in ln]
+    assert lines and all("--torch-compile on" in ln for ln in lines)
+    assert stability_lab.main([*argv, "--jobs", "0", "--output-dir", str(tmp_path / "bad")]) == 2
+    assert "--jobs must be >= 1" in capsys.readouterr().err
+
+
+def _fake_demo_summary(losses: dict[tuple[str, int], tuple[float, float]], iters: int = 200) -> dict:
+    runs = {f"{c}_s{s}": {"config": c, "seed": s, "summary": {"final_valid_loss": v, "test_loss": t}}
+            for (c, s), (v, t) in losses.items()}
+    return {"preset": "ablation", "iters": iters, "runs": runs, "table": presets.simple_table(runs)}
+
+
+def test_report_merges_split_invocations_and_pairs_by_seed(tmp_path, capsys):
+    a = _fake_demo_summary({("bf16", 1): (5.0, 5.5), ("bf16", 2): (5.2, 5.6), ("fp8", 1): (5.1, 5.4),
+                            ("fp8", 2): (5.25, 5.7)})
+    b = _fake_demo_summary({("bf16", 3): (4.9, 5.3), ("fp8", 3): (4.85, 5.35)})
+    paths = [tmp_path / "a.json", tmp_path / "b.json"]
+    for path, summary in zip(paths, (a, b)):
+        path.write_text(json.dumps(summary))
+    assert stability_lab.main(["--report", *map(str, paths)]) == 0
+    text = capsys.readouterr().out
+    bf16 = torch.tensor([5.0, 5.2, 4.9], dtype=torch.float64)
+    fp8 = torch.tensor([5.1, 5.25, 4.85], dtype=torch.float64)
+    diff = fp8 - bf16  # +0.1, +0.05, -0.05: paired by seed (same initialisation and tokens)
+    assert f"| bf16 | {bf16.mean():.4f} +- {bf16.std():.4f} (n=3) |" in text
+    assert f"{diff.mean():.4f} +- {diff.std():.4f} (n=3)" in text
+    test_diff = torch.tensor([5.4 - 5.5, 5.7 - 5.6, 5.35 - 5.3], dtype=torch.float64)
+    assert f"{test_diff.mean():.4f} +- {test_diff.std():.4f} (n=3) |" in text
+    # The same run in two summaries, or summaries of different lengths, do not merge: one line each.
+    for other in (a, _fake_demo_summary({("bf16", 3): (4.9, 5.3)}, iters=400)):
+        paths[1].write_text(json.dumps(other))
+        assert stability_lab.main(["--report", *map(str, paths)]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and "--report" in err and "Traceback" not in err

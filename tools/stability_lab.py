@@ -73,11 +73,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-bf16", action="store_true",
                    help="recipes/ablation: skip the BF16 runs (they ran into another --output-dir, e.g. in parallel)")
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each run")
+    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
+                   help="runs at a time (default: 2, or 1 on a 1-core machine); each run is its own process with "
+                        "--threads threads, so --jobs changes wall time only, never a result")
+    p.add_argument("--torch-compile", choices=["auto", "on", "off"], default="auto",
+                   help="passed to every run (pretrain_gpt.py's flag; auto = off on CPU). Compiling changes "
+                        "fp32 summation orders, not the recipe: compare runs made with the same setting")
     p.add_argument("--dry-run", action="store_true", help="print the commands only")
     p.add_argument("--reanalyze", action="store_true",
                    help="inject: recompute the figures of <output-dir>/summary.json from its run folders, run nothing")
-    p.add_argument("--report", default=None, metavar="SUMMARY_JSON",
-                   help="print the markdown tables of an earlier run's summary.json and exit")
+    p.add_argument("--report", nargs="+", default=None, metavar="SUMMARY_JSON",
+                   help="print the markdown tables of an earlier run's summary.json and exit; several summaries "
+                        "of one recipes/ablation preset (split invocations) are merged into one table")
     return p
 
 
@@ -89,7 +96,7 @@ def _check(args: argparse.Namespace) -> list[str]:
     if not args.seeds:
         raise ValueError("--seeds: give at least one seed, e.g. --seeds 1,2,3")
     for flag, value in (("--base-iters", args.base_iters), ("--resume-iters", args.resume_iters),
-                        ("--log-interval", args.log_interval), ("--threads", args.threads)):
+                        ("--log-interval", args.log_interval), ("--threads", args.threads), ("--jobs", args.jobs)):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
     if args.iters is not None and args.iters < 1:
@@ -102,20 +109,21 @@ def _check(args: argparse.Namespace) -> list[str]:
 def _inject(args, out: Path, data: Path, variants: list[str]) -> dict:
     if args.quick:
         setup = presets.TinySetup(lr=3e-3, log_interval=2, eval_iters=2, threads=args.threads,
+                                  torch_compile=args.torch_compile,
                                   fp8=Fp8Settings(amax_history_len=args.amax_history_len, margin=args.fp8_margin))
         result = presets.run_inject(out, data, setup, ["bf16", "fp8"], [args.seeds[0]], [args.inject_c[-1]],
                                     args.inject_channels, base_iters=8, resume_iters=8, controls=False,
-                                    dry_run=args.dry_run)
+                                    dry_run=args.dry_run, jobs=args.jobs)
     else:
         wd = (args.weight_decay or [0.1])
         if len(wd) != 1:
             raise ValueError("--weight-decay: the inject preset takes one value (the natural preset sweeps)")
         setup = presets.TinySetup(lr=args.lr or 3e-3, weight_decay=wd[0], log_interval=args.log_interval,
-                                  threads=args.threads,
+                                  threads=args.threads, torch_compile=args.torch_compile,
                                   fp8=Fp8Settings(amax_history_len=args.amax_history_len, margin=args.fp8_margin))
         result = presets.run_inject(out, data, setup, variants, args.seeds, args.inject_c, args.inject_channels,
                                     args.base_iters, args.resume_iters, fp8_controls=args.fp8_controls,
-                                    dry_run=args.dry_run)
+                                    dry_run=args.dry_run, jobs=args.jobs)
     if args.dry_run:
         return result
     result.update(_plots_inject(result, out))
@@ -148,7 +156,7 @@ def _plots_inject(result: dict, out: Path) -> dict:
 def _natural(args, out: Path, data: Path, variants: list[str]) -> dict:
     iters = args.iters or 300
     setups = {wd: presets.TinySetup(lr=args.lr or 1e-2, weight_decay=wd, log_interval=args.log_interval,
-                                    train_split="valid", threads=args.threads,
+                                    train_split="valid", threads=args.threads, torch_compile=args.torch_compile,
                                     fp8=Fp8Settings(amax_history_len=args.amax_history_len, margin=args.fp8_margin))
               for wd in (args.weight_decay or [0.0, 0.1, 1.0])}
     result: dict = {"preset": "natural", "iters": iters, "by_weight_decay": {}, "plots": []}
@@ -157,7 +165,8 @@ def _natural(args, out: Path, data: Path, variants: list[str]) -> dict:
         configs = {v: presets.variant_flags(v, setup.fp8) + ["--save-interval", str(max(1, iters // 10))]
                    for v in variants}
         res = presets.run_simple(sub, configs, {v: args.seeds for v in variants},
-                                 lambda seed, s=setup: s.flags(data, seed, iters), args.threads, args.dry_run)
+                                 lambda seed, s=setup: s.flags(data, seed, iters), args.threads, args.dry_run,
+                                 jobs=args.jobs)
         result["by_weight_decay"][f"{wd:g}"] = res
         if args.dry_run:
             continue
@@ -180,7 +189,8 @@ def _demo(args, out: Path, data: Path) -> dict:
     iters = args.iters or 400
     batch = ["--micro-batch-size", "16", "--global-batch-size", "32", "--train-iters", str(iters),
              "--lr-warmup-iters", str(max(1, iters // 20)), "--log-interval", str(max(1, iters // 10)),
-             "--eval-interval", str(max(1, iters // 5)), "--eval-iters", "8", "--no-divergence-guard"]
+             "--eval-interval", str(max(1, iters // 5)), "--eval-iters", "8", "--no-divergence-guard",
+             "--torch-compile", args.torch_compile]
     linears = ["--fp8-format", "hybrid", "--fp8-amax-history-len", "16", "--fp8-amax-compute-algo", "max"]
     if args.preset == "recipes":
         recipes = [r for r in args.recipes.split(",") if r]
@@ -198,7 +208,8 @@ def _demo(args, out: Path, data: Path) -> dict:
     if args.no_bf16:
         del configs["bf16"]
     result = presets.run_simple(out, configs, seeds, lambda seed: [
-        *demo.MODEL, *demo.OPTIM, *batch, *demo._data_flags(data), "--seed", str(seed)], args.threads, args.dry_run)
+        *demo.MODEL, *demo.OPTIM, *batch, *demo._data_flags(data), "--seed", str(seed)], args.threads, args.dry_run,
+        jobs=args.jobs)
     bf16 = result["table"].get("bf16", {}).get("final_valid_loss", {"mean": None, "std": None})
     for name, row in result["table"].items():  # gap to BF16's mean, and BF16's own spread as the yardstick
         m = row["final_valid_loss"]["mean"]
@@ -207,15 +218,26 @@ def _demo(args, out: Path, data: Path) -> dict:
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    if args.report:
-        path = Path(args.report)
+def _report(paths: list[str]) -> int:
+    summaries = []
+    for path in map(Path, paths):
         if not path.is_file():
             print(f"stability_lab: error: --report {path}: no such file (pass a lab summary.json)", file=sys.stderr)
             return 2
-        print(report.markdown(json.loads(path.read_text())))
-        return 0
+        summaries.append(json.loads(path.read_text()))
+    try:
+        summary = summaries[0] if len(summaries) == 1 else report.merge(summaries, paths)
+    except ValueError as exc:
+        print(f"stability_lab: error: {exc}", file=sys.stderr)
+        return 2
+    print(report.markdown(summary))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.report:
+        return _report(args.report)
     try:
         variants = _check(args)
         preset = "quick" if args.quick else args.preset

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -34,6 +35,7 @@ class TinySetup:
     eval_iters: int = 4
     train_split: str = "train"
     threads: int = 1
+    torch_compile: str = "auto"
     fp8: Fp8Settings = field(default_factory=Fp8Settings)
 
     def flags(self, data_dir: Path, seed: int, total_iters: int) -> list[str]:
@@ -45,9 +47,23 @@ class TinySetup:
                 "--micro-batch-size", str(self.micro_batch), "--global-batch-size", str(self.micro_batch),
                 "--train-iters", str(total_iters), "--log-interval", str(self.log_interval),
                 "--eval-interval", str(total_iters), "--eval-iters", str(self.eval_iters), "--seed", str(seed),
-                "--no-divergence-guard",
+                "--no-divergence-guard", "--torch-compile", self.torch_compile,
                 *data_flags(data_dir, train=self.train_split, valid="valid" if self.train_split != "valid" else "test",
                             test=None)]
+
+
+def run_chains(chains: Sequence[Callable[[], None]], jobs: int) -> None:
+    """Run independent chains of runs, `jobs` at a time (each chain's runs stay in order).
+
+    Every run is its own `pretrain_gpt.py` process with a fixed OMP_NUM_THREADS, so running two at once changes
+    wall time only, never a result: the lab's figures are the same for any `jobs`."""
+    if jobs <= 1 or len(chains) <= 1:
+        for chain in chains:
+            chain()
+        return
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        for future in [pool.submit(chain) for chain in chains]:
+            future.result()  # re-raises a chain's exception here
 
 
 def _alignment_lists(ckpt: Path, iteration: int) -> list[list[float]]:
@@ -119,7 +135,7 @@ def reanalyze_inject(summary: dict, out: Path, topk: int = 4) -> dict:
 def run_inject(out: Path, data_dir: Path, setup: TinySetup, variants: Sequence[str], seeds: Sequence[int],
                cs: Sequence[float], channels: int, base_iters: int, resume_iters: int, topk: int = 4,
                controls: bool = True, fp8_controls: bool = True, dry_run: bool = False,
-               log: Callable[[str], None] = print) -> dict:
+               log: Callable[[str], None] = print, jobs: int = 1) -> dict:
     total = base_iters + resume_iters
     records: list[RunRecord] = []
     runs: dict = {}
@@ -165,29 +181,38 @@ def run_inject(out: Path, data_dir: Path, setup: TinySetup, variants: Sequence[s
         tag = "control" if c is None else f"c{c:g}"
         return [runs.get(f"{variant}_{tag}_s{s}", {}).get("summary", {}).get("final_valid_loss") for s in seeds]
 
-    for seed in seeds:
-        if controls:
-            one("bf16", seed, None)
-        for c in cs:
-            one("bf16", seed, c)
-    # Without controls (the quick preset) nothing is judged: c* is then simply the largest c.
-    verdicts = {f"{c:g}": bf16_holds(finals("bf16", None), finals("bf16", c)) if controls else {"holds": None}
-                for c in cs}
-    held = [c for c in cs if verdicts[f"{c:g}"]["holds"]]
-    unjudged = all(v["holds"] is None for v in verdicts.values())
-    c_star = max(held) if held else (max(cs) if unjudged else None)
-    if dry_run:  # nothing ran, nothing judged: show the FP8 commands at the largest c
+    def chain(variant: str, seed: int, tags: Sequence[Optional[float]]) -> Callable[[], None]:
+        return lambda: [one(variant, seed, c) for c in tags]
+
+    def fp8_chains(c_star: Optional[float]) -> list[Callable[[], None]]:
+        tags = ([None] if controls and fp8_controls else []) + ([c_star] if c_star is not None else [])
+        return [chain(v, s, tags) for v in variants if v != "bf16" for s in seeds]
+
+    bf16 = [chain("bf16", s, ([None] if controls else []) + list(cs)) for s in seeds] if "bf16" in variants else []
+    if not controls:
+        # Nothing to judge (the quick preset): c* is simply the largest c, known now, so every chain runs at once.
+        run_chains(bf16 + fp8_chains(max(cs)), jobs)
+        verdicts = {f"{c:g}": {"holds": None} for c in cs}
         c_star, unjudged = max(cs), True
+    else:
+        run_chains(bf16, jobs)
+        verdicts = {f"{c:g}": bf16_holds(finals("bf16", None), finals("bf16", c)) for c in cs}
+        held = [c for c in cs if verdicts[f"{c:g}"]["holds"]]
+        unjudged = all(v["holds"] is None for v in verdicts.values())  # one seed: no spread to judge by
+        c_star = max(held) if held else (max(cs) if unjudged else None)
+        if dry_run:  # nothing ran, nothing judged: show the FP8 commands at the largest c
+            c_star, unjudged = max(cs), True
+        run_chains(fp8_chains(c_star), jobs)
     log(f"[lab] BF16 verdicts per c: { {c: v['holds'] for c, v in verdicts.items()} }; c* = {c_star}")
-    for variant in variants:
-        if variant == "bf16":
-            continue
-        for seed in seeds:
-            if controls and fp8_controls:
-                one(variant, seed, None)
-            if c_star is not None:
-                one(variant, seed, c_star)
+    return _inject_result(runs, records, variants, seeds, cs, c_star, unjudged, verdicts, base_iters, resume_iters,
+                          channels, setup)
+
+
+def _inject_result(runs: dict, records: list[RunRecord], variants: Sequence[str], seeds: Sequence[int],
+                   cs: Sequence[float], c_star: Optional[float], unjudged: bool, verdicts: dict, base_iters: int,
+                   resume_iters: int, channels: int, setup: TinySetup) -> dict:
     table = inject_table(runs, variants, seeds, cs, c_star)
+    records = sorted(records, key=lambda r: r.name)  # chains finish in any order when they run in parallel
     return {"preset": "inject", "base_iters": base_iters, "resume_iters": resume_iters, "channels": channels,
             "c_values": list(cs), "c_star": c_star, "c_star_unjudged": unjudged, "bf16_verdicts": verdicts,
             "seeds": list(seeds), "variants": list(variants), "table": table, "runs": runs,
@@ -196,32 +221,46 @@ def run_inject(out: Path, data_dir: Path, setup: TinySetup, variants: Sequence[s
 
 def run_simple(out: Path, configs: dict[str, list[str]], seeds_of: dict[str, Sequence[int]],
                base_flags: Callable[[int], list[str]], threads: int, dry_run: bool = False,
-               start_step: int = 0) -> dict:
+               start_step: int = 0, jobs: int = 1) -> dict:
     """One ordinary run per (config, seed): the `natural`, `recipes` and `ablation` presets."""
-    records, runs, table = [], {}, {}
-    for name, extra in configs.items():
-        sums = []
-        for seed in seeds_of[name]:
-            run = out / "runs" / f"{name}_s{seed}"
-            rec = run_pretrain(f"{name} seed {seed}", base_flags(seed) + extra + [
-                "--tensorboard-dir", str(run / "tb"), "--save", str(run / "ckpt")], run, threads, dry_run)
-            records.append(rec)
-            entry: dict = {"config": name, "seed": seed, "returncode": rec.returncode, "wall_s": rec.wall_s}
-            if not dry_run and (run / "tb").is_dir():
-                scalars = analysis.merged_scalars([run / "tb"])
-                entry["summary"] = analysis.run_summary(scalars, run / "train.log", start_step=start_step)
-                entry["per_layer"] = analysis.per_layer(scalars)
-                entry["loss"] = analysis.loss_series(scalars)
-                saved = _saved_iterations(run / "ckpt")
-                if saved:  # first and last checkpoint: the alignment histograms "start" and "end"
-                    entry["start_alignment"] = _alignment_lists(run / "ckpt", saved[0])
-                    entry["end_alignment"] = _alignment_lists(run / "ckpt", saved[-1])
-                    entry["alignment_iterations"] = [saved[0], saved[-1]]
-            runs[f"{name}_s{seed}"] = entry
-            sums.append(entry.get("summary", {}))
-        table[name] = {k: analysis.seed_stats([s.get(k) for s in sums])
-                       for k in ("final_valid_loss", "test_loss", "final_train_loss", "max_fp8_clipped_frac")}
-    return {"table": table, "runs": runs, "commands": [r.to_dict() for r in records]}
+    records: list[RunRecord] = []
+    runs: dict = {}
+
+    def one(name: str, seed: int) -> None:
+        run = out / "runs" / f"{name}_s{seed}"
+        if not dry_run:
+            shutil.rmtree(run, ignore_errors=True)  # stale event files of an earlier attempt would mix in
+        rec = run_pretrain(f"{name} seed {seed}", base_flags(seed) + configs[name] + [
+            "--tensorboard-dir", str(run / "tb"), "--save", str(run / "ckpt")], run, threads, dry_run)
+        records.append(rec)
+        entry: dict = {"config": name, "seed": seed, "returncode": rec.returncode, "wall_s": rec.wall_s}
+        if not dry_run and (run / "tb").is_dir():
+            scalars = analysis.merged_scalars([run / "tb"])
+            entry["summary"] = analysis.run_summary(scalars, run / "train.log", start_step=start_step)
+            entry["per_layer"] = analysis.per_layer(scalars)
+            entry["loss"] = analysis.loss_series(scalars)
+            saved = _saved_iterations(run / "ckpt")
+            if saved:  # first and last checkpoint: the alignment histograms "start" and "end"
+                entry["start_alignment"] = _alignment_lists(run / "ckpt", saved[0])
+                entry["end_alignment"] = _alignment_lists(run / "ckpt", saved[-1])
+                entry["alignment_iterations"] = [saved[0], saved[-1]]
+        runs[f"{name}_s{seed}"] = entry
+
+    run_chains([lambda n=name, s=seed: one(n, s) for name in configs for seed in seeds_of[name]], jobs)
+    order = [f"{name}_s{seed}" for name in configs for seed in seeds_of[name]]
+    runs = {key: runs[key] for key in order}  # the configs' order, whichever run finished first
+    records.sort(key=lambda r: order.index(Path(r.run_dir).name))
+    return {"table": simple_table(runs), "runs": runs, "commands": [r.to_dict() for r in records]}
+
+
+def simple_table(runs: dict) -> dict:
+    """Seed statistics per config of `run_simple`'s runs (also used to merge summaries of split invocations)."""
+    by_config: dict[str, list[dict]] = {}
+    for entry in runs.values():
+        by_config.setdefault(entry["config"], []).append(entry.get("summary", {}))
+    return {name: {k: analysis.seed_stats([s.get(k) for s in sums])
+                   for k in ("final_valid_loss", "test_loss", "final_train_loss", "max_fp8_clipped_frac")}
+            for name, sums in by_config.items()}
 
 
 def write_json(path: Path, data: dict) -> None:

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from typing import Optional
 
+from megatron.stability.analysis import seed_stats
+from megatron.stability.presets import simple_table
+
 
 def _pm(stat: Optional[dict], digits: int = 4) -> str:
     if not stat or stat.get("mean") is None:
@@ -56,15 +59,57 @@ def inject_tables(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def _paired(summary: dict, name: str, key: str) -> Optional[dict]:
+    """Seed statistics of (config - BF16) over the seeds both ran: same initialisation and tokens per pair."""
+    runs = summary["runs"]
+    diffs = []
+    for entry in runs.values():
+        if entry["config"] != name:
+            continue
+        ref = runs.get(f"bf16_s{entry['seed']}", {}).get("summary", {}).get(key)
+        val = entry.get("summary", {}).get(key)
+        if ref is not None and val is not None:
+            diffs.append(val - ref)
+    return seed_stats(diffs) if diffs else None
+
+
 def simple_tables(summary: dict) -> str:
     ref = summary["table"].get("bf16", {}).get("final_valid_loss", {}).get("mean")
-    lines = ["| run | final valid loss | gap to BF16 mean | test loss | max FP8 clipped frac |", "|---" * 5 + "|"]
+    paired = "runs" in summary and any(e.get("config") == "bf16" for e in summary["runs"].values())
+    head = "| run | final valid loss | gap to BF16 mean | test loss | max FP8 clipped frac |"
+    if paired:
+        head += " valid gap paired by seed | test gap paired by seed |"
+    lines = [head, "|---" * (7 if paired else 5) + "|"]
     for name, row in summary["table"].items():
         m = row["final_valid_loss"].get("mean")
         gap = "-" if m is None or ref is None or name == "bf16" else f"{m - ref:+.4f}"
-        lines.append(f"| {name} | {_pm(row['final_valid_loss'])} | {gap} | {_pm(row['test_loss'])} | "
-                     f"{_pm(row['max_fp8_clipped_frac'], 5)} |")
+        line = (f"| {name} | {_pm(row['final_valid_loss'])} | {gap} | {_pm(row['test_loss'])} | "
+                f"{_pm(row['max_fp8_clipped_frac'], 5)} |")
+        if paired:
+            cells = ["-" if name == "bf16" else _pm(_paired(summary, name, k)) for k in ("final_valid_loss",
+                                                                                       "test_loss")]
+            line += f" {cells[0]} | {cells[1]} |"
+        lines.append(line)
     return "\n".join(lines)
+
+
+def merge(summaries: list[dict], names: list[str]) -> dict:
+    """One summary from split invocations of the recipes/ablation presets (e.g. seeds run in parallel).
+
+    They must be the same preset at the same length; a run (config, seed) may appear in one of them only."""
+    presets = {s.get("preset") for s in summaries}
+    iters = {s.get("iters") for s in summaries}
+    if len(presets) != 1 or len(iters) != 1 or "runs" not in summaries[0] or "by_weight_decay" in summaries[0]:
+        raise ValueError(f"--report {' '.join(names)}: only summaries of one recipes/ablation preset at one --iters "
+                         f"merge (got presets {sorted(map(str, presets))}, iters {sorted(map(str, iters))})")
+    runs: dict = {}
+    for summary, name in zip(summaries, names):
+        for key, entry in summary["runs"].items():
+            if key in runs:
+                raise ValueError(f"--report: run {key} appears in more than one summary (again in {name})")
+            runs[key] = entry
+    return {"preset": presets.pop(), "iters": iters.pop(), "runs": runs, "table": simple_table(runs),
+            "merged_from": names}
 
 
 def markdown(summary: dict) -> str:
