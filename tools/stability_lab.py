@@ -271,8 +271,16 @@ def main(argv: list[str] | None = None) -> int:
     else:
         result["wall_s"] = time.time() - start
         result["argv"] = argv_used
+    if not args.reanalyze:
+        # Each run's own CPU seconds (wait4): CPU-s / jobs is the preset's wall time on an idle machine with
+        # --jobs free cores, whatever else ran beside it.
+        commands = result.get("commands", []) + [c for sub in result.get("by_weight_decay", {}).values()
+                                                   for c in sub.get("commands", [])]
+        cpu = [c["cpu_s"] for c in commands if c.get("cpu_s") == c.get("cpu_s")]  # NaN: a reused base run
+        result["cpu_s"] = sum(cpu)
     presets.write_json(out / "summary.json", result)
-    print(f"[lab] {preset} done in {time.time() - start:.0f} s: {out / 'summary.json'}")
+    print(f"[lab] {preset} done in {time.time() - start:.0f} s ({result.get('cpu_s', 0.0):.0f} CPU-s in its runs): "
+          f"{out / 'summary.json'}")
     return 0
 
 

@@ -87,6 +87,7 @@ class RunRecord:
     returncode: int
     wall_s: float
     run_dir: str
+    cpu_s: float = float("nan")  # user + system CPU seconds of the run's process: its cost on an idle machine
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -115,8 +116,11 @@ def run_pretrain(name: str, flags: Sequence[str], run_dir: Path, threads: int = 
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
     start = time.time()
     with open(run_dir / "train.log", "w") as log:
-        rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
-    record = RunRecord(name, text, rc, time.time() - start, str(run_dir))
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        # wait4 reports this child's own CPU time (exact also when other runs go on in parallel, --jobs).
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = rc = os.waitstatus_to_exitcode(status)
+    record = RunRecord(name, text, rc, time.time() - start, str(run_dir), usage.ru_utime + usage.ru_stime)
     if echo:
-        print(f"[lab] {name}: exit {rc} after {record.wall_s:.1f} s", flush=True)
+        print(f"[lab] {name}: exit {rc} after {record.wall_s:.1f} s ({record.cpu_s:.1f} CPU-s)", flush=True)
     return record
