@@ -318,7 +318,7 @@ def test_compiled_matches_eager(block_size):
             b.grad = a.grad.clone()
         eager.step()
         compiled.step()
-    if compiled._kernel is compiled._eager_kernel:
+    if compiled.runs_eager:
         pytest.skip("torch.compile is unavailable here (Fp8AdamW fell back to eager)")
     diff = torch.cat([(a - b).abs().flatten() for a, b in zip(model_a.parameters(), model_b.parameters())])
     change = torch.cat([(a - i).abs().flatten() for a, i in zip(model_a.parameters(), init)])

@@ -194,7 +194,7 @@ def test_compile_failure_warns_once_and_falls_back(fused_on, caplog) -> None:
             return x * 2
         return x
 
-    wrapped = fused._Compiled(data_dependent)
+    wrapped = fused.CompiledOrEager(data_dependent, enabled=fused.fused_enabled)
     x = torch.ones(4)
     with caplog.at_level(logging.WARNING, logger="megatron.fp8.fused"):
         assert torch.equal(wrapped(x), x * 2)

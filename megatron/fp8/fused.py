@@ -46,17 +46,21 @@ def fused_enabled() -> bool:
     return _ENABLED
 
 
-class _Compiled:
-    """`fn` compiled on first use (`dynamic=False`, whole graph); `fn` itself when fusion is off or compiling
-    failed (warned once, then eager for the rest of the process)."""
+class CompiledOrEager:
+    """`fn` compiled on first use; `fn` itself while `enabled()` is false, or after compiling or running the
+    compiled code failed once (warned once, naming `what`; eager for the rest of the process). Compiler
+    failures surface on the first call, before the compiled code has written anything, so the eager call
+    that follows computes the same result. Shared by the fused quantization and Fp8AdamW's update."""
 
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        self.fn = fn
+    def __init__(self, fn: Callable[..., Any], what: str = "", *, dynamic: bool | None = False,
+                 fullgraph: bool = True, enabled: Callable[[], bool] = lambda: True) -> None:
+        self.fn, self.what, self.enabled = fn, what or fn.__name__, enabled
+        self.dynamic, self.fullgraph = dynamic, fullgraph
         self.compiled: Callable[..., Any] | None = None
         self.failed = False
 
     def __call__(self, *args: Any) -> Any:
-        if not _ENABLED or self.failed:
+        if self.failed or not self.enabled():
             return self.fn(*args)
         if self.compiled is None:
             import torch._dynamo
@@ -64,14 +68,19 @@ class _Compiled:
             for name in ("recompile_limit", "cache_size_limit"):  # renamed across torch versions
                 if hasattr(torch._dynamo.config, name):
                     setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), _RECOMPILE_LIMIT))
-            self.compiled = torch.compile(self.fn, dynamic=False, fullgraph=True)
+            self.compiled = torch.compile(self.fn, dynamic=self.dynamic, fullgraph=self.fullgraph)
         try:
             return self.compiled(*args)
         except Exception as exc:  # noqa: BLE001 - any compiler failure: the eager reference computes the same
             self.failed = True
-            logger.warning("fused FP8 quantization: torch.compile of %s failed (%s: %s); using the eager path",
-                           self.fn.__name__, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+            logger.warning("torch.compile of %s failed (%s: %s); using the eager path", self.what,
+                           type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
             return self.fn(*args)
+
+
+def _fused(fn: Callable[..., Any]) -> CompiledOrEager:
+    """A fused-quantization function: compiled while `set_fused(True)` (i.e. under --torch-compile)."""
+    return CompiledOrEager(fn, f"the fused FP8 quantization ({fn.__name__})", enabled=fused_enabled)
 
 
 def _quantize_tensor(x: torch.Tensor, previous: torch.Tensor, valid: torch.Tensor, delayed: bool, fp8_max: float,
@@ -103,10 +112,10 @@ def _upcast(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return q.to(dtype)
 
 
-_quantize_tensor_c = _Compiled(_quantize_tensor)
-_quantize_known_c = _Compiled(_quantize_known)
-_column_scaled_amax_c = _Compiled(_column_scaled_amax)
-_upcast_c = _Compiled(_upcast)
+_quantize_tensor_c = _fused(_quantize_tensor)
+_quantize_known_c = _fused(_quantize_known)
+_column_scaled_amax_c = _fused(_column_scaled_amax)
+_upcast_c = _fused(_upcast)
 
 
 def quantize_tensor(x: torch.Tensor, previous: torch.Tensor, valid: torch.Tensor, delayed: bool, fp8_max: float,
@@ -158,7 +167,7 @@ def _quantize_tiles(x: torch.Tensor, tile: Any, spec: Any, margin: int, pow2: bo
     return r.data, r.scale, r.amax
 
 
-_quantize_tiles_c = _Compiled(_quantize_tiles)
+_quantize_tiles_c = _fused(_quantize_tiles)
 
 
 def quantize_tiles(x: torch.Tensor, tile: Any, spec: Any, margin: int = 0, power_of_two: bool = False):
@@ -175,7 +184,7 @@ def _scale_output(out: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tenso
     return (out / (a_scale.float() * b_scale.float())).to(dtype)
 
 
-_scale_output_c = _Compiled(_scale_output)
+_scale_output_c = _fused(_scale_output)
 
 
 def scale_output(out: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

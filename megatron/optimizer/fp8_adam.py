@@ -66,6 +66,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
+from megatron.fp8.fused import CompiledOrEager
 from megatron.optimizer.fp8_state_quant import (
     MomentDtype, MomentFormat, block_layout, counter_uniform, dequantize, dequantize_with_floor, moment_format,
     quantize, state_nbytes, storage_numel,
@@ -185,14 +186,12 @@ class Fp8AdamW(torch.optim.Optimizer):
                     raise ValueError(f"Fp8AdamW updates FP32 master weights; got a {p.dtype} parameter of "
                                      f"shape {tuple(p.shape)} (keep master weights in FP32, e.g. --bf16 "
                                      "with an FP32 master copy)")
-        self._eager_kernel: Callable = _chunk_step
-        self._kernel: Callable = _chunk_step
         self.compiled = bool(compile)
-        if compile:
-            # Shapes are static for the first chunk length and become dynamic on the second (torch's
-            # automatic dynamic shapes): full chunks and every tensor's tail then share two graphs per
-            # variant (pass 1 / pass 2 / blockwise) instead of one graph per distinct tail length.
-            self._kernel = torch.compile(_chunk_step, dynamic=None)
+        # Shapes are static for the first chunk length and become dynamic on the second (torch's automatic
+        # dynamic shapes): full chunks and every tensor's tail then share two graphs per variant (pass 1 /
+        # pass 2 / blockwise) instead of one graph per distinct tail length.
+        self._kernel: Optional[CompiledOrEager] = (
+            CompiledOrEager(_chunk_step, "Fp8AdamW's update", dynamic=None, fullgraph=False) if compile else None)
 
     # ----------------------------------------------------------------------------- the rule
     def uses_fp8_states(self, p: torch.Tensor, group: Dict[str, Any]) -> bool:
@@ -342,14 +341,12 @@ class Fp8AdamW(torch.optim.Optimizer):
         return flat[start:start + count * fmt.block_size], scale_inv[first:first + count]
 
     def _call(self, *args: Any):
-        try:
-            return self._kernel(*args)
-        except Exception as exc:  # compile failures surface on the first call, before any mutation
-            if self._kernel is self._eager_kernel:
-                raise
-            logger.warning("Fp8AdamW: torch.compile of the update failed (%s); using eager", exc)
-            self._kernel = self._eager_kernel
-            return self._kernel(*args)
+        return _chunk_step(*args) if self._kernel is None else self._kernel(*args)
+
+    @property
+    def runs_eager(self) -> bool:
+        """True when the update runs eagerly: compile off, or its compilation failed (warned once)."""
+        return self._kernel is None or self._kernel.failed
 
     @staticmethod
     def _step_fp32_foreach(b: Dict[str, List], lr: float, beta1: float, beta2: float, eps: float,
