@@ -14,11 +14,15 @@ elementwise op and one max over tokens per layer and micro-batch) and `collect()
 alignment is computed from the weights at log time (one [2F, H] pass per layer, no activations).
 
 `JumpDetector` turns the logged series into warnings: a value "jumps" when it exceeds `factor` (2x) times
-the median of its previous log points, once at least `min_points` (3) of them exist.
+the median of its last `window` (32) log points, once at least `min_points` (3) of them exist. Its history is
+plain data (`state_dict`), saved in checkpoints by the training loop, so a resumed run warns at its first log
+point instead of needing `min_points` new ones (by which time a high value is the new normal).
 """
 from __future__ import annotations
 
+import math
 import statistics
+from collections import deque
 from typing import Any, Optional
 
 import torch
@@ -96,23 +100,62 @@ class ActivationRecorder:
 
 
 class JumpDetector:
-    """Flags values above `factor` x the median of the same series' previous log points."""
+    """Flags values above `factor` x the median of the same series' last `window` log points.
 
-    def __init__(self, factor: float = 2.0, min_points: int = 3) -> None:
+    Why a window of 32 log points by default: the median of W points only moves past a plateau when more than
+    W/2 of them are off it, so up to 15 spikes in a window (a single spike certainly) leave the reference where
+    it was and the next spike still warns. And the reference is never older than W/2 log points: a value that
+    drifts up by r per log point sits r^(W/2) above its median, so a drift slower than 2^(1/16) = +4.4% per log
+    point is followed without a warning, one that doubles within 16 log points is called a jump. Over the whole
+    run (the previous behaviour) the median lags by half the run: after a long slow rise every log point warns,
+    and the history grows without bound. Memory is W floats per series.
+
+    Non-finite values are judged (inf is a jump) but not kept: one NaN would make every later median
+    meaningless. `state_dict()` is plain data ({"history": {key: [float, ...]}}, JSON- and pickle-safe).
+    """
+
+    def __init__(self, factor: float = 2.0, min_points: int = 3, window: int = 32) -> None:
+        if not factor > 1.0:
+            raise ValueError(f"JumpDetector factor must be > 1, got {factor}")
+        if not 1 <= min_points <= window:
+            raise ValueError(f"JumpDetector needs 1 <= min_points <= window, got min_points {min_points}, "
+                             f"window {window}")
         self.factor = factor
         self.min_points = min_points
-        self.history: dict[str, list[float]] = {}
+        self.window = window
+        self.history: dict[str, deque[float]] = {}
 
     def update(self, key: str, value: float) -> Optional[float]:
-        """Append `value`; return the previous median when this is a jump, else None."""
-        past = self.history.setdefault(key, [])
+        """Judge `value` against the window, then append it; return the window's median when this is a jump."""
+        past = self.history.setdefault(key, deque(maxlen=self.window))
         jump = None
         if len(past) >= self.min_points:
             median = statistics.median(past)
             if median > 0 and value > self.factor * median:
                 jump = median
-        past.append(value)
+        if math.isfinite(value):
+            past.append(float(value))
         return jump
+
+    def state_dict(self) -> dict:
+        return {"history": {key: list(values) for key, values in self.history.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Replace the history with `state`'s (its last `window` points per series, when it holds more).
+
+        Raises ValueError on anything but {"history": {str: [finite numbers]}}.
+        """
+        history = state.get("history") if isinstance(state, dict) else None
+        if not isinstance(history, dict):
+            raise ValueError(f"jump-detector state must be {{'history': {{key: [floats]}}}}, got {type(state).__name__}"
+                             f" with keys {list(state)[:5] if isinstance(state, dict) else '-'}")
+        loaded: dict[str, deque[float]] = {}
+        for key, values in history.items():
+            if not isinstance(key, str) or not isinstance(values, (list, tuple)) or not all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values):
+                raise ValueError(f"jump-detector state: series {key!r} is not a list of finite numbers")
+            loaded[key] = deque((float(v) for v in values), maxlen=self.window)
+        self.history = loaded
 
 
 def layer_diagnostics(model: nn.Module, channel_maxima: Optional[list[Optional[torch.Tensor]]] = None

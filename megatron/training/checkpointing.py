@@ -3,7 +3,8 @@
 Layout under `--save`:
     latest_checkpointed_iteration.txt      the iteration of the newest complete checkpoint
     iter_0000100/
-        mp_rank_00/model_optim_rng.pt      model, optimizer, scheduler, RNG, FP8 state (tensors + plain data)
+        mp_rank_00/model_optim_rng.pt      model, optimizer, scheduler, RNG, FP8 state, SwiGLU jump history
+                                           (tensors + plain data)
         train_state.json                   iteration, consumed samples and tokens, skip/NaN counters
         config.json                        the resolved MegatronConfig (never a pickled Namespace)
 

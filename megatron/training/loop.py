@@ -40,7 +40,7 @@ from megatron.training.engine import build_engine
 from megatron.training.flops import flops_per_iteration
 from megatron.training.fp8_hooks import Fp8Hooks
 from megatron.training.log import TrainingLogger, host_floats, setup_logging
-from megatron.training.swiglu_hooks import SwiGLUHooks
+from megatron.training.swiglu_hooks import STATE_KEY as SWIGLU_STATE_KEY, SwiGLUHooks
 from megatron.training.train_state import TrainState
 
 logger = logging.getLogger("megatron")
@@ -162,6 +162,7 @@ class Trainer:
         if not c.no_load_rng and "rng_state" in payload:
             ckpt.set_rng_state(payload["rng_state"])
         self.fp8.load_state(payload.get("fp8"), loaded["path"])
+        self.swiglu.load_state(payload.get(SWIGLU_STATE_KEY), loaded["path"])
         self.last_healthy = str(loaded["path"])
         logger.info("loaded checkpoint %s at iteration %d", loaded["path"], self.state.iteration)
 
@@ -175,6 +176,9 @@ class Trainer:
         fp8_state = self.fp8.state()
         if fp8_state is not None:
             extras["fp8"] = fp8_state
+        swiglu_state = self.swiglu.state()  # the jump warnings' history (rank 0's; absent where diagnostics are off)
+        if swiglu_state is not None:
+            extras[SWIGLU_STATE_KEY] = swiglu_state
         self.state.healthy = self.guard.healthy and self.state.consecutive_nan_iterations == 0
         self.engine.save_checkpoint(c.save, self.state.iteration, extras, self.state.to_dict(), self.config.to_dict())
         if self.state.healthy:

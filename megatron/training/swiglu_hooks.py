@@ -9,7 +9,15 @@ Built after `convert_to_fp8` (it must see which fc2 layers became FP8):
   recorder for the forward passes of a logging step only; `log_values` returns the TensorBoard scalars
   `swiglu/layer{i}/{act_max,outlier_ratio,align_max,align_p99,align_count_gt_0.5}` and a log-line
   fragment, and logs a warning when a layer's outlier ratio or max alignment jumps (> 2x the median of
-  its previous log points).
+  its last 32 log points, `JumpDetector`).
+- The jump history survives a resume: `state()` goes into the checkpoint beside the FP8 scaling state
+  (key `swiglu_diagnostics` of the loop's extras) and `load_state` restores it. Only the logging rank (rank 0)
+  runs the diagnostics, so only its extras carry the key, and rank 0 reads its own file back (mp_rank_00, or
+  pipeline stage 0 / TP rank 0's client state; a resharded load hands rank 0's extras to every rank). Series
+  are keyed by layer index (`"{layer}/{name}"`); rank 0 watches the layers of pipeline stage 0, whose local
+  indices are the global ones, so a checkpoint of one TP/PP/DP layout resumes in another: series of layers
+  this rank does not watch are dropped at load. A checkpoint without the key (older, or saved with
+  `--no-swiglu-diagnostics`) gives an empty history, as before.
 """
 from __future__ import annotations
 
@@ -20,10 +28,12 @@ from torch import nn
 
 from megatron.config import ModelConfig
 from megatron.model.swiglu_diagnostics import ActivationRecorder, JumpDetector, layer_diagnostics
+from megatron.training.checkpointing import CheckpointError
 
 logger = logging.getLogger("megatron")
 
 WATCHED = ("outlier_ratio", "align_max")
+STATE_KEY = "swiglu_diagnostics"  # the checkpoint extras' key of `SwiGLUHooks.state()`
 
 
 def disable_smoothing_without_fp8_fc2(model: nn.Module) -> list[int]:
@@ -40,6 +50,8 @@ def disable_smoothing_without_fp8_fc2(model: nn.Module) -> list[int]:
 
 
 class SwiGLUHooks:
+    """Smooth-SwiGLU placement at build time, diagnostics and jump warnings every log interval (module docstring)."""
+
     def __init__(self, model: nn.Module, config: ModelConfig, diagnostics: bool) -> None:
         self.model = model
         if config.smooth_swiglu is not None:
@@ -57,6 +69,31 @@ class SwiGLUHooks:
         """Called before running `iteration` (1-based): arm the recorder if it will be logged."""
         if self.recorder is not None and iteration % log_interval == 0:
             self.recorder.arm()
+
+    def state(self) -> Optional[dict]:
+        """The jump detector's history for the checkpoint (None where diagnostics are off: other ranks, the flag)."""
+        return None if self.recorder is None else self.jumps.state_dict()
+
+    def load_state(self, state: Optional[dict], source) -> None:
+        """Restore the history saved by `state()` (absent: start empty). Raises CheckpointError naming `source`."""
+        if self.recorder is None:
+            return
+        if state is None:
+            logger.info("checkpoint %s has no SwiGLU diagnostics history: jump warnings start after %d log points",
+                        source, self.jumps.min_points)
+            return
+        try:
+            self.jumps.load_state_dict(state)
+        except ValueError as exc:
+            raise CheckpointError(f"checkpoint {source}: its '{STATE_KEY}' entry is damaged ({exc}); resume from "
+                                  "another checkpoint, or delete that entry to start the jump history afresh") from None
+        watched = len(self.recorder.mlps)
+        dropped = [k for k in self.jumps.history if _layer_of(k) is None or _layer_of(k) >= watched]
+        for key in dropped:
+            del self.jumps.history[key]
+        if dropped:
+            logger.info("SwiGLU diagnostics: dropped the saved history of %d series of layers this rank does not "
+                        "watch (another pipeline layout)", len(dropped))
 
     def log_values(self, iteration: int, log_interval: int) -> tuple[dict, str]:
         """TensorBoard scalars and a log-line fragment every log interval; warnings on jumps."""
@@ -81,3 +118,9 @@ class SwiGLUHooks:
                 worst = (layer, ratio)
         text = f" swiglu max outlier ratio: layer {worst[0]} {worst[1]:.1f} |" if worst else ""
         return values, text
+
+
+def _layer_of(key: str) -> Optional[int]:
+    """The layer index of a series key "{layer}/{name}"; None for any other key."""
+    head = key.split("/", 1)[0]
+    return int(head) if head.isdigit() else None
