@@ -233,8 +233,8 @@ def _fake_hpex(monkeypatch) -> list[str]:
     return calls
 
 
-@pytest.mark.isa_sensitive
-@pytest.mark.parametrize("device", ["hpu", "cpu"])
+# Only "hpu" compares two computations (the kernels' reordered math, within FP32 rounding); "cpu" changes nothing.
+@pytest.mark.parametrize("device", [pytest.param("hpu", marks=pytest.mark.isa_sensitive), "cpu"])
 def test_habana_kernel_switches_select_the_fused_kernels_on_hpu_only(monkeypatch, device):
     import torch
 
