@@ -75,6 +75,28 @@ def _single_process_env(monkeypatch):
     yield
 
 
+@pytest.fixture(scope="session")
+def torch_reference(tmp_path_factory) -> tuple[list[float], dict]:
+    """`pretrain_gpt.py` on the torch engine, one process, tests/launch.py's BASE (4 micro-batches of 2 per step):
+    its training losses and final weights. The reference of the DDP, DeepSpeed ZeRO 0-2 and ZeRO-3 comparisons."""
+    from megatron.training import checkpointing as ckpt
+    from tests.launch import losses, run
+
+    save = tmp_path_factory.mktemp("torch_reference")
+    return losses(run(1, save=save)), ckpt.load_checkpoint_files(save)["payload"]["model"]
+
+
+@pytest.fixture(scope="session")
+def torch_control(tmp_path_factory) -> tuple[list[float], dict]:
+    """`torch_reference`'s noise (tests/run_noise.py): the same run with micro-batches of 1 and 8 accumulation
+    steps, the same math in another summation order."""
+    from megatron.training import checkpointing as ckpt
+    from tests.launch import losses, run
+
+    save = tmp_path_factory.mktemp("torch_control")
+    return losses(run(1, save=save, micro_batch_size=1)), ckpt.load_checkpoint_files(save)["payload"]["model"]
+
+
 @pytest.fixture
 def venv_python() -> str:
     return sys.executable

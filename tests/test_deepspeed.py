@@ -1,14 +1,12 @@
 """DeepSpeed on CPU (gloo, 2 processes): ZeRO equals the torch path, exact resume, Fp8AdamW, BF16, config checks.
 
 Every DeepSpeed run is a subprocess (DeepSpeed keeps process-global state: the process group, its
-communication backend), each on its own free port. Runs shared by several tests are module fixtures.
+communication backend), each on its own free port (tests/launch.py). Runs shared by several tests are module
+fixtures; the torch engine's reference and its noise control are session fixtures (tests/conftest.py).
 """
 import json
 import math
 import re
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,35 +15,11 @@ from megatron.arguments import parse_config
 from megatron.training import checkpointing as ckpt
 from megatron.training.deepspeed_config import DeepSpeedConfigError, build_deepspeed_config
 from megatron.training.deepspeed_engine import _deepspeed_safe_globals
-from tests.conftest import REPO, tiny_argv
+from tests.conftest import tiny_argv
+from tests.launch import BASE, free_port, losses, run  # noqa: F401  (free_port: imported from here by other modules)
 from tests.run_noise import assert_losses_within_noise, assert_weights_within_noise
 
 pytest.importorskip("deepspeed")
-
-BASE = dict(micro_batch_size=2, global_batch_size=8, train_iters=4, eval_iters=1, eval_interval=4, lr_warmup_iters=0,
-            log_interval=1)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run(nproc: int, *switches, script: str = "pretrain_gpt.py", **overrides) -> str:
-    argv = tiny_argv(*switches, **{**BASE, **overrides})
-    if nproc == 1:
-        cmd = [sys.executable, script, *argv]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_port", str(free_port()), script, *argv]
-    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-    return out.stderr
-
-
-def losses(log: str) -> list[float]:
-    return [float(m) for m in re.findall(r"\| lm loss: (\S+) \|", log)]
 
 
 def ds_weights(save_dir) -> dict:
@@ -59,21 +33,6 @@ def torch_weights(save_dir) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The torch path, one process: 4 micro-batches of 2 per step."""
-    save = tmp_path_factory.mktemp("torch")
-    return losses(run(1, save=save)), torch_weights(save)
-
-
-@pytest.fixture(scope="module")
-def control(tmp_path_factory):
-    """The reference's noise: the torch path again with micro-batches of 1 and 8 accumulation steps, the same
-    math in another summation order (see tests/run_noise.py)."""
-    save = tmp_path_factory.mktemp("control")
-    return losses(run(1, save=save, micro_batch_size=1)), torch_weights(save)
-
-
-@pytest.fixture(scope="module")
 def zero1(tmp_path_factory):
     """DeepSpeed ZeRO-1, 2 processes: 2 micro-batches of 2 per rank per step."""
     save = tmp_path_factory.mktemp("zero1")
@@ -84,26 +43,26 @@ def zero1(tmp_path_factory):
 # The paths add the same fp32 gradients in another order (per-rank halves, then an all-reduce; DeepSpeed's own
 # gradient-norm code), so they differ by rounding that the steps amplify: bounded by the `control` run's.
 @pytest.mark.isa_sensitive
-def test_zero1_dp2_equals_single_process_with_double_accumulation(reference, control, zero1):
-    (l_ref, w_ref), (l_ds, save) = reference, zero1
+def test_zero1_dp2_equals_single_process_with_double_accumulation(torch_reference, torch_control, zero1):
+    (l_ref, w_ref), (l_ds, save), control = torch_reference, zero1, torch_control
     assert len(l_ref) == len(l_ds) == 4
     assert_losses_within_noise(l_ds, l_ref, control[0])
     assert_weights_within_noise(ds_weights(save), w_ref, control[1])
 
 
 @pytest.mark.isa_sensitive
-def test_zero2_dp2_equals_single_process_with_double_accumulation(reference, control, tmp_path):
-    l_ref, w_ref = reference
+def test_zero2_dp2_equals_single_process_with_double_accumulation(torch_reference, torch_control, tmp_path):
+    (l_ref, w_ref), control = torch_reference, torch_control
     l_ds = losses(run(2, "--deepspeed", "--zero-stage", "2", save=tmp_path / "z2"))
     assert_losses_within_noise(l_ds, l_ref, control[0])
     assert_weights_within_noise(ds_weights(tmp_path / "z2"), w_ref, control[1])
 
 
 @pytest.mark.isa_sensitive
-def test_zero0_single_process_equals_torch_path(reference, control, tmp_path):
+def test_zero0_single_process_equals_torch_path(torch_reference, torch_control, tmp_path):
     # Same process count, same accumulation order: only the clipping code differs (DeepSpeed's
     # clip_grad_norm_ sums squared per-tensor norms; same formula max/(norm+1e-6) as torch).
-    l_ref, w_ref = reference
+    (l_ref, w_ref), control = torch_reference, torch_control
     l_ds = losses(run(1, "--deepspeed", save=tmp_path / "z0"))
     assert_losses_within_noise(l_ds, l_ref, control[0])
     assert_weights_within_noise(ds_weights(tmp_path / "z0"), w_ref, control[1])
@@ -130,7 +89,7 @@ def test_resume_at_the_same_layout_is_exact(zero1, tmp_path):
         assert torch.equal(value, ds_weights(save)[key]), key
 
 
-def test_a_torch_checkpoint_resumes_under_deepspeed(reference, tmp_path):
+def test_a_torch_checkpoint_resumes_under_deepspeed(tmp_path):
     """Switching engines between jobs: a torch checkpoint loads into ZeRO-1 through resharding (weights exact)."""
     torch_save, ds_save = tmp_path / "t", tmp_path / "d"
     run(1, save=torch_save, train_iters=1, eval_iters=0)
@@ -191,8 +150,8 @@ def test_fp8adam_trains_under_zero_0_and_2(stage):
 
 
 @pytest.mark.isa_sensitive
-def test_bf16_user_json_trains_in_autocast(reference):
-    l_ref, _ = reference
+def test_bf16_user_json_trains_in_autocast(torch_reference):
+    l_ref, _ = torch_reference
     log = run(2, "--deepspeed", "--deepspeed_config", "examples/ds_config_zero1_bf16.json", "--bf16")
     ls = losses(log)
     assert "ZeRO stage 1, BF16 autocast" in log
