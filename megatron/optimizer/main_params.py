@@ -23,7 +23,8 @@ numerics are the same with or without DeepSpeed, and for tests.
 
 Checkpoints: the engine saves the masters under the weights' names (`state_dict`), FP32, so resume is exact
 and every reader of checkpoints (resharding, conversion to HF) sees FP32 master weights; loading a checkpoint
-of either layout fills both the BF16 parameters and the masters from its FP32 values.
+of either layout fills both the BF16 parameters and the masters from its FP32 values, also when it was written
+at another TP/DP/PP layout or by DeepSpeed (resharding fills the masters, `named_masters`).
 """
 from __future__ import annotations
 
@@ -103,6 +104,10 @@ class MainParams:
         """`model.state_dict()` with each parameter's FP32 master in place of its BF16 value."""
         masters = dict(zip(self.names, self.masters))
         return {k: (masters[k].detach() if k in masters else v) for k, v in model.state_dict().items()}
+
+    def named_masters(self) -> list[tuple[str, nn.Parameter]]:
+        """(parameter name, its FP32 master): what resharding fills and keys the optimizer state by."""
+        return list(zip(self.names, self.masters))
 
     @torch.no_grad()
     def load(self, saved: dict[str, torch.Tensor]) -> None:

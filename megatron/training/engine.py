@@ -206,14 +206,16 @@ class TorchEngine(MicroBatchEngine):
             tp = self.parallel.tensor_parallel_size
             if saved["layout"] is not None and not (saved["layout"] in (layouts.SINGLE, layouts.TENSOR_PARALLEL)
                                                     and saved["mp_files"] == tp):
-                if self.main_params is not None:
-                    raise ckpt.CheckpointError(f"{folder} was written at another layout ({saved['layout']}); resharding "
-                                               "into --params-dtype bf16 under the torch engine is not supported yet: "
-                                               "resume at the saved layout, or under --deepspeed --zero-stage 1/2")
-                return reshard.load_resharded(
+                # --params-dtype bf16: the FP32 masters take the checkpoint's FP32 values (and key the optimizer
+                # state); the BF16 weights are rounded from them, as after every step.
+                loaded = reshard.load_resharded(
                     folder, model=self.model, full_name=lambda n: n, model_config=self.model.config,
                     tp_rank=self.parallel.tensor_parallel_rank, tp_size=tp, optimizer=self.optimizer,
-                    load_optimizer=load_optimizer, module_only=module_only, describe=f"tensor parallel {tp}")
+                    load_optimizer=load_optimizer, module_only=module_only, describe=f"tensor parallel {tp}",
+                    weights=None if self.main_params is None else self.main_params.named_masters())
+                if self.main_params is not None:
+                    self.main_params.copy_to_model()
+                return loaded
         loaded = ckpt.load_checkpoint_files(load_dir, mp_rank=self.parallel.tensor_parallel_rank)
         if loaded is None:
             return None

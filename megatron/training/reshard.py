@@ -157,15 +157,18 @@ def _load_zero_optimizer(zero, full_name: dict[int, str], full: FullState, model
 def load_resharded(folder: Path, *, model: nn.Module, full_name: Callable[[str], Optional[str]],
                    model_config: ModelConfig, tp_rank: int, tp_size: int, optimizer: torch.optim.Optimizer,
                    zero_optimizer=None, load_optimizer: bool, module_only: bool,
-                   fp8_name: Callable[[str], Optional[str]] = lambda n: n, describe: str = "") -> dict:
+                   fp8_name: Callable[[str], Optional[str]] = lambda n: n, describe: str = "",
+                   weights: Optional[list[tuple[str, torch.Tensor]]] = None) -> dict:
     """Load `folder` (any layout) into this rank's `model` and optimizer; returns the loop's dict (module docstring).
 
     `full_name(local parameter name)` is the full-model name (None: not a parameter of the checkpoint);
     `fp8_name(full layer name)` the FP8 layer name on this rank, or None for a layer another stage holds.
     `zero_optimizer` is DeepSpeed's ZeRO 1/2 optimizer when there is one (it owns master weights and moments).
+    `weights` (local name, tensor) replaces the model's parameters as what is filled and what the optimizer's
+    state is keyed by: the FP32 masters of `--params-dtype bf16` (MainParams), which the optimizer steps.
     """
     full = read_full_state(folder)
-    named = [(full_name(n), p) for n, p in model.named_parameters()]
+    named = [(full_name(n), p) for n, p in (weights if weights is not None else model.named_parameters())]
     pieces = _pieces(named, full, model_config, tp_rank, tp_size)
     with torch.no_grad():
         for name, p in named:
