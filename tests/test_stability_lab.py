@@ -233,3 +233,23 @@ def test_report_merges_split_invocations_and_pairs_by_seed(tmp_path, capsys):
         assert stability_lab.main(["--report", *map(str, paths)]) == 2
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and "--report" in err and "Traceback" not in err
+
+
+def test_a_rerun_reuses_only_runs_finished_with_the_same_command(tmp_path):
+    from megatron.stability.runs import command_text
+    from megatron.training.checkpointing import TRACKER_FILE
+
+    run = tmp_path / "bf16_s1"
+    flags = ["--train-iters", "20", "--test-data-path", "x", "--save", str(run / "ckpt")]
+    assert not presets.completed_run(run, flags, 1)  # nothing there
+    (run / "ckpt").mkdir(parents=True)
+    (run / "command.txt").write_text(command_text(flags, 1) + "\n")
+    (run / "ckpt" / TRACKER_FILE).write_text("20")
+    (run / "train.log").write_text("saved checkpoint at iteration 20\n")
+    assert not presets.completed_run(run, flags, 1)  # killed between the last save and the test evaluation
+    (run / "train.log").write_text("saved ...\n test loss at iteration 20 | lm loss value: 5.0 |\n")
+    assert presets.completed_run(run, flags, 1)
+    assert not presets.completed_run(run, flags, 2)  # another thread count is another command
+    assert not presets.completed_run(run, ["--train-iters", "40", *flags[2:]], 1)
+    (run / "ckpt" / TRACKER_FILE).write_text("10")
+    assert not presets.completed_run(run, flags, 1)  # stopped early

@@ -228,10 +228,13 @@ def run_simple(out: Path, configs: dict[str, list[str]], seeds_of: dict[str, Seq
 
     def one(name: str, seed: int) -> None:
         run = out / "runs" / f"{name}_s{seed}"
-        if not dry_run:
-            shutil.rmtree(run, ignore_errors=True)  # stale event files of an earlier attempt would mix in
-        rec = run_pretrain(f"{name} seed {seed}", base_flags(seed) + configs[name] + [
-            "--tensorboard-dir", str(run / "tb"), "--save", str(run / "ckpt")], run, threads, dry_run)
+        flags = base_flags(seed) + configs[name] + ["--tensorboard-dir", str(run / "tb"), "--save", str(run / "ckpt")]
+        if not dry_run and completed_run(run, flags, threads):  # an interrupted preset re-run into its folder
+            rec = RunRecord(f"{name} seed {seed} (reused)", command_text(flags, threads), 0, float("nan"), str(run))
+        else:
+            if not dry_run:
+                shutil.rmtree(run, ignore_errors=True)  # stale event files of an earlier attempt would mix in
+            rec = run_pretrain(f"{name} seed {seed}", flags, run, threads, dry_run)
         records.append(rec)
         entry: dict = {"config": name, "seed": seed, "returncode": rec.returncode, "wall_s": rec.wall_s}
         if not dry_run and (run / "tb").is_dir():
@@ -251,6 +254,19 @@ def run_simple(out: Path, configs: dict[str, list[str]], seeds_of: dict[str, Seq
     runs = {key: runs[key] for key in order}  # the configs' order, whichever run finished first
     records.sort(key=lambda r: order.index(Path(r.run_dir).name))
     return {"table": simple_table(runs), "runs": runs, "commands": [r.to_dict() for r in records]}
+
+
+def completed_run(run: Path, flags: Sequence[str], threads: int) -> bool:
+    """Whether `run` holds a finished run of exactly this command: same recorded command line, its checkpoint
+    at --train-iters, and (when the command has a test split) the test evaluation that follows the last save."""
+    recorded = run / "command.txt"
+    if not recorded.exists() or recorded.read_text().strip() != command_text(flags, threads):
+        return False
+    iters = int(flags[list(flags).index("--train-iters") + 1])
+    if read_tracker(run / "ckpt") != iters:
+        return False
+    log = run / "train.log"
+    return "--test-data-path" not in flags or (log.exists() and f"test loss at iteration {iters} " in log.read_text())
 
 
 def simple_table(runs: dict) -> dict:
