@@ -97,6 +97,18 @@ def torch_control(tmp_path_factory) -> tuple[list[float], dict]:
     return losses(run(1, save=save, micro_batch_size=1)), ckpt.load_checkpoint_files(save)["payload"]["model"]
 
 
+@pytest.fixture(scope="session")
+def deepspeed_zero1(tmp_path_factory) -> tuple[str, Path]:
+    """DeepSpeed ZeRO-1, 2 processes under torchrun, tests/launch.py's BASE (2 micro-batches of 2 per rank per
+    step): its log and save folder. Compared with the torch engine (test_deepspeed) and with the same run started
+    by the deepspeed launcher (test_launchers)."""
+    pytest.importorskip("deepspeed")
+    from tests.launch import run
+
+    save = tmp_path_factory.mktemp("deepspeed_zero1")
+    return run(2, "--deepspeed", "--zero-stage", "1", save=save), save
+
+
 @pytest.fixture
 def venv_python() -> str:
     return sys.executable

@@ -33,10 +33,11 @@ def torch_weights(save_dir) -> dict:
 
 
 @pytest.fixture(scope="module")
-def zero1(tmp_path_factory):
-    """DeepSpeed ZeRO-1, 2 processes: 2 micro-batches of 2 per rank per step."""
-    save = tmp_path_factory.mktemp("zero1")
-    return losses(run(2, "--deepspeed", "--zero-stage", "1", save=save)), save
+def zero1(deepspeed_zero1):
+    """DeepSpeed ZeRO-1, 2 processes: 2 micro-batches of 2 per rank per step (tests/conftest.py, shared with
+    test_launchers)."""
+    log, save = deepspeed_zero1
+    return losses(log), save
 
 
 # ----------------------------------------------------------------------------- equivalence

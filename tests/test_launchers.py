@@ -13,11 +13,12 @@ import sys
 import pytest
 
 from tests.conftest import REPO, tiny_argv
+from tests.launch import BASE
 
 pytest.importorskip("deepspeed")
 
-ARGV = tiny_argv("--deepspeed", "--zero-stage", "1", micro_batch_size=2, global_batch_size=8, train_iters=3,
-                 eval_iters=0, lr_warmup_iters=0, log_interval=1)
+# The run of the session fixture `deepspeed_zero1` (tests/conftest.py), which torchrun starts.
+ARGV = tiny_argv("--deepspeed", "--zero-stage", "1", **BASE)
 
 
 def free_port() -> int:
@@ -26,19 +27,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _printed_losses(log: str) -> list[str]:
+    found = re.findall(r"\| lm loss: (\S+) \|", log)
+    assert len(found) == BASE["train_iters"], log[-2000:]
+    return found
+
+
 def _losses(cmd: list[str]) -> list[str]:
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     # Logged lines reach stderr with torchrun and stdout with the deepspeed launcher (it pipes both).
-    found = re.findall(r"\| lm loss: (\S+) \|", out.stdout + out.stderr)
-    assert len(found) == 3, out.stdout[-2000:] + out.stderr[-2000:]
-    return found
+    return _printed_losses(out.stdout + out.stderr)
 
 
 @pytest.fixture(scope="module")
-def torchrun_losses() -> list[str]:
-    return _losses([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                    "--master_port", str(free_port()), "pretrain_gpt.py", *ARGV])
+def torchrun_losses(deepspeed_zero1) -> list[str]:
+    log, _ = deepspeed_zero1  # torchrun, 2 processes, ARGV plus --save (which does not change the losses)
+    return _printed_losses(log)
 
 
 def test_deepspeed_launcher_equals_torchrun(torchrun_losses):
