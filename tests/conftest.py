@@ -109,6 +109,24 @@ def deepspeed_zero1(tmp_path_factory) -> tuple[str, Path]:
     return run(2, "--deepspeed", "--zero-stage", "1", save=save), save
 
 
+@pytest.fixture(scope="session")
+def pp2_fp32_log():
+    """log(stage): the log of `pretrain_gpt.py` at PP = 2 under DeepSpeed ZeRO `stage` ("0" or "1"), FP32, tests/
+    launch.py's BASE with validation at 2 and 4 and clipping at 0.05 (active); one run per stage per session.
+    test_pipeline compares it with PP = 1, test_upstream_scripts with the same run under full recompute."""
+    pytest.importorskip("deepspeed")
+    from tests.launch import run
+
+    logs = {}
+
+    def log(stage: str) -> str:
+        if stage not in logs:
+            logs[stage] = run(2, "--deepspeed", "--zero-stage", stage, "--pipeline-model-parallel-size", "2",
+                              eval_interval=2, clip_grad=0.05)
+        return logs[stage]
+    return log
+
+
 @pytest.fixture
 def venv_python() -> str:
     return sys.executable

@@ -49,11 +49,12 @@ def fp8_pp2(tmp_path_factory):
 
 @pytest.mark.isa_sensitive
 @pytest.mark.parametrize("stage", ["0", "1"])
-def test_pp2_equals_pp1_fp32(stage):
-    """ZeRO 0: our step guard clips and checks (clip 0.05 is active); ZeRO 1: DeepSpeed's optimizer does."""
+def test_pp2_equals_pp1_fp32(stage, pp2_fp32_log):
+    """ZeRO 0: our step guard clips and checks (clip 0.05 is active); ZeRO 1: DeepSpeed's optimizer does.
+    The PP = 2 run is tests/conftest.py's `pp2_fp32_log`, shared with test_upstream_scripts."""
     zero = ("--deepspeed", "--zero-stage", stage)
     one, control = pp1_and_control(*zero, eval_interval=2, clip_grad=0.05)
-    two = values(run(2, *zero, "--pipeline-model-parallel-size", "2", eval_interval=2, clip_grad=0.05))
+    two = values(pp2_fp32_log(stage))
     assert_losses_within_noise(two, one, control)
 
 
