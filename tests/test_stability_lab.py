@@ -253,3 +253,11 @@ def test_a_rerun_reuses_only_runs_finished_with_the_same_command(tmp_path):
     assert not presets.completed_run(run, ["--train-iters", "40", *flags[2:]], 1)
     (run / "ckpt" / TRACKER_FILE).write_text("10")
     assert not presets.completed_run(run, flags, 1)  # stopped early
+
+
+def test_diagnostics_warn_at_the_first_log_point_after_the_injection(quick):
+    """The SwiGLU jump history travels in the checkpoint: the resumed run judges its first log point (base 8,
+    log interval 2: iteration 10) against the base run's series, so the injected outlier is warned at once."""
+    _, summary = quick
+    for row in ("bf16/c64", "fp8/c64"):
+        assert summary["table"][row]["first_warning"] == [10], row
