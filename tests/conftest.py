@@ -76,14 +76,24 @@ def _single_process_env(monkeypatch):
 
 
 @pytest.fixture(scope="session")
-def torch_reference(tmp_path_factory) -> tuple[list[float], dict]:
+def torch_reference_save(tmp_path_factory) -> Path:
+    """The checkpoint folder of `torch_reference` (iteration 4); read it, never write into it."""
+    from tests.launch import run
+
+    save = tmp_path_factory.mktemp("torch_reference")
+    (save / "log.txt").write_text(run(1, save=save))
+    return save
+
+
+@pytest.fixture(scope="session")
+def torch_reference(torch_reference_save) -> tuple[list[float], dict]:
     """`pretrain_gpt.py` on the torch engine, one process, tests/launch.py's BASE (4 micro-batches of 2 per step):
     its training losses and final weights. The reference of the DDP, DeepSpeed ZeRO 0-2 and ZeRO-3 comparisons."""
     from megatron.training import checkpointing as ckpt
-    from tests.launch import losses, run
+    from tests.launch import losses
 
-    save = tmp_path_factory.mktemp("torch_reference")
-    return losses(run(1, save=save)), ckpt.load_checkpoint_files(save)["payload"]["model"]
+    log = (torch_reference_save / "log.txt").read_text()
+    return losses(log), ckpt.load_checkpoint_files(torch_reference_save)["payload"]["model"]
 
 
 @pytest.fixture(scope="session")

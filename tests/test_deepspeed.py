@@ -90,11 +90,11 @@ def test_resume_at_the_same_layout_is_exact(zero1, tmp_path):
         assert torch.equal(value, ds_weights(save)[key]), key
 
 
-def test_a_torch_checkpoint_resumes_under_deepspeed(tmp_path):
-    """Switching engines between jobs: a torch checkpoint loads into ZeRO-1 through resharding (weights exact)."""
-    torch_save, ds_save = tmp_path / "t", tmp_path / "d"
-    run(1, save=torch_save, train_iters=1, eval_iters=0)
-    log = run(1, "--deepspeed", "--zero-stage", "1", load=torch_save, save=ds_save, train_iters=1, eval_iters=0)
+def test_a_torch_checkpoint_resumes_under_deepspeed(torch_reference_save, tmp_path):
+    """Switching engines between jobs: a torch checkpoint (the session's torch_reference, iteration 4) loads into
+    ZeRO-1 through resharding (weights exact)."""
+    torch_save, ds_save = torch_reference_save, tmp_path / "d"
+    log = run(1, "--deepspeed", "--zero-stage", "1", load=torch_save, save=ds_save, eval_iters=0)
     assert "resharded" in log
     loaded = ds_weights(ds_save)  # saved straight after loading (no step: --train-iters is the loaded iteration)
     for key, value in torch_weights(torch_save).items():
