@@ -144,6 +144,8 @@ def assert_same_state(target, source) -> float:
 
 TARGETS = [  # (source, nproc, switches at the new layout, what changes): all six directions
     ("tp2", 1, V256, "TP 2 -> 1"),
+    # --params-dtype bf16 (torch engine): the FP32 values fill the masters, which the resaved checkpoint holds
+    ("tp2", 1, (*V256, "--bf16", "--params-dtype", "bf16"), "TP 2 -> 1 into --params-dtype bf16"),
     ("zero1_dp2", 2, TP2, "TP 1 -> 2, DeepSpeed -> torch"),
     ("pp2", 2, (*Z1, *V256), "PP 2 -> 1, DP 1 -> 2 under ZeRO-1"),
     ("zero1_dp2", 2, (*PP2, *V256), "PP 1 -> 2, DP 2 -> 1 under ZeRO-1"),
