@@ -61,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--resume-iters", type=int, default=60, help="inject: iterations after it")
     p.add_argument("--fp8-controls", action=argparse.BooleanOptionalAction, default=True,
                    help="inject: also resume each FP8 variant without the injection (its own control)")
-    p.add_argument("--iters", type=int, default=None, help="natural/recipes/ablation: iterations per run")
+    p.add_argument("--iters", type=int, default=None, help="natural/recipes/ablation: iterations per run (default 200)")
     p.add_argument("--lr", type=float, default=None, help="tiny-model presets (inject 3e-3, natural 1e-2)")
     p.add_argument("--weight-decay", type=_floats, default=None,
                    help="inject: one value (0.1); natural: the sweep (0,0.1,1.0)")
@@ -154,7 +154,7 @@ def _plots_inject(result: dict, out: Path) -> dict:
 
 
 def _natural(args, out: Path, data: Path, variants: list[str]) -> dict:
-    iters = args.iters or 300
+    iters = args.iters or 200  # ~8 epochs of the 24k-token corpus: alignment saturates within 50 (docs)
     setups = {wd: presets.TinySetup(lr=args.lr or 1e-2, weight_decay=wd, log_interval=args.log_interval,
                                     train_split="valid", threads=args.threads, torch_compile=args.torch_compile,
                                     fp8=Fp8Settings(amax_history_len=args.amax_history_len, margin=args.fp8_margin))
@@ -186,7 +186,7 @@ def _natural(args, out: Path, data: Path, variants: list[str]) -> dict:
 
 def _demo(args, out: Path, data: Path) -> dict:
     demo = _demo_module()
-    iters = args.iters or 400
+    iters = args.iters or 200  # the ablation: 15 runs x ~430 CPU-s, ~55 min on 2 cores (docs/stability.md)
     batch = ["--micro-batch-size", "16", "--global-batch-size", "32", "--train-iters", str(iters),
              "--lr-warmup-iters", str(max(1, iters // 20)), "--log-interval", str(max(1, iters // 10)),
              "--eval-interval", str(max(1, iters // 5)), "--eval-iters", "8", "--no-divergence-guard",
