@@ -186,7 +186,6 @@ class Fp8AdamW(torch.optim.Optimizer):
                     raise ValueError(f"Fp8AdamW updates FP32 master weights; got a {p.dtype} parameter of "
                                      f"shape {tuple(p.shape)} (keep master weights in FP32, e.g. --bf16 "
                                      "with an FP32 master copy)")
-        self.compiled = bool(compile)
         # Shapes are static for the first chunk length and become dynamic on the second (torch's automatic
         # dynamic shapes): full chunks and every tensor's tail then share two graphs per variant (pass 1 /
         # pass 2 / blockwise) instead of one graph per distinct tail length.
@@ -342,6 +341,11 @@ class Fp8AdamW(torch.optim.Optimizer):
 
     def _call(self, *args: Any):
         return _chunk_step(*args) if self._kernel is None else self._kernel(*args)
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the update was asked to compile (`compile=True`); `runs_eager` says whether it does."""
+        return self._kernel is not None
 
     @property
     def runs_eager(self) -> bool:

@@ -147,16 +147,9 @@ def run_inject(out: Path, data_dir: Path, setup: TinySetup, variants: Sequence[s
                               "--save", str(base / "ckpt"), "--tensorboard-dir", str(base / "tb")]
         # A base run is shared by every c of its (variant, seed) and reused by a rerun of the preset into the
         # same folder, but only if it ran the same command and stopped where this preset injects.
-        recorded = base / "command.txt"
-        if any(r.run_dir == str(base) for r in records):
-            pass  # run (or found) earlier in this call
-        elif dry_run or read_tracker(base / "ckpt") != base_iters or not recorded.exists() \
-                or recorded.read_text().strip() != command_text(base_flags, setup.threads):
-            shutil.rmtree(base, ignore_errors=True)
-            records.append(run_pretrain(f"base {variant} seed {seed}", base_flags, base, setup.threads, dry_run))
-        else:
-            records.append(RunRecord(f"base {variant} seed {seed} (reused)", recorded.read_text().strip(), 0,
-                                     float("nan"), str(base)))
+        if not any(r.run_dir == str(base) for r in records):  # not run (or found) earlier in this call
+            records.append(run_or_reuse(f"base {variant} seed {seed}", base_flags, base, setup.threads, dry_run,
+                                        iteration=base_iters))
         tag = "control" if c is None else f"c{c:g}"
         run = out / "runs" / f"{variant}_{tag}_s{seed}"
         entry: dict = {"variant": variant, "seed": seed, "c": c, "run_dir": str(run)}
@@ -229,12 +222,7 @@ def run_simple(out: Path, configs: dict[str, list[str]], seeds_of: dict[str, Seq
     def one(name: str, seed: int) -> None:
         run = out / "runs" / f"{name}_s{seed}"
         flags = base_flags(seed) + configs[name] + ["--tensorboard-dir", str(run / "tb"), "--save", str(run / "ckpt")]
-        if not dry_run and completed_run(run, flags, threads):  # an interrupted preset re-run into its folder
-            rec = RunRecord(f"{name} seed {seed} (reused)", command_text(flags, threads), 0, float("nan"), str(run))
-        else:
-            if not dry_run:
-                shutil.rmtree(run, ignore_errors=True)  # stale event files of an earlier attempt would mix in
-            rec = run_pretrain(f"{name} seed {seed}", flags, run, threads, dry_run)
+        rec = run_or_reuse(f"{name} seed {seed}", flags, run, threads, dry_run)  # reuse: an interrupted re-run
         records.append(rec)
         entry: dict = {"config": name, "seed": seed, "returncode": rec.returncode, "wall_s": rec.wall_s}
         if not dry_run and (run / "tb").is_dir():
@@ -256,17 +244,28 @@ def run_simple(out: Path, configs: dict[str, list[str]], seeds_of: dict[str, Seq
     return {"table": simple_table(runs), "runs": runs, "commands": [r.to_dict() for r in records]}
 
 
-def completed_run(run: Path, flags: Sequence[str], threads: int) -> bool:
+def completed_run(run: Path, flags: Sequence[str], threads: int, iteration: Optional[int] = None) -> bool:
     """Whether `run` holds a finished run of exactly this command: same recorded command line, its checkpoint
-    at --train-iters, and (when the command has a test split) the test evaluation that follows the last save."""
+    at `iteration` (default --train-iters; a base run stops earlier, at --exit-interval), and (when the command
+    has a test split) the test evaluation that follows the last save."""
     recorded = run / "command.txt"
     if not recorded.exists() or recorded.read_text().strip() != command_text(flags, threads):
         return False
-    iters = int(flags[list(flags).index("--train-iters") + 1])
+    iters = iteration if iteration is not None else int(flags[list(flags).index("--train-iters") + 1])
     if read_tracker(run / "ckpt") != iters:
         return False
     log = run / "train.log"
     return "--test-data-path" not in flags or (log.exists() and f"test loss at iteration {iters} " in log.read_text())
+
+
+def run_or_reuse(name: str, flags: Sequence[str], run: Path, threads: int, dry_run: bool,
+                 iteration: Optional[int] = None) -> RunRecord:
+    """`run_pretrain` into a fresh `run` folder, or the record of the finished identical run already there."""
+    if not dry_run and completed_run(run, flags, threads, iteration):
+        return RunRecord(f"{name} (reused)", command_text(flags, threads), 0, float("nan"), str(run))
+    if not dry_run:
+        shutil.rmtree(run, ignore_errors=True)  # stale event files of an earlier attempt would mix in
+    return run_pretrain(name, flags, run, threads, dry_run)
 
 
 def simple_table(runs: dict) -> dict:
