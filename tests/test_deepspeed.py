@@ -267,7 +267,6 @@ def test_user_json_keys_are_kept_and_missing_ones_filled():
     ({"scheduler": {"type": "WarmupLR"}}, [], "remove the `scheduler` section"),
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, [], "offload_optimizer"),
     ({"zero_optimization": {"stage": 1, "compute_grad_norm": False}}, [], "compute_grad_norm` must stay true"),
-    ({}, ["--zero-stage", "3", "--optimizer", "fp8adam"], "--zero-stage 3"),
 ])
 def test_json_and_flag_mismatches_name_both(user, switches, message):
     with pytest.raises(DeepSpeedConfigError, match=re.escape(message)):

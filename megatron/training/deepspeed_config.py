@@ -37,6 +37,15 @@ That assumes every TP rank holds the same tensor, which is true between stages w
 and false with it (each TP rank holds its own part of the sequence), so `--sequence-parallel` turns both
 partitionings off, and a JSON asking for them is refused.
 
+ZeRO-3 with FP8 linears and Fp8AdamW: ZeRO-3 gathers a layer's weight for its forward (and again for its
+backward); an `Fp8Linear` quantizes the gathered weight, the same values with the same scale as unpartitioned,
+so its GEMMs are those of ZeRO 0-2 (its amaxes and delayed-scaling state never see a partition). DeepSpeed steps
+the optimizer once per *sub-group*, each call seeing only that sub-group's flat partition, so Fp8AdamW numbers
+every sub-group's partition as its first tensor: sub-groups of one param group would share their stochastic-
+rounding streams. With Fp8AdamW we therefore generate `sub_group_size` 1e12 (one sub-group per param group,
+DeepSpeed's ZeRO-3 optimizer's own default; without offload, which we refuse, sub-groups only batch the step)
+and refuse a JSON value below the parameter count. The engine's side is in `deepspeed_engine.py`.
+
 ZeRO-3 with `--tensor-model-parallel-size > 1` is refused: DeepSpeed's consolidation of ZeRO-3 partitions
 (`zero_to_fp32`, which our checkpoint reader and its tools use) reads model-parallel rank 0 only, and
 ZeRO-3's parameter gathering has not been run on our TP-sharded modules. ZeRO 0, 1 and 2 work with TP.
@@ -62,6 +71,9 @@ from megatron.config import MegatronConfig
 # a run whose model is smaller gets buckets of the model's size.
 DEFAULT_BUCKET_SIZE = 50_000_000
 SUPPORTED_ZERO_STAGES = (0, 1, 2, 3)
+# DeepSpeed's ZeRO-3 optimizer's own default (its config's 1e9 would split a large param group): larger than any
+# model's parameter count, so each param group is one sub-group.
+ZERO3_ONE_SUB_GROUP = 10**12
 
 
 class DeepSpeedConfigError(ValueError):
@@ -183,6 +195,16 @@ def _check_zero(ds: dict, flag_stage: Optional[int], source: str, bucket: int) -
     return stage
 
 
+def _check_zero3_fp8adam_sub_groups(zero: dict, num_parameters: Optional[int], source: str) -> None:
+    """ZeRO-3 with Fp8AdamW: one optimizer sub-group per param group (module docstring, "ZeRO-3")."""
+    size = zero.setdefault("sub_group_size", ZERO3_ONE_SUB_GROUP)
+    if num_parameters is not None and int(size) < num_parameters:
+        raise DeepSpeedConfigError(f"{source}: `zero_optimization.sub_group_size` {size} splits the model's "
+                                   f"{num_parameters} parameters into several sub-groups, which Fp8AdamW would step "
+                                   "with the same stochastic-rounding streams; drop the key (one sub-group per "
+                                   f"param group) or set it to at least {num_parameters}")
+
+
 def _check_pipeline_partitioning(ds: dict, source: str) -> None:
     """Sequence parallel between pipeline stages: each TP rank sends its own sequence part whole (module docstring)."""
     pipeline = _section(ds, "pipeline", source)
@@ -222,10 +244,8 @@ def build_deepspeed_config(config: MegatronConfig, user_json: Optional[dict] = N
     stage = _check_zero(ds, p.zero_stage, source, bucket)
     if bf16_params:
         _check_bf16_params(ds, stage, source)
-    if stage == 3 and (config.fp8 is not None or config.optimizer.optimizer == "fp8adam"):
-        raise DeepSpeedConfigError("ZeRO stage 3 (--zero-stage 3 or `zero_optimization.stage` 3) is not supported yet "
-                                   "with FP8 linears (--fp8-format) or Fp8AdamW (--optimizer fp8adam): use "
-                                   "--zero-stage 0, 1 or 2")
+    if stage == 3 and config.optimizer.optimizer == "fp8adam":
+        _check_zero3_fp8adam_sub_groups(ds["zero_optimization"], num_parameters, source)
     if stage == 3 and p.tensor_model_parallel_size > 1:
         raise DeepSpeedConfigError(f"ZeRO stage 3 (--zero-stage 3 or `zero_optimization.stage` 3) is not supported with "
                                    f"--tensor-model-parallel-size {p.tensor_model_parallel_size}: DeepSpeed's ZeRO-3 "

@@ -36,6 +36,15 @@ casts the module's parameters to BF16 and keeps the FP32 masters in its partitio
 whose partition files are named `bf16_zero_pp_rank_...`; ZeRO-2: its ZeRO optimizer); our AdamW/Fp8AdamW, built
 on the FP32 model before the cast, steps those partitions. Nothing else changes here.
 
+FP8 linears under ZeRO-3: an `Fp8Linear` quantizes its gathered weight in forward and keeps the FP8 copy for its
+backward (the autograd context) and, as an optimizer-step cache, on the module. Under ZeRO-3 that cache would keep
+the FP8 copy (and, on the emulated backend, its exact FP32 values: 5 bytes per parameter) of every FP8 layer on
+every rank between micro-batches and through the optimizer step: the whole model again. It also mostly misses
+(each gather makes new storage, which the cache's key notices; it hits only where the allocator hands back the
+same address, holding the same values then), so `release_fp8_weights_after_forward` drops it when the
+layer's forward returns: the FP8 weight lives from a layer's forward to its backward only, as its activations do.
+Numerics are unchanged (the weight and its scale are those of the step, so a new quantization is the same).
+
 Fp8AdamW: ZeRO 1-3 hand the optimizer one flattened 1-D FP32 partition per param group, which defeats
 its "matrices get FP8 states" rule, so every group is tagged with `"fp8_states"` before wrapping: our
 groups are all-matrix (weight decay) or all-vector (no decay). Per-tensor scaling then means one
@@ -68,6 +77,26 @@ from megatron.training.engine import MicroBatchEngine
 logger = logging.getLogger("megatron")
 
 
+def full_shape(param: torch.Tensor) -> torch.Size:
+    """The parameter's shape, also when ZeRO-3 has partitioned it (its data is then an empty placeholder)."""
+    return getattr(param, "ds_shape", param.shape)
+
+
+def full_numel(param: torch.Tensor) -> int:
+    return int(getattr(param, "ds_numel", param.numel()))
+
+
+def release_fp8_weights_after_forward(model: nn.Module) -> int:
+    """ZeRO-3: drop each FP8 layer's cached FP8 weight when its forward returns (module docstring); the number of
+    layers hooked."""
+    from megatron.fp8 import Fp8Linear
+
+    layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    for layer in layers:
+        layer.register_forward_hook(lambda module, args, output: module.invalidate_fp8_weight_cache())
+    return len(layers)
+
+
 def tag_fp8_state_groups(optimizer: torch.optim.Optimizer, stage: int) -> None:
     """Give every group of an Fp8AdamW an explicit `fp8_states`, decided on the unflattened shapes."""
     from megatron.optimizer.fp8_adam import Fp8AdamW
@@ -77,7 +106,7 @@ def tag_fp8_state_groups(optimizer: torch.optim.Optimizer, stage: int) -> None:
     for i, group in enumerate(optimizer.param_groups):
         if group.get("fp8_states") is not None or not group["params"]:
             continue
-        kinds = {p.ndim >= 2 for p in group["params"]}
+        kinds = {len(full_shape(p)) >= 2 for p in group["params"]}
         if len(kinds) > 1:
             raise ValueError(f"Fp8AdamW param group {i} mixes matrices and vectors; under ZeRO each group is "
                              "flattened into one tensor, so it needs an explicit 'fp8_states' True/False")
@@ -85,6 +114,21 @@ def tag_fp8_state_groups(optimizer: torch.optim.Optimizer, stage: int) -> None:
     if stage >= 1 and optimizer.block_size == 0:
         logger.warning("Fp8AdamW under ZeRO stage %d with per-tensor scaling: each rank's flattened partition of "
                        "all matrices shares one scale; --fp8-optimizer-block-size 128 keeps scales local", stage)
+
+
+@contextlib.contextmanager
+def _zero3_partitions_in_groups(zero_optimizer):
+    """ZeRO-3 empties the client optimizer's param groups between steps (each step call fills in one sub-group's
+    flat partition): put this rank's partitions back for the block, as DeepSpeed's own state_dict does."""
+    fill = getattr(zero_optimizer, "_set_fp32_optimizer_param_groups", None)
+    if fill is None:  # ZeRO 0-2: the groups hold their tensors
+        yield
+        return
+    fill()
+    try:
+        yield
+    finally:
+        zero_optimizer._clear_fp32_optimizer_param_groups()
 
 
 class ModelParallelUnit:
@@ -168,7 +212,7 @@ class DeepSpeedBase:
 
     def _initialize(self, config, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: LrScheduler,
                     parallel: ParallelState, allowed_stages: tuple[int, ...], what: str) -> None:
-        self.ds_config = build_deepspeed_config(config, num_parameters=sum(p.numel() for p in model.parameters()))
+        self.ds_config = build_deepspeed_config(config, num_parameters=sum(full_numel(p) for p in model.parameters()))
         self.zero_stage = zero_stage(self.ds_config)
         if self.zero_stage not in allowed_stages:
             raise ValueError(f"{what} needs ZeRO stage {' or '.join(map(str, allowed_stages))}, but the DeepSpeed "
@@ -177,6 +221,8 @@ class DeepSpeedBase:
         self.config = config
         self.model, self.optimizer, self.scheduler, self.parallel = model, optimizer, scheduler, parallel
         tag_fp8_state_groups(optimizer, self.zero_stage)
+        if self.zero_stage == 3:
+            release_fp8_weights_after_forward(model)
         mark_model_parallel_params(model)
         if config.parallel.sequence_parallel and parallel.tensor_parallel_size > 1:
             sum_sequence_parallel_grads_in_backward(model, parallel.tensor_parallel_group)
@@ -191,7 +237,8 @@ class DeepSpeedBase:
         self.module: nn.Module = self.engine
         summary = getattr(optimizer, "state_summary", None)
         if summary is not None:
-            logger.info("%s", summary())
+            with _zero3_partitions_in_groups(self.engine.optimizer):
+                logger.info("%s", summary())
 
     def _apply_lr_and_remember(self, iteration: int) -> list[float]:
         previous = [g["lr"] for g in self.optimizer.param_groups]
