@@ -26,7 +26,7 @@ import time
 import torch
 import torch.nn as nn
 
-from megatron.fp8 import Fp8Linear, Fp8Recipe, Fp8Scaling, fp8_optimizer_step, fused
+from megatron.fp8 import Fp8Linear, Fp8Recipe, Fp8Scaling, fp8_optimizer_step
 from megatron.fp8.accuracy import fprop_operands, wgrad_layout_sqnr
 from megatron.fp8.backends import select_backend
 from megatron.fp8.stats import sqnr_db
@@ -87,14 +87,12 @@ def bench_shape(name: str, in_f: int, out_f: int, tokens: int, iters: int, warmu
             configs += [("fp8 (ours)", recipe, False), ("fp8 (ours, pow2 scales)", recipe, True)]
         else:
             configs.append((f"fp8 {recipe}", recipe, False))
-    fused_variant: dict[str, bool] = {}
     for label, recipe, pow2 in configs:
         for on in fused_modes:
             layer = Fp8Linear.from_linear(nn.Linear(in_f, out_f, bias=False, device=device, dtype=torch.bfloat16),
                                           Fp8Recipe(scaling=recipe, power_of_two_scales=pow2))
-            name_ = f"{label} fused" if on else label
-            variants[name_] = layer
-            fused_variant[name_] = on
+            layer.fused_quantization = on
+            variants[f"{label} fused" if on else label] = layer
             fp8_layers.append(layer)
     if use_torchao:
         ao = _torchao_variant(nn.Linear(in_f, out_f, bias=False, device=device, dtype=torch.bfloat16),
@@ -112,7 +110,6 @@ def bench_shape(name: str, in_f: int, out_f: int, tokens: int, iters: int, warmu
     times: dict[str, list[float]] = {k: [] for k in variants}
     for i in range(warmup + iters):
         for label, module in variants.items():  # interleaved: load on the machine hits all variants alike
-            fused.set_fused(fused_variant.get(label, False))
             _sync(device)
             start = time.perf_counter()
             step(module, i)
@@ -126,7 +123,6 @@ def bench_shape(name: str, in_f: int, out_f: int, tokens: int, iters: int, warmu
     rows = []
     for label, module in variants.items():
         t = statistics.median(times[label])
-        fused.set_fused(fused_variant.get(label, False))
         saved = _saved_bytes(module, x) / 2**20
         rows.append(f"{name:8s} {in_f:>5d}x{out_f:<5d} {tokens:>5d}  {label:34s} {t * 1e3:10.1f} ms "
                     f"{t / ref:6.2f}x  saved {saved:7.1f} MiB")

@@ -8,11 +8,11 @@ optimizer step) and the FP8 scaling update. Iterations alternate between variant
 all of them alike. Prints the median step time per variant, its ratio to the BF16 baseline, tokens/s and
 optimizer-state bytes; `--json FILE` writes the same figures.
 
-`--torch-compile off|on|both` (default both) sets every variant's `--torch-compile`: with `both` each variant
-runs eager and compiled, and the ratios are taken against the faster BF16 baseline (compiling cannot win by
-slowing BF16 down). Compilation happens while the variant is built (a logged warm-up), outside the timing.
-The fused FP8 quantization (megatron/fp8/fused.py) is a process-wide switch: it is set to each variant's
-compile setting before its step.
+`--torch-compile` sets every variant's `--torch-compile`: `off`, `on`, `auto`, a comma list of them, or `both`
+(= off,on, the default); each variant runs once per listed mode and the ratios are taken against the fastest
+BF16 baseline (compiling cannot win by slowing BF16 down). `auto` is the CLI default: on CPU (the demo runs
+1000 iterations) the FP8 quantization compiled and the blocks eager, so BF16 skips it (it would equal `off`).
+Compilation happens while the variant is built (a logged warm-up), outside the timing.
 
     python bench/bench_train_step.py                        # demo shape, CPU, eager and compiled
     python bench/bench_train_step.py --iters 10 --threads 2 --torch-compile off
@@ -33,7 +33,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron.arguments import parse_config  # noqa: E402
-from megatron.fp8 import fused  # noqa: E402
 from megatron.training.loop import Trainer  # noqa: E402
 
 DEMO = ("--num-layers 4 --hidden-size 256 --num-attention-heads 8 --num-key-value-heads 4 --ffn-hidden-size 704 "
@@ -56,20 +55,20 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+MODE_LABELS = {"off": "eager", "on": "compiled", "auto": "auto"}
+
+
 class Variant:
-    def __init__(self, name: str, argv: list[str], device: torch.device, compiled: bool) -> None:
-        self.name = f"{name} ({'compiled' if compiled else 'eager'})"
+    def __init__(self, name: str, argv: list[str], device: torch.device, mode: str) -> None:
+        self.name = f"{name} ({MODE_LABELS[mode]})"
         self.device = device
-        self.compiled = compiled
-        fused.set_fused(compiled)
-        config = parse_config(argv + ["--torch-compile", "on" if compiled else "off", "--device", device.type])
+        config = parse_config(argv + ["--torch-compile", mode, "--device", device.type])
         start = time.perf_counter()
         self.trainer = Trainer(config)
         self.build_s = time.perf_counter() - start  # includes the compile warm-up when compiled
         self.times: list[float] = []
 
     def step(self, rows: list[torch.Tensor]) -> None:
-        fused.set_fused(self.compiled)
         _sync(self.device)
         t0 = time.perf_counter()
         loss, _, _ = self.trainer.train_step(iter(rows))
@@ -124,7 +123,7 @@ def main() -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--variants", default="bf16,fp8 linears,fp8 + smooth-swiglu + Fp8AdamW",
                    help=f"comma-separated subset of: {', '.join(VARIANTS)}")
-    p.add_argument("--torch-compile", choices=["off", "on", "both"], default="both")
+    p.add_argument("--torch-compile", default="both", help="off, on, auto, a comma list of them, or both (= off,on)")
     p.add_argument("--compile-bf16", action="store_true",
                    help="the earlier spelling of --torch-compile both (scripts/gpu_check.py passes it)")
     p.add_argument("--extra", default="", help="extra pretrain_gpt.py flags for every variant, e.g. a model shape")
@@ -143,8 +142,11 @@ def main() -> None:
     unknown = [n for n in names if n not in VARIANTS]
     if unknown or "bf16" not in names:
         p.error(f"--variants must include bf16 and name only {', '.join(VARIANTS)}; got {args.variants!r}")
-    modes = {"off": [False], "on": [True], "both": [False, True]}["both" if args.compile_bf16 else args.torch_compile]
-    variants = [Variant(name, base + VARIANTS[name], device, c) for name in names for c in modes]
+    modes = ["off", "on"] if args.compile_bf16 or args.torch_compile == "both" else args.torch_compile.split(",")
+    if not modes or any(m not in MODE_LABELS for m in modes):
+        p.error(f"--torch-compile takes off, on, auto, a comma list of them, or both; got {args.torch_compile!r}")
+    variants = [Variant(name, base + VARIANTS[name], device, m) for name in names for m in modes
+                if not (name == "bf16" and m == "auto" and device.type == "cpu" and "off" in modes)]
     logging.getLogger("megatron").setLevel(logging.INFO)
     m = variants[0].trainer.config.model
     gen = torch.Generator().manual_seed(0)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megatron.arguments import parse_config
-from megatron.fp8 import Fp8Linear, Fp8Recipe, fp8_optimizer_step, fused
+from megatron.fp8 import Fp8Linear, Fp8Recipe, fp8_optimizer_step, fused, set_fused_quantization
 from megatron.fp8.formats import Fp8Dtype, format_spec
 from megatron.fp8.quantize import Tile, compute_scale, quantize, quantize_tiles
 from megatron.training.fp8_hooks import Fp8Hooks
@@ -21,13 +21,6 @@ from megatron.training.loop import pretrain
 from tests.conftest import tiny_argv
 
 E4M3, E5M2 = format_spec(Fp8Dtype.E4M3), format_spec(Fp8Dtype.E5M2)
-
-
-@pytest.fixture
-def fused_on():
-    fused.set_fused(True)
-    yield
-    fused.set_fused(False)
 
 
 def _bytes(q: torch.Tensor) -> torch.Tensor:
@@ -51,7 +44,7 @@ def _sample(dtype=torch.bfloat16) -> torch.Tensor:
 
 @pytest.mark.parametrize("spec,delayed,valid,pow2", [
     (E4M3, False, False, False), (E5M2, True, True, False), (E4M3, True, False, True)])
-def test_quantize_tensor_bitwise(fused_on, spec, delayed, valid, pow2) -> None:
+def test_quantize_tensor_bitwise(spec, delayed, valid, pow2) -> None:
     x = _sample()
     previous = torch.tensor(0.37)  # a delayed scale that clips the large columns
     valid_t = torch.tensor(valid)
@@ -63,7 +56,7 @@ def test_quantize_tensor_bitwise(fused_on, spec, delayed, valid, pow2) -> None:
     assert torch.equal(scale, scale_ref) and torch.equal(amax, amax_ref)
 
 
-def test_nonfinite_inputs_match_eager(fused_on) -> None:
+def test_nonfinite_inputs_match_eager() -> None:
     x = _sample()
     x[3, 5], x[7, 1] = float("inf"), float("nan")
     previous, valid = torch.tensor(2.0), torch.tensor(False)
@@ -74,7 +67,7 @@ def test_nonfinite_inputs_match_eager(fused_on) -> None:
     assert torch.equal(scale, scale_ref) and scale.item() == 2.0  # the previous scale is kept
 
 
-def test_known_scale_with_column_scale_bitwise(fused_on) -> None:
+def test_known_scale_with_column_scale_bitwise() -> None:
     w = _sample(torch.float32)
     c = torch.logspace(-3, 3, 96)
     amax = fused.column_scaled_amax(w, c)
@@ -86,7 +79,7 @@ def test_known_scale_with_column_scale_bitwise(fused_on) -> None:
 
 
 @pytest.mark.parametrize("tile", [Tile(1, 32), Tile(32, 32)])
-def test_tiles_bitwise(fused_on, tile) -> None:
+def test_tiles_bitwise(tile) -> None:
     x = _sample()[:, :80]  # ragged: 80 columns are not a multiple of 32
     got = fused.quantize_tiles(x, tile, E4M3, 0, tile.rows == 1)
     ref = quantize_tiles(x, tile, E4M3, 0, tile.rows == 1)
@@ -94,18 +87,20 @@ def test_tiles_bitwise(fused_on, tile) -> None:
     assert torch.equal(got.scale, ref.scale) and torch.equal(got.amax, ref.amax)
 
 
-def test_gemm_epilogue_bitwise(fused_on) -> None:
+def test_gemm_epilogue_bitwise() -> None:
     out = _sample(torch.float32) * 1e3
     a_scale, b_scale = torch.tensor(3.7), torch.tensor(0.011)  # not powers of two: the division rounds
     for dtype in (torch.bfloat16, torch.float32):
         got = fused.scale_output(out, a_scale, b_scale, dtype)
         assert torch.equal(got, (out / (a_scale * b_scale)).to(dtype))
+        assert torch.equal(fused.scale_output(out, a_scale, b_scale, dtype, compiled=False), got)
 
 
-def _linear_run(scaling: str, stats: bool) -> list[torch.Tensor]:
+def _linear_run(scaling: str, stats: bool, fused_quantization: bool) -> list[torch.Tensor]:
     torch.manual_seed(0)
     lin = Fp8Linear(96, 64, bias=False, recipe=Fp8Recipe(scaling=scaling))
     lin.fp8_stats_enabled = stats
+    lin.fused_quantization = fused_quantization
     x = _sample(torch.float32).requires_grad_(True)
     out = []
     for _ in range(3):  # the first step uses current amaxes, later ones the delayed scales
@@ -123,20 +118,17 @@ def _linear_run(scaling: str, stats: bool) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("scaling,stats", [("delayed", True), ("tensorwise", False)])
 def test_fp8_linear_fused_equals_eager(scaling: str, stats: bool) -> None:
-    eager = _linear_run(scaling, stats)
-    fused.set_fused(True)
-    try:
-        compiled = _linear_run(scaling, stats)
-    finally:
-        fused.set_fused(False)
+    eager = _linear_run(scaling, stats, False)
+    compiled = _linear_run(scaling, stats, True)
     for a, b in zip(eager, compiled):
         assert torch.equal(a, b)
 
 
-def _mlp_losses(steps: int = 50) -> list[float]:
+def _mlp_losses(fused_quantization: bool, steps: int = 50) -> list[float]:
     """A tiny FP8 MLP (two 32x32 Fp8Linears, SiLU, delayed scaling) fitted with AdamW for `steps` steps."""
     torch.manual_seed(0)
-    layers = [Fp8Linear(32, 32, bias=False, recipe=Fp8Recipe()) for _ in range(2)]
+    layers = torch.nn.ModuleList(Fp8Linear(32, 32, bias=False, recipe=Fp8Recipe()) for _ in range(2))
+    assert set_fused_quantization(layers, fused_quantization) == 2
     params = [p for layer in layers for p in layer.parameters()]
     opt = torch.optim.AdamW(params, lr=1e-2)
     g = torch.Generator().manual_seed(1)
@@ -158,43 +150,64 @@ def _mlp_losses(steps: int = 50) -> list[float]:
 def test_mlp_losses_fused_equal_eager_over_50_steps() -> None:
     """The issue asks for 1e-4 relative over 50 steps; bitwise-equal quantization gives equal losses, which is
     what is asserted (the full model through `pretrain` is the slow test below)."""
-    eager = _mlp_losses()
-    fused.set_fused(True)
-    try:
-        compiled = _mlp_losses()
-    finally:
-        fused.set_fused(False)
+    eager = _mlp_losses(False)
+    compiled = _mlp_losses(True)
     assert eager[-1] < 0.9 * eager[0]  # it trains
     worst = max(abs(a - b) / abs(a) for a, b in zip(eager, compiled))
     assert worst == 0.0, f"largest relative loss difference {worst:.2e} (issue bound 1e-4)"
 
 
 @pytest.mark.slow
-def test_training_losses_fused_equal_eager_over_50_steps() -> None:
-    """A tiny FP8 model (1 layer, Smooth-SwiGLU: every fused path) trained 50 steps both ways through `pretrain`:
-    losses equal (~30 compilations of distinct operand shapes: ~40 s on 2 cores, hence slow)."""
-    argv = tiny_argv("--fp8-format", "hybrid", "--smooth-swiglu", "--torch-compile", "off", num_layers=1,
-                     hidden_size=32, num_attention_heads=2, num_key_value_heads=1, seq_length=16,
-                     micro_batch_size=2, global_batch_size=2, train_iters=50, eval_interval=1000, eval_iters=0,
-                     log_interval=50)
-    eager = pretrain(parse_config(argv)).losses
-    fused.set_fused(True)
+def test_training_losses_fused_equal_eager_through_the_cli_default() -> None:
+    """A tiny FP8 model (1 layer, Smooth-SwiGLU: every fused path) trained FUSED_MIN_ITERS (100) steps through
+    `pretrain` with `--torch-compile off` and with the CPU default `auto`, which at that length compiles the FP8
+    quantization and leaves the blocks eager: losses equal (~30 compilations of distinct operand shapes: ~40 s
+    on 2 cores, hence slow)."""
+    from megatron.model.compile import FUSED_MIN_ITERS
+
+    def argv(mode: str) -> list[str]:
+        return tiny_argv("--fp8-format", "hybrid", "--smooth-swiglu", "--torch-compile", mode, num_layers=1,
+                         hidden_size=32, num_attention_heads=2, num_key_value_heads=1, seq_length=16,
+                         micro_batch_size=2, global_batch_size=2, train_iters=FUSED_MIN_ITERS, eval_interval=1000,
+                         eval_iters=0, log_interval=FUSED_MIN_ITERS)
+
+    class Lines(logging.Handler):  # the training loop configures the "megatron" logger itself
+        def __init__(self) -> None:
+            super().__init__(logging.INFO)
+            self.lines: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.lines.append(record.getMessage())
+
+    eager = pretrain(parse_config(argv("off"))).losses
+    handler = Lines()
+    logging.getLogger("megatron").addHandler(handler)
     try:
-        compiled = pretrain(parse_config(argv)).losses
+        compiled = pretrain(parse_config(argv("auto"))).losses
     finally:
-        fused.set_fused(False)
-    assert len(eager) == len(compiled) == 50
+        logging.getLogger("megatron").removeHandler(handler)
+    assert any("the FP8 quantization compiled in" in line for line in handler.lines), handler.lines[:20]
+    assert len(eager) == len(compiled) == FUSED_MIN_ITERS
     worst = max(abs(a - b) / abs(a) for a, b in zip(eager, compiled))
     assert worst == 0.0, f"largest relative loss difference {worst:.2e} (issue bound 1e-4)"
 
 
-def test_compile_failure_warns_once_and_falls_back(fused_on, caplog) -> None:
+def test_fusion_is_per_model() -> None:
+    """Two models in one process keep their own setting (it was a process-wide switch that a compiled training
+    run left on for every later model)."""
+    a, b = (torch.nn.Sequential(Fp8Linear(32, 32, bias=False), Fp8Linear(32, 32, bias=False)) for _ in range(2))
+    assert set_fused_quantization(a, True) == 2
+    assert all(m.fused_quantization for m in a) and not any(m.fused_quantization for m in b)
+    assert set_fused_quantization(torch.nn.Linear(2, 2), True) == 0
+
+
+def test_compile_failure_warns_once_and_falls_back(caplog) -> None:
     def data_dependent(x: torch.Tensor) -> torch.Tensor:
         if x.sum().item() > 0:  # a host read: fullgraph compilation refuses it
             return x * 2
         return x
 
-    wrapped = fused.CompiledOrEager(data_dependent, enabled=fused.fused_enabled)
+    wrapped = fused.CompiledOrEager(data_dependent)
     x = torch.ones(4)
     with caplog.at_level(logging.WARNING, logger="megatron.fp8.fused"):
         assert torch.equal(wrapped(x), x * 2)

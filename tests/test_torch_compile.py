@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from megatron.arguments import parse_config
-from megatron.fp8 import fused
-from megatron.model.compile import check_torch_compile_supported, resolve_torch_compile
+from megatron.model.compile import (FUSED_MIN_ITERS, check_torch_compile_supported, plan_torch_compile,
+                                    resolve_torch_compile)
 from megatron.training.loop import pretrain
 from tests.conftest import REPO, tiny_argv
 from tests.run_noise import assert_losses_within_noise
@@ -48,7 +48,6 @@ def compiled_run(tmp_path_factory):
                                                  **COMMON)))
     finally:
         logging.getLogger("megatron").removeHandler(handler)
-        fused.set_fused(False)
     return SimpleNamespace(result=result, lines=handler.lines, save=save)
 
 
@@ -85,6 +84,31 @@ def test_auto_is_on_for_cuda_only() -> None:
         resolve_torch_compile("yes", "cpu")
 
 
+def _plan_config(mode: str, iters: int, pp: int = 1, zero=None):
+    return SimpleNamespace(training=SimpleNamespace(torch_compile=mode, train_iters=iters),
+                           parallel=SimpleNamespace(pipeline_model_parallel_size=pp, deepspeed=zero is not None,
+                                                    zero_stage=zero))
+
+
+@pytest.mark.parametrize("mode,device,iters,pp,zero,blocks,quant", [
+    ("on", "cpu", 2, 1, None, True, True),
+    ("off", "cuda", 10**5, 1, None, False, False),
+    ("auto", "cuda", 2, 1, None, True, True),
+    ("auto", "cuda", 2, 2, None, False, True),  # PP: blocks eager, quantization still compiled
+    ("auto", "cuda", 2, 1, 3, False, True),  # ZeRO-3 likewise
+    ("auto", "cpu", FUSED_MIN_ITERS - 1, 1, None, False, False),  # short CPU runs start at once
+    ("auto", "cpu", FUSED_MIN_ITERS, 1, None, False, True),
+    ("auto", "cpu", FUSED_MIN_ITERS, 2, None, False, True),
+    ("auto", "hpu", 10**5, 1, None, False, False),  # Gaudi casts in its own kernels
+])
+def test_compile_plan_table(mode, device, iters, pp, zero, blocks, quant) -> None:
+    """The table of megatron/model/compile.py's docstring, row by row."""
+    plan = plan_torch_compile(_plan_config(mode, iters, pp, zero), device)
+    assert (plan.blocks, plan.fp8_quantization) == (blocks, quant)
+    if mode == "auto" and device == "cpu":
+        assert str(iters) in plan.why_fp8  # the log line names the rule it applied
+
+
 @pytest.mark.parametrize("pp,deepspeed,zero,needle", [(2, False, None, "--pipeline-model-parallel-size"),
                                                        (1, True, 3, "--zero-stage 3")])
 def test_unsupported_combinations_are_refused(pp, deepspeed, zero, needle) -> None:
@@ -106,8 +130,9 @@ def test_on_is_refused_at_parse_time_and_auto_falls_back_with_a_log_line(caplog)
     argv = tiny_argv("--pipeline-model-parallel-size", "2", "--deepspeed", "--torch-compile", "auto")
     config = parse_config(argv, world_size=2)
     with caplog.at_level(logging.INFO, logger="megatron"):
-        assert apply_torch_compile(config, torch.nn.Linear(2, 2), torch.device("cuda")) is False
-    assert any("auto -> off with --pipeline-model-parallel-size > 1" in r.getMessage() for r in caplog.records)
+        assert apply_torch_compile(config, torch.nn.Linear(2, 2), torch.device("cuda")).blocks is False
+    assert any("transformer blocks eager with --pipeline-model-parallel-size > 1" in r.getMessage()
+               for r in caplog.records)
 
 
 def test_cli_refuses_a_bad_value_in_one_line() -> None:

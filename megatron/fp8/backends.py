@@ -58,7 +58,7 @@ class EmulatedBackend:
         return quantize(x, scale, spec, stochastic_rounding)
 
     def gemm_nt(self, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
-                out_dtype: torch.dtype, pow2_scales: bool = False) -> torch.Tensor:
+                out_dtype: torch.dtype, pow2_scales: bool = False, fused_epilogue: bool = False) -> torch.Tensor:
         # a and b hold FP8 values (as FP8 tensors, or exactly in bf16/fp32 for the cached weight); bf16 holds
         # every FP8 value exactly and CPU bf16 GEMMs accumulate in fp32 like the tensor cores, but they *round
         # their output to bf16*. The hardware rounds once: fp32 accumulator * dequantization factors -> bf16.
@@ -70,7 +70,9 @@ class EmulatedBackend:
             out = (a.to(torch.bfloat16) @ b.to(torch.bfloat16).t()).float()
         else:
             out = a.float() @ b.float().t()
-        return fused.scale_output(out, a_scale, b_scale, out_dtype)  # eager unless fusion is on
+        # The epilogue compiled when the layer fuses its quantization; the real-FP8 backends have none (their
+        # kernels scale the accumulator), so `fused_epilogue` changes nothing there.
+        return fused.scale_output(out, a_scale, b_scale, out_dtype, compiled=fused_epilogue)
 
     def gemm_tiles(self, a: TiledFp8, b: TiledFp8, out_dtype: torch.dtype) -> torch.Tensor:
         """`a @ b^T` of two tile-scaled operands: exact dequantization tile by tile (a division by a power of
@@ -95,7 +97,7 @@ class CudaScaledMmBackend:
         return quantize(x, scale, spec, stochastic_rounding)
 
     def gemm_nt(self, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
-                out_dtype: torch.dtype, pow2_scales: bool = False) -> torch.Tensor:
+                out_dtype: torch.dtype, pow2_scales: bool = False, fused_epilogue: bool = False) -> torch.Tensor:
         # The kernel applies both scales to the fp32 accumulator and rounds once: `pow2_scales` is not needed.
         m, k = a.shape
         n = b.shape[0]
@@ -189,7 +191,7 @@ class HpuBackend:
         return q
 
     def gemm_nt(self, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
-                out_dtype: torch.dtype, pow2_scales: bool = False) -> torch.Tensor:
+                out_dtype: torch.dtype, pow2_scales: bool = False, fused_epilogue: bool = False) -> torch.Tensor:
         # The kernel applies both scales to the fp32 accumulator and rounds once: `pow2_scales` is not needed.
         # Express transposed views through the flags instead of copying.
         trans_a = not a.is_contiguous() and a.t().is_contiguous()

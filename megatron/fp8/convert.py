@@ -84,3 +84,13 @@ def convert_to_fp8(
     logger.info("converted %d/%d linear layers to FP8 (%s, %s scaling)", len(converted), total,
                 recipe.format.value, recipe.scaling.value)
     return converted
+
+
+def set_fused_quantization(model: nn.Module, enabled: bool) -> int:
+    """Make every `Fp8Linear` of `model` quantize through the compiled functions of fused.py (`enabled`) or the
+    eager reference; the number of layers set. A per-model setting: two models in one process (a benchmark's
+    variants, a test's reference and its subject) each keep their own."""
+    layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    for layer in layers:
+        layer.fused_quantization = bool(enabled)
+    return len(layers)

@@ -7,9 +7,11 @@ function each and hand it to `torch.compile` (C++ on CPU, Triton on GPU, from th
 emits one reduction (the amax) and one pointwise kernel that writes the FP8 tensor and, when asked, the
 same values in fp32 for the emulated GEMM: two reads of x instead of five or six.
 
-The eager functions in `quantize.py` stay the reference and the fallback: every wrapper here calls them
-when fusion is off (the default; `--torch-compile` turns it on with the compiled blocks, `set_fused(True)`), for inputs the compiled path does not take (empty tensors), and,
-with one warning, forever after a compilation failure. Results are bitwise those of the eager path (the
+The eager functions in `quantize.py` stay the reference and the fallback. Whether a layer uses the functions
+here is the layer's choice (`Fp8Linear.fused_quantization`, set for a whole model by `set_fused_quantization`
+from `--torch-compile`, see megatron/model/compile.py); nothing here is process-global. The wrappers call the
+eager reference for inputs the compiled path does not take (empty tensors) and, with one warning, forever after
+a compilation failure. Results are bitwise those of the eager path (the
 same fp32 operations, see tests/test_fp8_fused.py).
 
 Recompilation: every function is compiled with `dynamic=False` (a linear's shapes do not change between
@@ -29,21 +31,8 @@ from megatron.fp8.quantize import compute_scale
 
 logger = logging.getLogger(__name__)
 
-# Off by default: the first compilation costs seconds per distinct shape. `--torch-compile` turns it on for a
-# training run (megatron/model/compile.py), benchmarks and tests call `set_fused`.
-_ENABLED = False
 # Distinct operand shapes x constants of one model; dynamo's default limit (8) would drop to eager silently.
 _RECOMPILE_LIMIT = 64
-
-
-def set_fused(enabled: bool) -> None:
-    """Turn the compiled quantization on or off (off: the eager reference in quantize.py)."""
-    global _ENABLED
-    _ENABLED = bool(enabled)
-
-
-def fused_enabled() -> bool:
-    return _ENABLED
 
 
 class CompiledOrEager:
@@ -79,8 +68,8 @@ class CompiledOrEager:
 
 
 def _fused(fn: Callable[..., Any]) -> CompiledOrEager:
-    """A fused-quantization function: compiled while `set_fused(True)` (i.e. under --torch-compile)."""
-    return CompiledOrEager(fn, f"the fused FP8 quantization ({fn.__name__})", enabled=fused_enabled)
+    """A fused-quantization function: compiled on first use (eager after a compilation failure)."""
+    return CompiledOrEager(fn, f"the fused FP8 quantization ({fn.__name__})")
 
 
 def _quantize_tensor(x: torch.Tensor, previous: torch.Tensor, valid: torch.Tensor, delayed: bool, fp8_max: float,
@@ -187,11 +176,12 @@ def _scale_output(out: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tenso
 _scale_output_c = _fused(_scale_output)
 
 
-def scale_output(out: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def scale_output(out: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, dtype: torch.dtype,
+                 compiled: bool = True) -> torch.Tensor:
     """The emulated GEMM's epilogue: its fp32 accumulator divided by both quantization scales, then rounded
-    once to `dtype`. Eager, this is two passes over the output and the division was measured at ~20 ns per
-    element on the 2-core Xeon (the largest single cost of the emulated FP8 step, docs/performance.md);
-    compiled, one vectorized pass with the same division."""
-    if not _ENABLED or out.numel() == 0:
+    once to `dtype`. Eager (`compiled=False`, the reference), this is two passes over the output and the
+    division was measured at ~20 ns per element on the 2-core Xeon (the largest single cost of the emulated FP8
+    step, docs/performance.md); compiled, one vectorized pass with the same division."""
+    if not compiled or out.numel() == 0:
         return _scale_output(out, a_scale, b_scale, dtype)
     return _scale_output_c(out, a_scale, b_scale, dtype)

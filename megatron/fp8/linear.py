@@ -81,11 +81,11 @@ def nonfinite_guard(scale: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
 
 
-def _fused_values_dtype(backend: Backend) -> torch.dtype | None | bool:
-    """False: quantize eagerly (fusion off, or a backend with its own cast: Gaudi). Else the dtype in which the
-    fused kernel also writes the FP8 values for the GEMM: fp32 for the emulated backend (its GEMM runs on
-    them; an eager FP8 -> fp32 cast is a slow pass of its own on CPU), None for real FP8 GEMMs."""
-    if not fused.fused_enabled() or backend.name not in ("emulated", "scaled_mm"):
+def _fused_values_dtype(module: "Fp8Linear", backend: Backend) -> torch.dtype | None | bool:
+    """False: quantize eagerly (the layer's fusion off, or a backend with its own cast: Gaudi). Else the dtype
+    in which the fused kernel also writes the FP8 values for the GEMM: fp32 for the emulated backend (its GEMM
+    runs on them; an eager FP8 -> fp32 cast is a slow pass of its own on CPU), None for real FP8 GEMMs."""
+    if not module.fused_quantization or backend.name not in ("emulated", "scaled_mm"):
         return False
     return torch.float32 if backend.name == "emulated" else None
 
@@ -131,7 +131,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         backend = module.fp8_backend(x.device)
         specs = module.fp8_specs(backend)
         x2d = x.reshape(-1, x.shape[-1])
-        values_dtype = _fused_values_dtype(backend)
+        values_dtype = _fused_values_dtype(module, backend)
         # Autocast would turn the fp32 GEMM of the emulated backend into bf16; every dtype here is explicit.
         with torch.autocast(x.device.type, enabled=False):
             spec = specs[Fp8Role.INPUT]
@@ -159,7 +159,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             s_x = nonfinite_guard(s_x, x_amax)
             pow2 = module.recipe.power_of_two_scales
             y = backend.gemm_nt(q_x if v_x is None else v_x, s_x, w.weight(backend, pow2),
-                                nonfinite_guard(w.scale, w.amax), out_dtype, pow2)
+                                nonfinite_guard(w.scale, w.amax), out_dtype, pow2, module.fused_quantization)
             if bias is not None:
                 y = y + bias.to(out_dtype)
         saved_x = q_x if module.recipe.fp8_wgrad else x2d
@@ -175,7 +175,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         grad_spec = specs[Fp8Role.GRAD_OUTPUT]
         dy2d = dy.reshape(-1, dy.shape[-1])
         dx = dw = db = None
-        values_dtype = _fused_values_dtype(backend)
+        values_dtype = _fused_values_dtype(module, backend)
         with torch.autocast(dy.device.type, enabled=False):
             v_g = None
             if values_dtype is not False and not module.recipe.grad_stochastic_rounding:
@@ -189,18 +189,19 @@ class _Fp8LinearFunction(torch.autograd.Function):
             # An inf/NaN in dy must reach dx and dW (the clamp would turn inf into +-max and hide the overflow
             # from the loop's non-finite guard); s_x already carries the guard of the forward input.
             s_g = nonfinite_guard(s_g, g_amax)
-            pow2 = module.recipe.power_of_two_scales
+            pow2, fused_epilogue = module.recipe.power_of_two_scales, module.fused_quantization
             if ctx.needs_input_grad[0]:
                 # dx = dy W  ==  gemm_nt(dy, W^T)
                 dx = backend.gemm_nt(q_g if v_g is None else v_g, s_g, w.weight_t(backend, pow2),
-                                     nonfinite_guard(w.scale, w.amax), ctx.x_dtype, pow2)
+                                     nonfinite_guard(w.scale, w.amax), ctx.x_dtype, pow2, fused_epilogue)
                 dx = dx.reshape(ctx.x_shape)
             if ctx.needs_input_grad[1]:
                 if module.recipe.fp8_wgrad:
                     # dW = dy^T x  ==  gemm_nt(dy^T, x^T)
                     if values_dtype is not False and values_dtype is not None:  # emulated: exact fp32 values
                         saved_x = fused.upcast(saved_x, values_dtype)
-                    dw = backend.gemm_nt((q_g if v_g is None else v_g).t(), s_g, saved_x.t(), s_x, torch.float32, pow2)
+                    dw = backend.gemm_nt((q_g if v_g is None else v_g).t(), s_g, saved_x.t(), s_x, torch.float32, pow2,
+                                         fused_epilogue)
                 else:
                     dw = dy2d.float().t() @ saved_x.float()
                 if column_scale is not None:
@@ -227,6 +228,9 @@ class Fp8Linear(nn.Linear):
         # of the same logical tensor. None = the default group when torch.distributed is initialized.
         self.amax_group = amax_group
         self.fp8_stats_enabled = False
+        # Quantize through the compiled functions of fused.py (bitwise the eager reference, fewer passes);
+        # `set_fused_quantization` sets it for a model from --torch-compile. Off: the eager reference.
+        self.fused_quantization = False
         self.fp8_num_updates = 0  # optimizer steps seen by the delayed-scaling update
         self.fp8_weight_quantizations = 0  # how often the weight was cast (once per step when cached)
         self._weight_cache: _QuantizedWeight | TiledWeight | None = None
@@ -299,7 +303,7 @@ class Fp8Linear(nn.Linear):
         w = self.weight
         key = (w._version, w.data_ptr(), backend.name)
         if self._weight_cache is None or self._weight_cache.key != key:
-            values_dtype = _fused_values_dtype(backend)
+            values_dtype = _fused_values_dtype(self, backend)
             values = None
             with torch.no_grad():
                 if values_dtype is not False:
@@ -325,7 +329,7 @@ class Fp8Linear(nn.Linear):
     def _quantized_scaled_weight(self, backend: Backend, spec: Fp8FormatSpec, column_scale: torch.Tensor,
                                  group: Any = None) -> _QuantizedWeight:
         """Q(W diag(column_scale)), made for this call only (see "Per-input-channel weight scale")."""
-        values_dtype = _fused_values_dtype(backend)
+        values_dtype = _fused_values_dtype(self, backend)
         values = None
         with torch.no_grad():
             if values_dtype is not False:  # W diag(c) is never materialized: one amax pass, one cast pass

@@ -71,7 +71,7 @@ def quantize_tile_role(module: "Fp8Linear", role: Fp8Role, t: torch.Tensor, tile
                        record: bool = True, stochastic_rounding: bool = False) -> TiledFp8:
     """`quantize_tiles` with the module's recipe; records statistics and (in training) the role's amax."""
     recipe = module.recipe
-    if fused.fused_enabled() and not stochastic_rounding:  # compiled; the eager function is its reference
+    if module.fused_quantization and not stochastic_rounding:  # compiled; the eager function is its reference
         q = fused.quantize_tiles(t, tile, spec, recipe.margin, recipe.pow2_block_scales)
     else:
         q = quantize_tiles(t, tile, spec, recipe.margin, recipe.pow2_block_scales, stochastic_rounding)
