@@ -1,4 +1,5 @@
-"""FP8 linears + Fp8AdamW under DeepSpeed ZeRO-3 (2 gloo processes): tracks ZeRO-1, resumes exactly, reads back.
+"""FP8 linears + Fp8AdamW under DeepSpeed ZeRO-3 (2 gloo processes): tracks ZeRO-1, resumes exactly, reads back,
+and each rank holds only its 1/DP of the parameters right after the model is built (partitioned construction).
 
 The ZeRO-3 runs use `stage3_param_persistence_threshold: 0`, so every parameter is partitioned and gathered
 around its layer's forward and backward (DeepSpeed's default keeps tensors below 1e5 elements whole on every rank:
@@ -118,8 +119,25 @@ def test_fp8_and_fp8adam_under_zero3_resume_and_checkpoint(runs) -> None:
     assert [s["exp_avg_sq"].dtype for s in states.values()] == [torch.float8_e5m2, torch.float32]
 
 
-def test_zero3_fp8adam_keeps_one_sub_group_per_param_group() -> None:
-    """DeepSpeed steps each sub-group in a call of its own, where Fp8AdamW would number it as its first tensor."""
+def test_zero3_builds_the_model_partitioned(runs) -> None:
+    """Right after build (before `deepspeed.initialize`) each rank holds only its slices: DeepSpeed cuts every
+    tensor into DP parts of ceil(numel / DP) elements (the last one padded), here exactly half of the FP32 model.
+    Building whole first would print 1.000. The model is the unpartitioned one: the first loss (the initial weights'
+    forward) prints as ZeRO-1's, and tests/test_checkpoint_layouts.py reads the ZeRO-3 layout back bitwise."""
+    from megatron.model.gpt import GPTModel
+
+    config = parse_config(tiny_argv(*FP8, micro_batch_size=2, global_batch_size=8))
+    sizes = [p.numel() for p in GPTModel(config.model, device="meta").parameters()]
+    held, full = 4 * sum(-(-n // 2) for n in sizes), 4 * sum(sizes)
+    assert (f"ZeRO-3: this rank holds {held:,} bytes of parameters after build, {held / full:.3f} of the model's "
+            f"{full:,}") in runs["z3"], runs["z3"][-3000:]
+    assert held / full == 0.5
+    assert losses(runs["z3"])[0] == losses(runs["z1"])[0]
+
+
+def test_zero3_config_keeps_one_sub_group_and_torch_linear() -> None:
+    """DeepSpeed steps each sub-group in a call of its own, where Fp8AdamW would number it as its first tensor; and
+    zero.Init, which builds the model partitioned, would replace torch.nn.functional.linear process-wide."""
     config = parse_config(tiny_argv("--deepspeed", "--zero-stage", "3", *FP8, micro_batch_size=2,
                                     global_batch_size=8))
     assert build_deepspeed_config(config, num_parameters=10**6)["zero_optimization"]["sub_group_size"] >= 10**6
@@ -128,3 +146,6 @@ def test_zero3_fp8adam_keeps_one_sub_group_per_param_group() -> None:
     with pytest.raises(DeepSpeedConfigError, match=r"`zero_optimization.sub_group_size` 1000 splits the model's "
                                                    r"1000000 parameters"):
         build_deepspeed_config(config, {"zero_optimization": {"sub_group_size": 1000}}, num_parameters=10**6)
+    assert build_deepspeed_config(config)["zero_optimization"]["memory_efficient_linear"] is False
+    with pytest.raises(DeepSpeedConfigError, match="`zero_optimization.memory_efficient_linear` must be false"):
+        build_deepspeed_config(config, {"zero_optimization": {"memory_efficient_linear": True}})

@@ -10,6 +10,15 @@ stage its own layers, where building the full model first cost every rank all of
 FP32 for a 70B model). The values do not depend on the layout: a TP=2 shard equals the slice of the TP=1
 tensor, a stage's layers equal the PP=1 model's (tests/test_model_construction.py checks both bitwise).
 
+ZeRO-3 (`partition`, from `deepspeed_engine.zero3_partitioner`): TP is 1 there, so the piece of every parameter is the
+whole tensor. Instead of materializing all of them and letting `deepspeed.initialize` partition them (every rank
+would first hold the whole model: 280 GB of FP32 for 70B), the model is materialized one part at a time, the
+embedding, each transformer layer, the final norm, the head, and each part is handed to `partition` (DeepSpeed's
+`zero.Init(module=part)`: each rank keeps its 1/DP slice of every tensor) before the next one is allocated. A rank
+then holds its partitions plus one part at full size, and the values are those above, bit for bit. Partitioned
+parameters keep their full shape in `ds_shape` (their data is an empty placeholder): code that needs the shape
+before DeepSpeed gathers them reads that.
+
 Pipeline stages: the modules outside `stage` stay on meta. The FP8 swap (`convert_to_fp8`) still sees the
 whole `decoder.layers` (its first/last-layer rules count layers of the full model) and gives the swapped
 meta layers meta buffers; `build_pipeline_module` then keeps the materialized ones only (and checks that
@@ -18,7 +27,7 @@ DeepSpeed's partition agrees with `stage`). The RoPE table is held by every stag
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -71,17 +80,35 @@ def tensor_parallel_pieces(config: ModelConfig, rank: int, size: int) -> PieceOf
     return piece_of
 
 
+def model_part(name: str) -> str:
+    """The part that parameter or buffer `name` is materialized with under `partition`: `decoder.layers.<i>` for a
+    transformer layer's, `decoder.<module>` for the decoder's others, else the top-level module's name."""
+    parts = name.split(".")
+    if parts[0] != "decoder":
+        return parts[0]
+    return ".".join(parts[:3] if parts[1] == "layers" else parts[:2])
+
+
 def build_model(config: ModelConfig, device: torch.device | str, seed: int,
                 parallel: ParallelState = ParallelState(), sequence_parallel: bool = False,
-                stage: Optional[PipelineStage] = None) -> GPTModel:
+                stage: Optional[PipelineStage] = None,
+                partition: Optional[Callable[[nn.Module], None]] = None) -> GPTModel:
     """This rank's `GPTModel` on `device`: tensor-parallel over `parallel` (a no-op at TP=1); with `stage`,
-    only that pipeline stage's parts materialized (the rest stays on meta, see the module docstring).
+    only that pipeline stage's parts materialized (the rest stays on meta, see the module docstring); with
+    `partition` (ZeRO-3), each part handed to it as soon as it is materialized (module docstring).
 
     At TP=1 without a stage it equals `GPTModel(config, seed=seed, device=device)`.
     """
     model = GPTModel(config, device="meta")
     parallelize_tensor(model, parallel, sequence_parallel)
-    materialize(model, device, seed,
-                piece_of=tensor_parallel_pieces(config, parallel.tensor_parallel_rank, parallel.tensor_parallel_size),
-                keep=stage.holds if stage is not None else None)
+    piece_of = tensor_parallel_pieces(config, parallel.tensor_parallel_rank, parallel.tensor_parallel_size)
+    if partition is None:
+        materialize(model, device, seed, piece_of=piece_of, keep=stage.holds if stage is not None else None)
+        return model
+    if stage is not None or parallel.tensor_parallel_size > 1:
+        raise ValueError("build_model: partitioned construction (ZeRO-3) is for TP = 1 without pipeline stages")
+    names = [name for name, _ in model.named_parameters()] + [name for name, _ in model.named_buffers()]
+    for part in dict.fromkeys(model_part(name) for name in names):  # in model order, each part once
+        materialize(model, device, seed, piece_of=piece_of, keep=lambda name, part=part: model_part(name) == part)
+        partition(model.get_submodule(part))
     return model

@@ -136,7 +136,9 @@ class GPTModel(nn.Module):
         return self.output_head(hidden, weight, labels)
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
-        total = sum(p.numel() for p in self.parameters())
+        # ds_numel: a parameter built partitioned under ZeRO-3 holds an empty placeholder (megatron/model/build.py)
+        numel = lambda p: getattr(p, "ds_numel", p.numel())  # noqa: E731
+        total = sum(numel(p) for p in self.parameters())
         if exclude_embeddings:
-            total -= self.embedding.word_embeddings.weight.numel()
+            total -= numel(self.embedding.word_embeddings.weight)
         return total

@@ -19,7 +19,8 @@ def get_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     for _, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        (no_decay if param.ndim < 2 else decay).append(param)
+        # ds_shape: a parameter built partitioned under ZeRO-3 holds an empty placeholder (megatron/model/build.py)
+        (no_decay if len(getattr(param, "ds_shape", param.shape)) < 2 else decay).append(param)
     groups = [{"params": decay, "weight_decay": weight_decay}]
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})

@@ -57,7 +57,7 @@ import contextlib
 import logging
 import os
 from pathlib import Path
-from typing import ContextManager, Optional
+from typing import Callable, ContextManager, Optional
 
 import torch
 import torch.distributed as dist
@@ -84,6 +84,37 @@ def full_shape(param: torch.Tensor) -> torch.Size:
 
 def full_numel(param: torch.Tensor) -> int:
     return int(getattr(param, "ds_numel", param.numel()))
+
+
+def zero3_partitioner(config, parallel: ParallelState) -> Optional[Callable[[nn.Module], None]]:
+    """`build_model`'s `partition` under DeepSpeed ZeRO-3 (None otherwise): DeepSpeed's `zero.Init(module=part)`,
+    which splits each parameter of a just-materialized part of the model over the data-parallel ranks, keeping this
+    rank's slice (`ds_tensor`). `deepspeed.initialize` then finds the parameters partitioned already."""
+    if not config.parallel.deepspeed:
+        return None
+    ds_config = build_deepspeed_config(config)
+    if zero_stage(ds_config) != 3:
+        return None
+    import deepspeed
+
+    # zero.Init reads the world size from DeepSpeed's communication layer, which wraps our process group.
+    _ensure_process_group(parallel)
+    deepspeed.init_distributed()
+
+    def partition(part: nn.Module) -> None:
+        # Over all ranks, as the engine partitions without an mpu: ZeRO-3 runs at TP = PP = 1 (deepspeed_config.py).
+        deepspeed.zero.Init(module=part, config_dict_or_path=ds_config)
+
+    return partition
+
+
+def zero3_held_line(model: nn.Module) -> str:
+    """What this rank holds of the model's parameters, for the log: its ZeRO-3 slices, or whole tensors."""
+    held = sum(p.ds_tensor.numel() * p.ds_tensor.element_size() if hasattr(p, "ds_tensor")
+               else p.numel() * p.element_size() for p in model.parameters())
+    full = sum(full_numel(p) * p.element_size() for p in model.parameters())
+    return (f"ZeRO-3: this rank holds {held:,} bytes of parameters after build, {held / full:.3f} of the model's "
+            f"{full:,}")
 
 
 def release_fp8_weights_after_forward(model: nn.Module) -> int:
@@ -222,6 +253,7 @@ class DeepSpeedBase:
         self.model, self.optimizer, self.scheduler, self.parallel = model, optimizer, scheduler, parallel
         tag_fp8_state_groups(optimizer, self.zero_stage)
         if self.zero_stage == 3:
+            logger.info("%s", zero3_held_line(model))
             release_fp8_weights_after_forward(model)
         mark_model_parallel_params(model)
         if config.parallel.sequence_parallel and parallel.tensor_parallel_size > 1:

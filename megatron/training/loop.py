@@ -35,6 +35,7 @@ from megatron.optimizer.lr_scheduler import LrScheduler
 from megatron.parallel_state import ParallelState, initialize_parallel_state
 from megatron.training import checkpointing as ckpt
 from megatron.training.datasets import build_datasets
+from megatron.training.deepspeed_engine import zero3_partitioner
 from megatron.training.divergence import DivergenceGuard, max_abs_weight
 from megatron.training.engine import build_engine
 from megatron.training.flops import flops_per_iteration
@@ -116,7 +117,7 @@ class Trainer:
         # Only this rank's pieces are ever allocated (built on meta, sharded and staged there); sharded before
         # the FP8 swap, the optimizer and DDP, which must all see this rank's pieces.
         self.model = build_model(config.model, self.accel.device, t.seed, self.parallel,
-                                 config.parallel.sequence_parallel, stage)
+                                 config.parallel.sequence_parallel, stage, zero3_partitioner(config, self.parallel))
         apply_habana_kernels(self.model, config.compat.kernels, self.accel.device_type)
         self.fp8 = Fp8Hooks(self.model, config.fp8, self.parallel.amax_group, config.logging.log_fp8_stats)
         logger.info("> number of parameters: %d", self.model.num_parameters())
