@@ -22,10 +22,10 @@ What is compiled
     auto, CPU         eager                                    compiled for runs of >= FUSED_MIN_ITERS iterations
     auto, HPU         eager                                    eager (Gaudi casts in its own kernels)
 
-The iteration threshold on CPU: compiling the quantization costs ~5 s with a warm inductor cache and up to a
-minute cold, and saves ~0.2 s per iteration of the demo model (eager FP8 step 1.17x the eager BF16 step,
-fused 0.95x, docs/performance.md), so it pays off after tens of iterations; the short runs of tests and smoke
-checks stay eager and start at once.
+The iteration threshold on CPU: compiling the quantization of the demo model took 1-6 s with a warm inductor
+cache and 28 s cold, and saves ~0.2-0.4 s per iteration (eager FP8 step 1.16-1.22x the eager BF16 step,
+quantization compiled 0.91-1.03x, docs/performance.md), so it pays off within 100 iterations even cold; the
+short runs of tests and smoke checks stay eager and start at once.
 
 Startup: compilation happens on a block's first call. So that it is neither inside the first iteration's time
 nor in tokens/s, `warm_up` runs one forward and backward on a synthetic micro-batch of the training shape
