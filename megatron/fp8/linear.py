@@ -60,7 +60,7 @@ import torch
 import torch.nn as nn
 
 from megatron import comm
-from megatron.fp8 import fused
+from megatron.fp8 import fused, gemm_steps
 from megatron.fp8 import stats as fp8_stats
 from megatron.fp8.backends import Backend, backend_format_spec, select_backend
 from megatron.fp8.formats import Fp8FormatSpec
@@ -128,9 +128,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 module: "Fp8Linear", out_dtype: torch.dtype, column_scale: torch.Tensor | None = None,
                 input_amax: torch.Tensor | None = None, column_scale_group: Any = None) -> torch.Tensor:
-        backend = module.fp8_backend(x.device)
-        specs = module.fp8_specs(backend)
-        x2d = x.reshape(-1, x.shape[-1])
+        backend, specs, x2d = gemm_steps.begin(module, x)
         values_dtype = _fused_values_dtype(module, backend)
         # Autocast would turn the fp32 GEMM of the emulated backend into bf16; every dtype here is explicit.
         with torch.autocast(x.device.type, enabled=False):
@@ -160,13 +158,10 @@ class _Fp8LinearFunction(torch.autograd.Function):
             pow2 = module.recipe.power_of_two_scales
             y = backend.gemm_nt(q_x if v_x is None else v_x, s_x, w.weight(backend, pow2),
                                 nonfinite_guard(w.scale, w.amax), out_dtype, pow2, module.fused_quantization)
-            if bias is not None:
-                y = y + bias.to(out_dtype)
+            y = gemm_steps.add_bias(y, bias, out_dtype)
         saved_x = q_x if module.recipe.fp8_wgrad else x2d
         ctx.save_for_backward(saved_x, s_x, column_scale)
-        ctx.module, ctx.backend, ctx.specs, ctx.weight_fp8 = module, backend, specs, w
-        ctx.x_shape, ctx.x_dtype, ctx.w_dtype, ctx.has_bias = x.shape, x.dtype, weight.dtype, bias is not None
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+        return gemm_steps.finish_forward(ctx, y, x, weight, bias, module, backend, specs, w)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -174,7 +169,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         module, backend, specs, w = ctx.module, ctx.backend, ctx.specs, ctx.weight_fp8
         grad_spec = specs[Fp8Role.GRAD_OUTPUT]
         dy2d = dy.reshape(-1, dy.shape[-1])
-        dx = dw = db = None
+        dx = dw = None
         values_dtype = _fused_values_dtype(module, backend)
         with torch.autocast(dy.device.type, enabled=False):
             v_g = None
@@ -203,12 +198,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
                     dw = backend.gemm_nt((q_g if v_g is None else v_g).t(), s_g, saved_x.t(), s_x, torch.float32, pow2,
                                          fused_epilogue)
                 else:
-                    dw = dy2d.float().t() @ saved_x.float()
-                if column_scale is not None:
-                    dw = dw * column_scale.float()  # d/dW of (W diag(c)): scale the columns back
-                dw = dw.to(ctx.w_dtype)
-            if ctx.has_bias and ctx.needs_input_grad[2]:
-                db = dy2d.float().sum(dim=0).to(ctx.w_dtype)
+                    dw = gemm_steps.high_precision_wgrad(dy2d, saved_x)
+                dw = gemm_steps.finish_weight_grad(ctx, dw, column_scale)
+            db = gemm_steps.bias_grad(ctx, dy2d)
         return dx, dw, db, None, None, None, None, None
 
 

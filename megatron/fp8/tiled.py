@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from megatron.fp8 import fused
+from megatron.fp8 import fused, gemm_steps
 from megatron.fp8 import stats as fp8_stats
 from megatron.fp8.formats import Fp8FormatSpec
 from megatron.fp8.quantize import Tile, TiledFp8, from_e8m0, quantize_tiles, to_e8m0
@@ -112,16 +112,12 @@ class TiledFp8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 module: "Fp8Linear", out_dtype: torch.dtype, column_scale: torch.Tensor | None = None) -> torch.Tensor:
-        backend = module.fp8_backend(x.device)
-        specs = module.fp8_specs(backend)
+        backend, specs, x2d = gemm_steps.begin(module, x)
         act_tile, _ = module.recipe.tiles
-        x2d = x.reshape(-1, x.shape[-1])
         with torch.autocast(x.device.type, enabled=False):
             q_x = quantize_tile_role(module, Fp8Role.INPUT, x2d, act_tile, specs[Fp8Role.INPUT])
             w = tiled_weight(module, backend, specs[Fp8Role.WEIGHT], column_scale)
-            y = backend.gemm_tiles(q_x, w.fprop, out_dtype)
-            if bias is not None:
-                y = y + bias.to(out_dtype)
+            y = gemm_steps.add_bias(backend.gemm_tiles(q_x, w.fprop, out_dtype), bias, out_dtype)
             wgrad_fp8 = module.recipe.fp8_wgrad and weight.requires_grad
             if wgrad_fp8:  # the wgrad layout: x^T tiled along the tokens
                 q_xt = quantize_tile_role(module, Fp8Role.INPUT, x2d.t(), act_tile, specs[Fp8Role.INPUT], False)
@@ -130,9 +126,8 @@ class TiledFp8LinearFunction(torch.autograd.Function):
                 ctx.save_for_backward(q_xt.data, scale, column_scale)
             else:
                 ctx.save_for_backward(x2d, None, column_scale)
-        ctx.module, ctx.backend, ctx.specs, ctx.weight_fp8, ctx.wgrad_fp8 = module, backend, specs, w, wgrad_fp8
-        ctx.x_shape, ctx.x_dtype, ctx.w_dtype, ctx.has_bias = x.shape, x.dtype, weight.dtype, bias is not None
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+        ctx.wgrad_fp8 = wgrad_fp8
+        return gemm_steps.finish_forward(ctx, y, x, weight, bias, module, backend, specs, w)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -142,7 +137,7 @@ class TiledFp8LinearFunction(torch.autograd.Function):
         spec = specs[Fp8Role.GRAD_OUTPUT]
         rounding = module.recipe.grad_stochastic_rounding
         dy2d = dy.reshape(-1, dy.shape[-1])
-        dx = dw = db = None
+        dx = dw = None
         with torch.autocast(dy.device.type, enabled=False):
             if ctx.needs_input_grad[0]:
                 q_g = quantize_tile_role(module, Fp8Role.GRAD_OUTPUT, dy2d, act_tile, spec, True, rounding)
@@ -157,10 +152,7 @@ class TiledFp8LinearFunction(torch.autograd.Function):
                     q_xt = TiledFp8(saved, saved_scale, saved_scale, act_tile)  # amax is not needed here
                     dw = backend.gemm_tiles(q_gt, q_xt, torch.float32)
                 else:
-                    dw = dy2d.float().t() @ saved.float()
-                if column_scale is not None:
-                    dw = dw * column_scale.float()
-                dw = dw.to(ctx.w_dtype)
-            if ctx.has_bias and ctx.needs_input_grad[2]:
-                db = dy2d.float().sum(dim=0).to(ctx.w_dtype)
+                    dw = gemm_steps.high_precision_wgrad(dy2d, saved)
+                dw = gemm_steps.finish_weight_grad(ctx, dw, column_scale)
+            db = gemm_steps.bias_grad(ctx, dy2d)
         return dx, dw, db, None, None, None
