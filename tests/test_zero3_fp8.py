@@ -135,9 +135,8 @@ def test_zero3_builds_the_model_partitioned(runs) -> None:
     assert losses(runs["z3"])[0] == losses(runs["z1"])[0]
 
 
-def test_zero3_config_keeps_one_sub_group_and_torch_linear() -> None:
-    """DeepSpeed steps each sub-group in a call of its own, where Fp8AdamW would number it as its first tensor; and
-    zero.Init, which builds the model partitioned, would replace torch.nn.functional.linear process-wide."""
+def test_zero3_fp8adam_keeps_one_sub_group_per_param_group() -> None:
+    """DeepSpeed steps each sub-group in a call of its own, where Fp8AdamW would number it as its first tensor."""
     config = parse_config(tiny_argv("--deepspeed", "--zero-stage", "3", *FP8, micro_batch_size=2,
                                     global_batch_size=8))
     assert build_deepspeed_config(config, num_parameters=10**6)["zero_optimization"]["sub_group_size"] >= 10**6
@@ -146,6 +145,3 @@ def test_zero3_config_keeps_one_sub_group_and_torch_linear() -> None:
     with pytest.raises(DeepSpeedConfigError, match=r"`zero_optimization.sub_group_size` 1000 splits the model's "
                                                    r"1000000 parameters"):
         build_deepspeed_config(config, {"zero_optimization": {"sub_group_size": 1000}}, num_parameters=10**6)
-    assert build_deepspeed_config(config)["zero_optimization"]["memory_efficient_linear"] is False
-    with pytest.raises(DeepSpeedConfigError, match="`zero_optimization.memory_efficient_linear` must be false"):
-        build_deepspeed_config(config, {"zero_optimization": {"memory_efficient_linear": True}})
