@@ -1,4 +1,4 @@
-"""Megatron's weight layout under the torch engine (`--params-dtype bf16`): BF16 weights, FP32 main gradients,
+"""The torch engine's weight layouts. `MainParams`: Megatron's (`--params-dtype bf16`): BF16 weights, FP32 main gradients,
 FP32 master weights owned by the optimizer.
 
 Default layout (`--params-dtype fp32`): the model's FP32 weights are the master weights; BF16 autocast runs the
@@ -37,8 +37,40 @@ from megatron import comm
 from megatron.parallel.layers import SEQUENCE_PARALLEL_GRAD, TP_SHARD_DIM
 
 
+class ModelIsMaster:
+    """The default layout (`--params-dtype fp32`) behind `MainParams`'s interface, so that the engine has one code
+    path: the model's FP32 parameters are the masters, their `.grad` the gradients (data parallelism averages them
+    in DDP), checkpoints hold the model's own state."""
+
+    reduces_gradients = False  # DDP does
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def reduce_and_attach(self, dp_group: Optional[Any], dp_size: int) -> list[torch.Tensor]:
+        return [p for p in self.model.parameters() if p.grad is not None]
+
+    def copy_to_model(self) -> None:
+        """Nothing to copy: the optimizer stepped the model's parameters."""
+
+    def state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        return model.state_dict()
+
+    def named_masters(self) -> None:
+        """None: resharding loads into the model's own parameters."""
+        return None
+
+    def load(self, saved: dict[str, torch.Tensor]) -> None:
+        """Nothing beyond the model's state dict, which the engine loaded."""
+
+
 class MainParams:
     """The BF16 parameters of `model`, their FP32 main gradients and the FP32 masters `optimizer` steps."""
+
+    reduces_gradients = True  # one FP32 all-reduce of the flat main-gradient buffer, in `reduce_and_attach`
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         if optimizer.state:

@@ -30,7 +30,7 @@ from megatron import comm
 from megatron.accelerator import Accelerator
 from megatron.data.provider import Batch
 from megatron.optimizer.lr_scheduler import LrScheduler
-from megatron.optimizer.main_params import MainParams
+from megatron.optimizer.main_params import MainParams, ModelIsMaster
 from megatron.checkpoint_conversion import layouts
 from megatron.parallel import clip_grad_norm, reduce_sequence_parallel_grads
 from megatron.parallel.checkpoint import save_tensor_parallel_checkpoint
@@ -142,18 +142,16 @@ class TorchEngine(MicroBatchEngine):
         self.clip_grad = clip_grad
         self.save_optimizer = save_optimizer
         self.module: nn.Module = model
-        # --params-dtype bf16: BF16 weights, FP32 main gradients (all-reduced in step), FP32 masters in the optimizer
-        self.main_params: Optional[MainParams] = MainParams(model, optimizer) if bf16_params else None
+        # The weight layout: --params-dtype bf16 = BF16 weights, FP32 main gradients (all-reduced in step), FP32
+        # masters in the optimizer; fp32 = the model's parameters are the masters.
+        self.weights: ModelIsMaster | MainParams = (MainParams if bf16_params else ModelIsMaster)(model, optimizer)
         # DDP over the data-parallel group only: tensor-parallel ranks hold different shards.
-        self.ddp = parallel.data_parallel_size > 1 and self.main_params is None
+        self.ddp = parallel.data_parallel_size > 1 and not self.weights.reduces_gradients
         if self.ddp:
             self.module = nn.parallel.DistributedDataParallel(model, process_group=parallel.data_parallel_group)
 
     def zero_grad(self) -> None:
-        if self.main_params is not None:
-            self.main_params.zero_grad()
-            return
-        self.optimizer.zero_grad(set_to_none=True)
+        self.weights.zero_grad()
 
     def micro_batch_context(self, is_last: bool) -> ContextManager:
         """Gradients are all-reduced only on the last micro-batch of the step."""
@@ -167,11 +165,9 @@ class TorchEngine(MicroBatchEngine):
     def step(self, iteration: int, loss_finite: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """`loss_finite` (0-d bool) and the returned norm stay on the device; the one host read is the skip
         decision itself (docs/distributed.md, "Host synchronisation")."""
-        if self.main_params is not None:  # the FP32 main gradients, averaged over data parallelism, on the masters
-            params = self.main_params.reduce_and_attach(self.parallel.data_parallel_group,
-                                                        self.parallel.data_parallel_size)
-        else:
-            params = [p for p in self.model.parameters() if p.grad is not None]
+        # The gradients clipping and the optimizer see (bf16 layout: the FP32 main gradients, averaged over data
+        # parallelism, attached to the masters).
+        params = self.weights.reduce_and_attach(self.parallel.data_parallel_group, self.parallel.data_parallel_size)
         max_norm = self.clip_grad if self.clip_grad > 0 else float("inf")
         reduce_sequence_parallel_grads(self.model, self.parallel.tensor_parallel_group)
         grad_norm = clip_grad_norm(params, max_norm, self.parallel.tensor_parallel_group)
@@ -180,8 +176,7 @@ class TorchEngine(MicroBatchEngine):
             return grad_norm, False
         self.scheduler.apply(iteration)
         self.optimizer.step()
-        if self.main_params is not None:
-            self.main_params.copy_to_model()
+        self.weights.copy_to_model()
         return grad_norm, True
 
     def save_checkpoint(self, save_dir: str, iteration: int, extras: dict, train_state: dict,
@@ -189,8 +184,7 @@ class TorchEngine(MicroBatchEngine):
         """The first data-parallel replica writes: one shard per tensor-parallel rank (mp_rank_XX)."""
         payload = None
         if self.parallel.data_parallel_rank == 0:
-            weights = self.model.state_dict() if self.main_params is None else self.main_params.state_dict(self.model)
-            payload = {"model": weights, **extras}
+            payload = {"model": self.weights.state_dict(self.model), **extras}
             if self.save_optimizer:
                 payload["optimizer"] = self.optimizer.state_dict()
         if self.parallel.tensor_parallel_size > 1:
@@ -212,17 +206,15 @@ class TorchEngine(MicroBatchEngine):
                     folder, model=self.model, full_name=lambda n: n, model_config=self.model.config,
                     tp_rank=self.parallel.tensor_parallel_rank, tp_size=tp, optimizer=self.optimizer,
                     load_optimizer=load_optimizer, module_only=module_only, describe=f"tensor parallel {tp}",
-                    weights=None if self.main_params is None else self.main_params.named_masters())
-                if self.main_params is not None:
-                    self.main_params.copy_to_model()
+                    weights=self.weights.named_masters())
+                self.weights.copy_to_model()
                 return loaded
         loaded = ckpt.load_checkpoint_files(load_dir, mp_rank=self.parallel.tensor_parallel_rank)
         if loaded is None:
             return None
         payload = loaded["payload"]
         ckpt.load_model_state(self.model, payload["model"], loaded["path"])
-        if self.main_params is not None:  # the saved FP32 weights are the masters (either layout)
-            self.main_params.load(payload["model"])
+        self.weights.load(payload["model"])  # bf16 layout: the saved FP32 weights are the masters (either layout)
         if load_optimizer and not module_only:
             if "optimizer" not in payload:
                 raise ckpt.CheckpointError(f"{loaded['path']} has no optimizer state (saved with --no-save-optim); "
