@@ -42,8 +42,8 @@ the FP8 copy (and, on the emulated backend, its exact FP32 values: 5 bytes per p
 every rank between micro-batches and through the optimizer step: the whole model again. It also mostly misses
 (each gather makes new storage, which the cache's key notices; it hits only where the allocator hands back the
 same address, holding the same values then), so `release_fp8_weights_after_forward` drops it when the
-layer's forward returns: the FP8 weight lives from a layer's forward to its backward only, as its activations do.
-Numerics are unchanged (the weight and its scale are those of the step, so a new quantization is the same).
+layer's forward returns. The FP8 weight its backward uses stays in the autograd context from forward to backward,
+also under activation recompute (not solved here: docs/distributed.md says where it would be). Numerics are unchanged (the weight and its scale are those of the step, so a new quantization is the same).
 
 Fp8AdamW: ZeRO 1-3 hand the optimizer one flattened 1-D FP32 partition per param group, which defeats
 its "matrices get FP8 states" rule, so every group is tagged with `"fp8_states"` before wrapping: our
