@@ -51,19 +51,23 @@ def _model_states(folder, rank: int) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """ZeRO-3 (saving at 2 and 4), the same run at ZeRO-1, the torch engine's run (the control), and ZeRO-3 resumed
-    from the first run's iteration 2 (a copy of its folder whose trackers point back at 2)."""
+    """ZeRO-3 (saving at 2 and 4), the same run at ZeRO-1 and on the torch engine (the control); logs and folders."""
     root = tmp_path_factory.mktemp("zero3_fp8")
     zero3 = ("--deepspeed", "--deepspeed_config", _zero3_json(root), *FP8)
     log3 = run(2, *zero3, save=root / "z3", **COMMON)
     log1 = run(2, "--deepspeed", "--zero-stage", "1", *FP8, save=root / "z1", **COMMON)
     log0 = run(1, *FP8, save=root / "torch", **COMMON)
+    return dict(root=root, zero3=zero3, z3=log3, z1=log1, torch=log0)
+
+
+def _resume_from_iteration_2(runs) -> str:
+    """ZeRO-3 resumed from the first run's iteration 2: a copy of its folder whose trackers point back at 2."""
+    root = runs["root"]
     shutil.copytree(root / "z3", root / "resumed")
     (root / "resumed" / ckpt.TRACKER_FILE).write_text("2")
     (root / "resumed" / "latest").write_text("iter_0000002")
     shutil.rmtree(root / "resumed" / "iter_0000004")
-    log_resumed = run(2, *zero3, load=root / "resumed", save=root / "resumed", **COMMON)
-    return dict(root=root, z3=log3, z1=log1, torch=log0, resumed=log_resumed)
+    return run(2, *runs["zero3"], load=root / "resumed", save=root / "resumed", **COMMON)
 
 
 def _weights(save) -> dict:
@@ -94,8 +98,9 @@ def test_fp8_and_fp8adam_under_zero3_resume_and_checkpoint(runs) -> None:
     # elements in the unwrapped optimizer), the matrices' with FP8 states, the norms' with FP32 ones.
     assert re.search(r"Fp8AdamW: m=e4m3/block128 v=e5m2/block128 states for 1 tensors \(45,056 params\); "
                      r"FP32 states for 1 tensors \(160 params\)", log), log[-3000:]
-    assert "loaded checkpoint" in runs["resumed"]
-    assert losses(runs["resumed"]) == losses(log)[2:]  # the printed values, digit for digit
+    resumed_log = _resume_from_iteration_2(runs)
+    assert "loaded checkpoint" in resumed_log
+    assert losses(resumed_log) == losses(log)[2:]  # the printed values, digit for digit
     straight, resumed = root / "z3" / "iter_0000004", root / "resumed" / "iter_0000004"
     for key, value in _weights(root / "z3").items():
         assert torch.equal(value, _weights(root / "resumed")[key]), key
