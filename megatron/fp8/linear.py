@@ -34,7 +34,10 @@ The input is saved for backward as FP8 (1 byte per element plus its scale) inste
 activation-memory saving. The weight is quantized once per optimizer step and the FP8 copy is reused by every
 micro-batch's forward and backward; `fp8_optimizer_step` drops the cache after each step. As a safety net the
 cache is also keyed on the weight's version counter and storage, so an in-place update made without the hook
-is noticed (an update through `.data` is not: call the hook).
+is noticed (an update through `.data` is not: call the hook). Under ZeRO-3 (`fp8_weight_per_call`, set by the
+DeepSpeed engine) the weight exists only while gathered, and an FP8 copy kept per layer would hold the whole model
+again on every rank: the layer then quantizes per forward, keeps no copy, and its backward requantizes the
+re-gathered weight with the forward's scale (bitwise the same FP8 weight).
 
 Per-input-channel weight scale (Smooth-SwiGLU, channel form)
 -----------------------------------------------------------
@@ -161,7 +164,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
             y = gemm_steps.add_bias(y, bias, out_dtype)
         saved_x = q_x if module.recipe.fp8_wgrad else x2d
         ctx.save_for_backward(saved_x, s_x, column_scale)
-        return gemm_steps.finish_forward(ctx, y, x, weight, bias, module, backend, specs, w)
+        ctx.weight_scale, ctx.weight_amax = w.scale, w.amax  # a per-call weight is requantized with them
+        return gemm_steps.finish_forward(ctx, y, x, weight, bias, module, backend, specs,
+                                         None if module.fp8_weight_per_call else w)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -186,6 +191,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
             s_g = nonfinite_guard(s_g, g_amax)
             pow2, fused_epilogue = module.recipe.power_of_two_scales, module.fused_quantization
             if ctx.needs_input_grad[0]:
+                if w is None:  # a per-call FP8 weight (ZeRO-3): made again from the re-gathered weight
+                    w = module._requantized_weight(backend, specs[Fp8Role.WEIGHT], ctx.weight_scale, ctx.weight_amax,
+                                                   column_scale)
                 # dx = dy W  ==  gemm_nt(dy, W^T)
                 dx = backend.gemm_nt(q_g if v_g is None else v_g, s_g, w.weight_t(backend, pow2),
                                      nonfinite_guard(w.scale, w.amax), ctx.x_dtype, pow2, fused_epilogue)
@@ -225,6 +233,9 @@ class Fp8Linear(nn.Linear):
         self.fused_quantization = False
         self.fp8_num_updates = 0  # optimizer steps seen by the delayed-scaling update
         self.fp8_weight_quantizations = 0  # how often the weight was cast (once per step when cached)
+        # Per-call FP8 weight (set under ZeRO-3, where the weight exists only while gathered): no cache across
+        # forwards, and none kept from forward to backward, which requantizes (see "Memory and caching").
+        self.fp8_weight_per_call = False
         self._weight_cache: _QuantizedWeight | TiledWeight | None = None
         self._init_fp8_buffers(self.weight.device)
 
@@ -309,9 +320,29 @@ class Fp8Linear(nn.Linear):
                     q = backend.quantize(w, scale, spec)
                 if self.fp8_stats_enabled:
                     fp8_stats.record(self, Fp8Role.WEIGHT, w, q, scale, spec)
-            self._weight_cache = _QuantizedWeight(key, q, scale, amax, values=values)
             self.fp8_weight_quantizations += 1
+            made = _QuantizedWeight(key, q, scale, amax, values=values)
+            if self.fp8_weight_per_call:
+                return made
+            self._weight_cache = made
         return self._weight_cache
+
+    def _requantized_weight(self, backend: Backend, spec: Fp8FormatSpec, scale: torch.Tensor, amax: torch.Tensor,
+                            column_scale: torch.Tensor | None) -> _QuantizedWeight:
+        """The forward's FP8 weight (or W diag(c)) made again with its scale: the same values and scale give the
+        same bits (the fused and eager casts are bitwise equal, tests/test_fp8_fused.py). Records nothing."""
+        values_dtype = _fused_values_dtype(self, backend)
+        values = None
+        with torch.no_grad():
+            if values_dtype is not False:
+                if values_dtype is not None and self.recipe.power_of_two_scales:
+                    values_dtype = torch.bfloat16
+                q, values = fused.quantize_known(self.weight, scale, spec.max, spec.torch_dtype, values_dtype,
+                                                 column_scale=column_scale)
+            else:
+                w = self.weight if column_scale is None else self.weight.float() * column_scale.float()
+                q = backend.quantize(w, scale, spec)
+        return _QuantizedWeight(None, q, scale, amax, values=values)
 
     def _own_amax_scale(self, role: Fp8Role, amax: torch.Tensor, spec: Fp8FormatSpec) -> torch.Tensor:
         """The just-in-time scale of a tensor whose exact amax is known, under every scaling recipe."""

@@ -98,12 +98,23 @@ def tiled_weight(module: "Fp8Linear", backend: "Backend", spec: Fp8FormatSpec,
         cache = module._weight_cache
         if not isinstance(cache, TiledWeight) or cache.key != key:
             cache = TiledWeight(key, w, quantize_tile_role(module, Fp8Role.WEIGHT, w, w_tile, spec))
-            module._weight_cache = cache
             module.fp8_weight_quantizations += 1
+            if module.fp8_weight_per_call:
+                return cache
+            module._weight_cache = cache
         elif module.training:  # the amax of every training use, as `_note_weight_use` does per tensor
             amax = cache.fprop.amax.amax()
             module.fp8_step_amax[Fp8Role.WEIGHT] = torch.maximum(module.fp8_step_amax[Fp8Role.WEIGHT], amax)
     return cache
+
+
+def requantized_weight(module: "Fp8Linear", spec: Fp8FormatSpec, column_scale: torch.Tensor | None) -> TiledWeight:
+    """A per-call weight (ZeRO-3) made again in backward from the re-gathered weight: tile scales come from the
+    tiles' own values, so the same weight gives the same bits. Records nothing."""
+    _, w_tile = module.recipe.tiles
+    with torch.no_grad():
+        w = module.weight if column_scale is None else module.weight.float() * column_scale.float()
+        return TiledWeight(None, w, quantize_tile_role(module, Fp8Role.WEIGHT, w, w_tile, spec, record=False))
 
 
 class TiledFp8LinearFunction(torch.autograd.Function):
@@ -127,7 +138,8 @@ class TiledFp8LinearFunction(torch.autograd.Function):
             else:
                 ctx.save_for_backward(x2d, None, column_scale)
         ctx.wgrad_fp8 = wgrad_fp8
-        return gemm_steps.finish_forward(ctx, y, x, weight, bias, module, backend, specs, w)
+        return gemm_steps.finish_forward(ctx, y, x, weight, bias, module, backend, specs,
+                                         None if module.fp8_weight_per_call else w)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -140,6 +152,8 @@ class TiledFp8LinearFunction(torch.autograd.Function):
         dx = dw = None
         with torch.autocast(dy.device.type, enabled=False):
             if ctx.needs_input_grad[0]:
+                if w is None:  # a per-call FP8 weight (ZeRO-3)
+                    w = requantized_weight(module, specs[Fp8Role.WEIGHT], column_scale)
                 q_g = quantize_tile_role(module, Fp8Role.GRAD_OUTPUT, dy2d, act_tile, spec, True, rounding)
                 dx = backend.gemm_tiles(q_g, w.transposed(module, specs[Fp8Role.WEIGHT]), ctx.x_dtype)
                 dx = dx.reshape(ctx.x_shape)

@@ -36,14 +36,13 @@ casts the module's parameters to BF16 and keeps the FP32 masters in its partitio
 whose partition files are named `bf16_zero_pp_rank_...`; ZeRO-2: its ZeRO optimizer); our AdamW/Fp8AdamW, built
 on the FP32 model before the cast, steps those partitions. Nothing else changes here.
 
-FP8 linears under ZeRO-3: an `Fp8Linear` quantizes its gathered weight in forward and keeps the FP8 copy for its
-backward (the autograd context) and, as an optimizer-step cache, on the module. Under ZeRO-3 that cache would keep
-the FP8 copy (and, on the emulated backend, its exact FP32 values: 5 bytes per parameter) of every FP8 layer on
-every rank between micro-batches and through the optimizer step: the whole model again. It also mostly misses
-(each gather makes new storage, which the cache's key notices; it hits only where the allocator hands back the
-same address, holding the same values then), so `release_fp8_weights_after_forward` drops it when the
-layer's forward returns. The FP8 weight its backward uses stays in the autograd context from forward to backward,
-also under activation recompute (not solved here: docs/distributed.md says where it would be). Numerics are unchanged (the weight and its scale are those of the step, so a new quantization is the same).
+FP8 linears under ZeRO-3: an `Fp8Linear` quantizes its gathered weight in forward and, by default, keeps the FP8
+copy as an optimizer-step cache on the module and for its backward in the autograd context. Under ZeRO-3 both
+would keep the FP8 copy (and, on the emulated backend, its exact FP32 values: 5 bytes per parameter) of every FP8
+layer on every rank: the whole model again. The cache also mostly misses there (each gather makes new storage).
+So `fp8_weights_per_call` sets `Fp8Linear.fp8_weight_per_call`: each forward quantizes the gathered weight and
+keeps nothing; backward requantizes the re-gathered weight with the forward's scale, which gives the same bits
+(tests/test_fp8_linear.py checks outputs and gradients bitwise against the cached path).
 
 Fp8AdamW: ZeRO 1-3 hand the optimizer one flattened 1-D FP32 partition per param group, which defeats
 its "matrices get FP8 states" rule, so every group is tagged with `"fp8_states"` before wrapping: our
@@ -117,14 +116,15 @@ def zero3_held_line(model: nn.Module) -> str:
             f"{full:,}")
 
 
-def release_fp8_weights_after_forward(model: nn.Module) -> int:
-    """ZeRO-3: drop each FP8 layer's cached FP8 weight when its forward returns (module docstring); the number of
-    layers hooked."""
+def fp8_weights_per_call(model: nn.Module) -> int:
+    """ZeRO-3: every FP8 layer quantizes its gathered weight per forward and keeps no FP8 copy, neither across
+    forwards nor from forward to backward (module docstring); the number of layers set."""
     from megatron.fp8 import Fp8Linear
 
     layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
     for layer in layers:
-        layer.register_forward_hook(lambda module, args, output: module.invalidate_fp8_weight_cache())
+        layer.fp8_weight_per_call = True
+        layer.invalidate_fp8_weight_cache()
     return len(layers)
 
 
@@ -254,7 +254,7 @@ class DeepSpeedBase:
         tag_fp8_state_groups(optimizer, self.zero_stage)
         if self.zero_stage == 3:
             logger.info("%s", zero3_held_line(model))
-            release_fp8_weights_after_forward(model)
+            fp8_weights_per_call(model)
         mark_model_parallel_params(model)
         if config.parallel.sequence_parallel and parallel.tensor_parallel_size > 1:
             sum_sequence_parallel_grads_in_backward(model, parallel.tensor_parallel_group)
