@@ -5,9 +5,13 @@ for forward and backward); with --bf16 the model still runs under torch autocast
 torch path. What may differ is the order of the fp32 gradient reductions (reduce-scatter of per-rank halves
 vs one process summing four micro-batches), i.e. ~1e-7 relative on the gradients, which bf16 autocast can
 amplify by at most its own rounding: so the bound is the run's own bf16 noise, measured as the largest
-|loss(bf16) - loss(fp32)| of the single-process reference over the same steps.
+|loss(bf16) - loss(fp32)| of the single-process reference over the same steps. The runs set
+`stage3_param_persistence_threshold: 0`: DeepSpeed's default (1e5 elements) would keep every tensor of the tiny
+model whole, and nothing would be partitioned or gathered.
 """
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -17,9 +21,16 @@ pytest.importorskip("deepspeed")
 
 
 @pytest.fixture(scope="module")
-def zero3_straight(tmp_path_factory):
+def zero3_args(tmp_path_factory) -> tuple[str, ...]:
+    path = tmp_path_factory.mktemp("z3json") / "zero3.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}))
+    return ("--deepspeed", "--deepspeed_config", str(path), "--bf16")
+
+
+@pytest.fixture(scope="module")
+def zero3_straight(tmp_path_factory, zero3_args):
     save = tmp_path_factory.mktemp("z3")
-    return losses(run(2, "--deepspeed", "--zero-stage", "3", "--bf16", save=save)), save
+    return losses(run(2, *zero3_args, save=save)), save
 
 
 def test_bf16_zero3_dp2_tracks_single_process_with_double_accumulation(zero3_straight, torch_reference) -> None:
@@ -33,12 +44,12 @@ def test_bf16_zero3_dp2_tracks_single_process_with_double_accumulation(zero3_str
         assert abs(a - b) <= noise, (l_z3, l_bf16, l_fp32)
 
 
-def test_bf16_zero3_resume_is_exact(zero3_straight, tmp_path) -> None:
+def test_bf16_zero3_resume_is_exact(zero3_straight, zero3_args, tmp_path) -> None:
     l_full, _ = zero3_straight
     save = tmp_path / "ckpt"
-    first = losses(run(2, "--deepspeed", "--zero-stage", "3", "--bf16", save=save, exit_interval=2))
+    first = losses(run(2, *zero3_args, save=save, exit_interval=2))
     assert (save / "latest_checkpointed_iteration.txt").read_text() == "2"
     assert sorted(p.name for p in (save / "iter_0000002").glob("*model_states.pt")) == [
         "zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt"]
-    second = losses(run(2, "--deepspeed", "--zero-stage", "3", "--bf16", load=save, save=save))
+    second = losses(run(2, *zero3_args, load=save, save=save))
     assert first + second == l_full  # the printed values, digit for digit

@@ -147,7 +147,9 @@ def _zero3_state(path: Path) -> dict[str, torch.Tensor]:
                                    "package (pip install deepspeed)") from exc
     try:
         with _weights_only_torch_load():
-            return dict(get_fp32_state_dict_from_zero_checkpoint(str(path.parent), tag=path.name))
+            # DeepSpeed hands back Parameters (requires_grad=True): the readers want plain tensors.
+            state = get_fp32_state_dict_from_zero_checkpoint(str(path.parent), tag=path.name)
+            return {k: v.detach() for k, v in state.items()}
     except ckpt.CheckpointError:
         raise
     except Exception as exc:
