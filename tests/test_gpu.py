@@ -46,3 +46,23 @@ def test_tiny_fp8_gpt_trains_on_gpu():
     result = pretrain(parse_config(tiny_argv("--bf16", "--fp8-format", "hybrid", "--device", "cuda",
                                              "--fp8-backend", "scaled_mm", train_iters=30, eval_iters=0)))
     assert result.losses[-1] < result.losses[0] - 1.0
+
+
+def _grads_of(per_call: bool, fused: bool) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    layer = Fp8Linear(256, 512, bias=False, recipe=Fp8Recipe(backend=Fp8Backend.SCALED_MM), device="cuda")
+    layer.fp8_weight_per_call, layer.fused_quantization = per_call, fused
+    x = torch.randn(4, 64, 256, device="cuda", requires_grad=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = layer(x)
+    y.float().pow(2).sum().backward()
+    return [y.float(), x.grad, layer.weight.grad]
+
+
+def test_per_call_and_fused_weights_are_bitwise_on_gpu():
+    """ZeRO-3's per-call FP8 weight (requantized in backward) and the compiled (Triton) quantization give the
+    scaled_mm backend the same FP8 operands as the cached eager path: equal outputs and gradients."""
+    ref = _grads_of(False, False)
+    for per_call, fused in ((True, False), (False, True), (True, True)):
+        for got, want in zip(_grads_of(per_call, fused), ref):
+            assert torch.equal(got, want), (per_call, fused)
