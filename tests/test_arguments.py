@@ -80,6 +80,25 @@ def test_dry_run_llama2_7b_parameter_count():
     assert "memory estimate per device" in out.stdout
 
 
+def test_fp8_weight_copies_are_those_of_the_converted_model():
+    """2 bytes (FP8 and its transpose) per weight of every layer `convert_to_fp8` swaps; one linear at ZeRO-3."""
+    from megatron.fp8 import Fp8Linear, convert_to_fp8
+    from megatron.model import GPTModel
+    from megatron.training.flops import memory_estimate_bytes
+
+    for extra in ((), ("--fp8-mlp-fc2-bf16",), ("--fp8-first-last-layers-bf16", "1")):
+        config = parse_config(tiny_argv("--bf16", "--fp8-format", "hybrid", *extra, num_layers=4))
+        model = GPTModel(config.model, device="meta")
+        convert_to_fp8(model, config.fp8)
+        sizes = [m.weight.numel() for m in model.modules() if isinstance(m, Fp8Linear)]
+        got = memory_estimate_bytes(config)["fp8_weights_in_step_GiB"] * 2**30
+        assert got == pytest.approx(2.0 * sum(sizes), rel=1e-12), extra
+    zero3 = parse_config(tiny_argv("--bf16", "--fp8-format", "hybrid", "--deepspeed", "--zero-stage", "3",
+                                   num_layers=4), world_size=2)
+    assert memory_estimate_bytes(zero3)["fp8_weights_in_step_GiB"] * 2**30 == pytest.approx(2.0 * max(sizes))
+    assert memory_estimate_bytes(parse_config(tiny_argv("--bf16")))["fp8_weights_in_step_GiB"] == 0.0
+
+
 def test_memory_estimate_counts_fp8_saved_activations():
     """FP8 linears keep the inputs of QKV, proj, fc1 (h wide) and fc2 (ffn wide) in 1 byte instead of 2."""
     from megatron.training.flops import memory_estimate_bytes
@@ -94,8 +113,10 @@ def test_memory_estimate_counts_fp8_saved_activations():
                                                          "--fp8-first-last-layers-bf16", "1", **shape)))
     assert (bf16["activations_GiB"] - edges["activations_GiB"]) * 2**30 == pytest.approx(2 * per_layer, rel=1e-12)
     full = dict(shape, recompute_granularity="full")
-    assert memory_estimate_bytes(parse_config(tiny_argv("--bf16", "--fp8-format", "hybrid", **full))) == \
-        memory_estimate_bytes(parse_config(tiny_argv("--bf16", **full)))  # only BF16 layer inputs are kept
+    fp8_full = memory_estimate_bytes(parse_config(tiny_argv("--bf16", "--fp8-format", "hybrid", **full)))
+    bf16_full = memory_estimate_bytes(parse_config(tiny_argv("--bf16", **full)))
+    assert fp8_full.pop("fp8_weights_in_step_GiB") > 0 and bf16_full.pop("fp8_weights_in_step_GiB") == 0
+    assert fp8_full == bf16_full  # only BF16 layer inputs are kept
 
 
 def test_cli_error_exit_code_and_message():

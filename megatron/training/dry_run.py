@@ -23,8 +23,11 @@ def describe(config: MegatronConfig) -> str:
              f"FLOPs per iteration (model, fwd+bwd): {flops:.4e}",
              f"total FLOPs for {t.train_iters} iterations: {flops * t.train_iters:.4e}",
              "memory estimate per device (GiB): "
-             + ", ".join(f"{k.removesuffix('_GiB')} {v:.2f}" for k, v in mem.items()),
+             + ", ".join(f"{k.removesuffix('_GiB')} {v:.2f}" for k, v in mem.items() if k != "fp8_weights_in_step_GiB"),
              persistent_line(config, mem)]
+    if mem["fp8_weights_in_step_GiB"]:
+        lines.append(f"FP8 weight copies during a step (not in the total; made at the step's first forward, dropped "
+                     f"after its optimizer step; real FP8 GEMMs): {mem['fp8_weights_in_step_GiB']:.2f} GiB")
     return "\n".join(lines)
 
 

@@ -61,6 +61,13 @@ def memory_estimate_bytes(cfg: MegatronConfig) -> dict[str, float]:
     instead of 2: per FP8 layer s*b*(3h + ffn) bytes less (fc2's input is ffn wide; its term stays with
     --fp8-mlp-fc2-bf16, and --fp8-first-last-layers-bf16 layers save nothing). Full recompute keeps only the
     layer inputs (BF16), so FP8 changes nothing there.
+
+    Not in the total: `fp8_weights_in_step_GiB`, the FP8 copies of the FP8 layers' weights that exist during a
+    step (made at the step's first forward, dropped by the scaling update after the optimizer step): 2 bytes per
+    weight with real FP8 GEMMs (the E4M3 weight and, for `torch._scaled_mm`'s dgrad, its transpose; Transformer
+    Engine keeps the same pair), for one linear at a time under ZeRO-3 (each layer quantizes per call there). The
+    emulated CPU GEMM keeps 5 (FP8 + its FP32 values). It is the step's peak, like the activations, not state
+    that persists between steps.
     """
     m, t, p = cfg.model, cfg.training, cfg.parallel
     model_split = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
@@ -91,4 +98,23 @@ def memory_estimate_bytes(cfg: MegatronConfig) -> dict[str, float]:
     out = {"weights_GiB": weights / gib, "grads_GiB": grads / gib, "master_GiB": master / gib,
            "optimizer_GiB": optim / gib, "activations_GiB": act / gib}
     out["total_GiB"] = sum(out.values())
+    out["fp8_weights_in_step_GiB"] = fp8_weight_copy_bytes(cfg) / gib
     return out
+
+
+def fp8_weight_copy_bytes(cfg: MegatronConfig) -> float:
+    """Bytes of FP8 weight copies one device holds during a step with real FP8 GEMMs (see memory_estimate_bytes)."""
+    m, p = cfg.model, cfg.parallel
+    if cfg.fp8 is None:
+        return 0.0
+    linears = [m.hidden_size * (m.query_projection_size + 2 * m.kv_projection_size),  # qkv
+               m.query_projection_size * m.hidden_size,  # proj
+               m.hidden_size * m.ffn_hidden_size * (2 if m.swiglu else 1)]  # fc1
+    if not cfg.fp8.mlp_fc2_bf16:
+        linears.append(m.ffn_hidden_size * m.hidden_size)
+    fp8_layers = max(m.num_layers - 2 * cfg.fp8.first_last_layers_bf16, 0)
+    if not fp8_layers:
+        return 0.0
+    if p.deepspeed and (p.zero_stage or 0) >= 3:  # one layer's copy at a time: the largest
+        return 2.0 * max(linears) / p.tensor_model_parallel_size
+    return 2.0 * sum(linears) * fp8_layers / (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
