@@ -173,3 +173,34 @@ def test_compiled_run_composes(switches) -> None:
     a, b = _losses(compiled), _losses(eager)
     assert len(a) == len(b) == 4
     assert max(abs(x - y) / abs(y) for x, y in zip(a, b)) < 1e-3, (a, b)
+
+
+def test_a_failed_quantization_compile_is_reported_not_claimed(monkeypatch) -> None:
+    """Where torch.compile cannot build the FP8 quantization (no C++ compiler on the node, an unsupported torch),
+    the run trains on the eager reference and its startup line says so instead of 'compiled'."""
+    from megatron.fp8 import convert_to_fp8, fused as fp8_fused
+    from megatron.model import GPTModel
+    from megatron.model.compile import apply_torch_compile
+
+    def broken_compile(fn, **kwargs):
+        def run(*args):
+            raise RuntimeError("no C++ compiler")
+        return run
+
+    for wrapper in fp8_fused._ALL:  # a fresh process: nothing compiled or failed yet (restored afterwards)
+        monkeypatch.setattr(wrapper, "compiled", None)
+        monkeypatch.setattr(wrapper, "failed", False)
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    config = parse_config(tiny_argv(*FP8, "--torch-compile", "auto", **{**COMMON, "train_iters": 100}))
+    model = GPTModel(config.model)
+    convert_to_fp8(model, config.fp8)
+    handler = _Lines()
+    logging.getLogger("megatron").addHandler(handler)
+    try:
+        plan = apply_torch_compile(config, model, torch.device("cpu"))
+    finally:
+        logging.getLogger("megatron").removeHandler(handler)
+    assert plan.fp8_quantization and not plan.blocks
+    assert fp8_fused.failed_functions()
+    lines = [line for line in handler.lines if "torch.compile:" in line]
+    assert any("runs eagerly" in line for line in lines) and not any("compiled in" in line for line in lines), lines

@@ -67,9 +67,20 @@ class CompiledOrEager:
             return self.fn(*args)
 
 
+_ALL: list[CompiledOrEager] = []
+
+
 def _fused(fn: Callable[..., Any]) -> CompiledOrEager:
     """A fused-quantization function: compiled on first use (eager after a compilation failure)."""
-    return CompiledOrEager(fn, f"the fused FP8 quantization ({fn.__name__})")
+    wrapper = CompiledOrEager(fn, f"the fused FP8 quantization ({fn.__name__})")
+    _ALL.append(wrapper)
+    return wrapper
+
+
+def failed_functions() -> list[str]:
+    """The fused functions whose compilation failed in this process (they run the eager reference since): what
+    the `--torch-compile` startup line reports, so that it never claims compiled code that is not running."""
+    return [w.fn.__name__ for w in _ALL if w.failed]
 
 
 def _quantize_tensor(x: torch.Tensor, previous: torch.Tensor, valid: torch.Tensor, delayed: bool, fp8_max: float,

@@ -193,5 +193,12 @@ def apply_torch_compile(config: Any, model: nn.Module, device: torch.device) -> 
         (per_token * batch.loss_mask).sum().backward()
 
     seconds = warm_up(model, run)
-    logger.info("> torch.compile: %s compiled in %.1f s (startup, not counted in tokens/s)", what, seconds)
+    from megatron.fp8 import fused as fp8_fused
+
+    failed = fp8_fused.failed_functions() if fused else []
+    if failed:  # CompiledOrEager warned already; the startup line must not claim compiled quantization
+        logger.info("> torch.compile: %s warmed up in %.1f s; the FP8 quantization runs eagerly (compiling %s "
+                    "failed, see the warning above)", what, seconds, ", ".join(failed))
+    else:
+        logger.info("> torch.compile: %s compiled in %.1f s (startup, not counted in tokens/s)", what, seconds)
     return plan
