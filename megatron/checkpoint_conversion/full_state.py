@@ -29,6 +29,8 @@ Where the optimizer state lives, per layout (file names as in `layouts.py`):
                          a parameter's slices are consecutive in rank order
     pipeline             per stage s: mp_rank_<s>_model_states.pt (ZeRO 0) or zero_pp_rank_<d>_mp_rank_<s>_...
                          (ZeRO 1), named by the PipelineModule (`<layer index>.<name in the layer>`)
+    deepspeed_zero3      zero_pp_rank_<d>_mp_rank_00_optim_states.pt: each rank's piece of every parameter,
+                         ceil(numel / DP) elements, end to end per sub-group (`_read_zero3`)
 """
 from __future__ import annotations
 
@@ -277,6 +279,61 @@ def _read_deepspeed(folder: Path, names, model, model_config, tp: int) -> tuple[
     return (None if params is None else {"params": params, **_optimizer_meta(base)}), extras
 
 
+def _zero3_partitioned_numel(numel: int, world: int) -> int:
+    """Elements of one parameter each ZeRO-3 rank holds: the parameter is split evenly, the last piece padded."""
+    return -(-numel // world)
+
+
+def _read_zero3(folder: Path) -> tuple[Optional[dict], dict]:
+    """ZeRO-3: each rank's optim file holds, per sub-group k, its FP32 flat partition (`fp32_flat_groups[k]`)
+    and the client optimizer's state on it (base state index k: DeepSpeed fills the param groups with the
+    sub-groups in order). A sub-group's flat partition is its parameters' pieces end to end, in the order of the
+    model-states file's `param_shapes`; rank r's piece of a parameter of n elements is elements
+    [r * ceil(n / DP), (r + 1) * ceil(n / DP)) of the flattened parameter, zero-padded past n."""
+    model_states = layouts.load_file(folder / "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    extras = dict(model_states.get(CLIENT_KEY) or {})
+    files = _zero_files(folder, 0)
+    if not files:
+        return None, extras
+    shapes = [(name, torch.Size(shape)) for group in model_states["param_shapes"] for name, shape in group.items()]
+    world = len(files)
+    per_rank: list[dict[str, torch.Tensor]] = []  # each rank's moments, flat over all its sub-groups
+    steps: set[float] = set()
+    base0: dict = {}
+    for file in files:
+        osd = layouts.load_file(file)["optimizer_state_dict"]
+        base, flats = osd["optimizer_state_dict"], osd["fp32_flat_groups"]
+        base0 = base0 or base
+        if len(base["state"]) != len(flats):
+            if not base["state"]:  # saved before the first step: no moments anywhere
+                return None, extras
+            raise ckpt.CheckpointError(f"{file}: {len(base['state'])} optimizer states for {len(flats)} ZeRO-3 "
+                                       "sub-groups: the file is not one this reader understands")
+        moments = {m: [] for m in MOMENTS}
+        for k, flat in enumerate(flats):
+            saved = base["state"][k]
+            steps.add(_step(saved))
+            for m in MOMENTS:
+                moments[m].append(moment_values(saved, m, flat.shape))
+        per_rank.append({m: torch.cat(v) for m, v in moments.items()})
+    if len(steps) != 1:
+        raise ckpt.CheckpointError(f"{folder}: the ZeRO-3 sub-groups were stepped {sorted(steps)} times")
+    step = steps.pop()
+    held = sum(_zero3_partitioned_numel(shape.numel(), world) for _, shape in shapes)
+    if any(r[MOMENTS[0]].numel() != held for r in per_rank):
+        raise ckpt.CheckpointError(f"{folder}: the ZeRO-3 partitions hold {per_rank[0][MOMENTS[0]].numel()} values "
+                                   f"per rank, the parameters in param_shapes {held}: the files are incomplete")
+    params: dict[str, dict] = {}
+    offset = 0
+    for name, shape in shapes:
+        piece = _zero3_partitioned_numel(shape.numel(), world)
+        params[name] = {"step": step, **{
+            m: torch.cat([r[m][offset:offset + piece] for r in per_rank])[:shape.numel()].reshape(shape).clone()
+            for m in MOMENTS}}
+        offset += piece
+    return {"params": params, **_optimizer_meta(base0)}, extras
+
+
 def _read_pipeline(folder: Path, names, model, model_config, stages: int, tp: int) -> tuple[Optional[dict], dict]:
     """Stage s, TP rank t wrote mp_rank_<s x TP + t>_model_states.pt (client state; with ZeRO 0 its optimizer)."""
     num_layers = model_config.num_layers
@@ -325,9 +382,8 @@ def read_full_state(folder: Path) -> FullState:
         stages = int(config.get("parallel", {}).get("pipeline_model_parallel_size", 0)) or \
             len(list(folder.glob("mp_rank_*_model_states.pt"))) // tp
         optimizer, extras = _read_pipeline(folder, names, model, model_config, stages, tp)
-    else:  # ZeRO-3: the weights are consolidated by layouts.py; its partitioned moments are not read (yet)
-        optimizer = None
-        extras = dict(layouts.load_file(folder / "zero_pp_rank_0_mp_rank_00_model_states.pt").get(CLIENT_KEY) or {})
+    else:
+        optimizer, extras = _read_zero3(folder)
     if optimizer is not None:
         _use_masters(model, optimizer["params"])
         missing = [n for n in names if n not in optimizer["params"]]
@@ -336,8 +392,7 @@ def read_full_state(folder: Path) -> FullState:
                                        f"{len(names)} parameters (missing e.g. {missing[:3]})")
     fp8 = extras.pop("fp8", None)
     train_state = ckpt.read_json(folder / "train_state.json")
-    missing_reason = ("" if optimizer is not None else "resharding reads ZeRO-3 moments not yet"
-                      if layout == layouts.DEEPSPEED_ZERO3 else "saved with --no-save-optim")
+    missing_reason = "" if optimizer is not None else "saved with --no-save-optim"
     return FullState(model=model, optimizer=optimizer, fp8=fp8, extras=extras, train_state=train_state,
                      config=config, layout=layout, path=folder, optimizer_missing=missing_reason)
 

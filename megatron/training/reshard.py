@@ -6,9 +6,11 @@ so it loads as before (exact: the same bits). Otherwise it calls `load_resharded
 1. reads the whole state without its layout (`checkpoint_conversion.full_state.read_full_state`): full-model
    weights, FP32 Adam moments per parameter, FP8 scaling state per layer, LR schedule, RNG, train state;
 2. cuts out what this rank holds: its TP piece of each of its parameters (its PP stage's parameters only),
-   and for ZeRO 1/2 its slice of DeepSpeed's flattened partition (`param._hp_mapping`);
-3. writes weights (and ZeRO's FP32 master partition), then the moments through the optimizer's own
-   `load_state_dict`, which quantizes them into its formats (Fp8AdamW: FP8 codes with this layout's scales);
+   for ZeRO 1/2 its slice of DeepSpeed's flattened partition (`param._hp_mapping`), for ZeRO-3 its piece of
+   each parameter in the sub-group's flat partition (`_load_zero3_optimizer`);
+3. writes weights (and ZeRO's FP32 master partition; ZeRO-3's module partitions `ds_tensor` from it), then
+   the moments through the optimizer's own `load_state_dict`, which quantizes them into its formats
+   (Fp8AdamW: FP8 codes with this layout's scales);
 4. returns the client state (LR schedule, RNG, FP8 scaling state under this engine's layer names) to the loop,
    which restores it as for any checkpoint. The data position is the train state's consumed samples.
 
@@ -42,6 +44,8 @@ def saved_layout(folder: Path) -> dict:
     layout = layouts.detect_layout(folder)
     mp = len(list(folder.glob("mp_rank_*_model_states.pt"))) or len(list(folder.glob("mp_rank_*/model_optim_rng.pt")))
     zero = len(list(folder.glob("*zero_pp_rank_*_mp_rank_00_optim_states.pt")))  # "bf16_" prefix: BF16_Optimizer
+    if layout == layouts.DEEPSPEED_ZERO3:  # every ZeRO-3 rank writes its model-states file, optimizer or not
+        zero = len(list(folder.glob("zero_pp_rank_*_mp_rank_00_model_states.pt")))
     return {"layout": layout, "mp_files": mp, "zero_ranks": zero}
 
 
@@ -72,12 +76,13 @@ def _pieces(named_params: list[tuple[str, nn.Parameter]], full: FullState, model
                                    "architecture flags as the run that saved it")
     out = {}
     for name, param in named_params:
+        shape = getattr(param, "ds_shape", param.shape)  # ZeRO-3: the parameter's shape, not its partition's
         try:
             piece = tensor_parallel_piece(name, full.model[name], model_config, tp_rank, tp_size)
         except ValueError:
             piece = None
-        if piece is None or piece.shape != param.shape:
-            raise _shape_error(name, full.model[name].shape, param.shape, full, model_config, tp_size)
+        if piece is None or piece.shape != shape:
+            raise _shape_error(name, full.model[name].shape, shape, full, model_config, tp_size)
         out[name] = piece
     return out
 
@@ -154,6 +159,84 @@ def _load_zero_optimizer(zero, full_name: dict[int, str], full: FullState, model
         zero._hp_optimizer_states_linked = False
 
 
+def _zero3_slice(tensor: torch.Tensor, rank: int, numel: int) -> torch.Tensor:
+    """Rank `rank`'s ZeRO-3 piece of a flattened parameter: `numel` elements from rank x numel, zero-padded
+    past the end (DeepSpeed pads the last pieces so that every rank holds the same count)."""
+    flat = tensor.reshape(-1)
+    out = torch.zeros(numel, dtype=flat.dtype)
+    start = min(rank * numel, flat.numel())
+    take = min(numel, flat.numel() - start)
+    out[:take] = flat[start:start + take]
+    return out
+
+
+def _load_zero3_optimizer(zero, named: list[tuple[str, nn.Parameter]], pieces: dict[str, torch.Tensor],
+                          full: FullState, model_config: ModelConfig, tp_rank: int, tp_size: int,
+                          load_optimizer: bool) -> None:
+    """DeepSpeed ZeRO-3: this rank's piece of every parameter, into the FP32 master partitions, the module's
+    partitions (`ds_tensor`) and the client optimizer's state on the flat partitions.
+
+    Each sub-group k's FP32 master `fp32_partitioned_groups_flat[k]` is its parameters' pieces end to end
+    (`fp16_groups[k]` order), each piece `partition_numel()` elements: rank r holds elements
+    [r x that, (r + 1) x that) of the flattened parameter, zero-padded. The module's partitions are then copied
+    from the masters, as DeepSpeed's own loader does. At load time every parameter is partitioned, also those
+    below `stage3_param_persistence_threshold` (DeepSpeed gathers and keeps them from the first forward on).
+    """
+    if getattr(zero, "offload_param", False) or getattr(zero, "swap_optimizer", False):
+        raise ckpt.CheckpointError("resharding into ZeRO-3 with offload_param or an NVMe-swapped optimizer is not "
+                                   "supported: resume at the layout that wrote the checkpoint, or without offloading")
+    by_id = {id(p): name for name, p in named}
+    flats = zero.fp32_partitioned_groups_flat
+    states = {}
+    with torch.no_grad():
+        for k, params in enumerate(zero.fp16_groups):
+            rank = zero._get_sub_group_partition_rank(k)
+            master = flats[k]
+            weights, moments, step = [], {m: [] for m in MOMENTS}, None
+            for p in params:
+                name, numel = by_id[id(p)], p.partition_numel()
+                if p.numel() != 0:  # gathered: it would keep its old full value until DeepSpeed releases it
+                    raise RuntimeError(f"ZeRO-3 parameter {name} is gathered while the checkpoint loads; the loader "
+                                       "expects every parameter partitioned, as after deepspeed.initialize")
+                weights.append(_zero3_slice(pieces[name], rank, numel))
+                if load_optimizer:
+                    saved = _moment_pieces(name, full, model_config, tp_rank, tp_size)
+                    step = saved["step"]
+                    for m in MOMENTS:
+                        moments[m].append(_zero3_slice(saved[m], rank, numel))
+            flat = torch.cat(weights)
+            if flat.numel() != master.numel():
+                raise ckpt.CheckpointError(f"ZeRO-3 sub-group {k} holds {master.numel()} master values on this "
+                                           f"rank, its parameters' pieces {flat.numel()}: DeepSpeed's partitioning "
+                                           "is not the one this loader knows (DeepSpeed 0.19)")
+            master.copy_(flat)
+            zero.fp16_partitioned_groups_flat[k].copy_(flat)
+            # DeepSpeed's loader re-points each ds_tensor at its flat buffer too (they are views already).
+            partitions = zero.fp16_partitioned_groups[k]
+            for partition, q in zip(partitions, zero.unflatten(zero.fp16_partitioned_groups_flat[k], partitions)):
+                partition.data = q.data
+            if load_optimizer and step is not None:
+                states[k] = {"step": step, **{m: torch.cat(v).to(master.device) for m, v in moments.items()}}
+    if not load_optimizer:
+        return
+    base = zero.optimizer
+    zero._set_fp32_optimizer_param_groups()  # the groups hold the sub-groups' flat masters only around this
+    try:
+        sub_group = {id(flat): k for k, flat in enumerate(flats)}
+        state, groups, index = {}, [], 0
+        for group in base.param_groups:
+            ids = []
+            for flat in group["params"]:
+                if sub_group[id(flat)] in states:
+                    state[index] = states[sub_group[id(flat)]]
+                ids.append(index)
+                index += 1
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
+        _load_state(base, state, groups, full)
+    finally:
+        zero._clear_fp32_optimizer_param_groups()
+
+
 def load_resharded(folder: Path, *, model: nn.Module, full_name: Callable[[str], Optional[str]],
                    model_config: ModelConfig, tp_rank: int, tp_size: int, optimizer: torch.optim.Optimizer,
                    zero_optimizer=None, load_optimizer: bool, module_only: bool,
@@ -163,22 +246,26 @@ def load_resharded(folder: Path, *, model: nn.Module, full_name: Callable[[str],
 
     `full_name(local parameter name)` is the full-model name (None: not a parameter of the checkpoint);
     `fp8_name(full layer name)` the FP8 layer name on this rank, or None for a layer another stage holds.
-    `zero_optimizer` is DeepSpeed's ZeRO 1/2 optimizer when there is one (it owns master weights and moments).
+    `zero_optimizer` is DeepSpeed's ZeRO 1/2/3 optimizer when there is one (it owns master weights and moments).
     `weights` (local name, tensor) replaces the model's parameters as what is filled and what the optimizer's
     state is keyed by: the FP32 masters of `--params-dtype bf16` (MainParams), which the optimizer steps.
     """
     full = read_full_state(folder)
     named = [(full_name(n), p) for n, p in (weights if weights is not None else model.named_parameters())]
     pieces = _pieces(named, full, model_config, tp_rank, tp_size)
-    with torch.no_grad():
-        for name, p in named:
-            p.copy_(pieces[name])
+    zero3 = hasattr(zero_optimizer, "fp32_partitioned_groups_flat")  # ZeRO-3 writes the partitions itself
+    if not zero3:
+        with torch.no_grad():
+            for name, p in named:
+                p.copy_(pieces[name])
     restore_optimizer = load_optimizer and not module_only
     if restore_optimizer and full.optimizer is None:
         raise ckpt.CheckpointError(f"{folder} has no optimizer state this run can use ({full.optimizer_missing}); "
                                    "pass --no-load-optim (or --finetune) to load its weights only")
     by_id = {id(p): name for name, p in named}
-    if zero_optimizer is not None:
+    if zero3:
+        _load_zero3_optimizer(zero_optimizer, named, pieces, full, model_config, tp_rank, tp_size, restore_optimizer)
+    elif zero_optimizer is not None:
         _load_zero_optimizer(zero_optimizer, by_id, full, model_config, tp_rank, tp_size, restore_optimizer)
     elif restore_optimizer:
         _load_plain_optimizer(optimizer, by_id, full, model_config, tp_rank, tp_size)
@@ -209,22 +296,18 @@ def deepspeed_layout_matches(engine, saved: dict) -> bool:
         return (saved["layout"] == layouts.PIPELINE and saved["mp_files"] == p.pipeline_parallel_size
                 * p.tensor_parallel_size and saved["zero_ranks"] == zero_ranks)
     if engine.zero_stage == 3:
-        return saved["layout"] in (layouts.DEEPSPEED_ZERO3, None)
+        return saved["layout"] is None or (saved["layout"] == layouts.DEEPSPEED_ZERO3
+                                           and saved["zero_ranks"] == p.data_parallel_size)
     return (saved["layout"] == layouts.DEEPSPEED and saved["mp_files"] == p.tensor_parallel_size
             and saved["zero_ranks"] == zero_ranks)
 
 
 def load_into_deepspeed(engine, folder: Path, *, load_optimizer: bool, module_only: bool) -> dict:
-    """`load_resharded` for DeepSpeedEngine and PipelineEngine (ZeRO 0-2)."""
+    """`load_resharded` for DeepSpeedEngine (ZeRO 0-3) and PipelineEngine (ZeRO 0-2)."""
     from megatron.checkpoint_conversion.full_state import full_to_pipeline_name, pipeline_to_full_name
     from megatron.fp8 import Fp8Linear
 
     p = engine.parallel
-    if engine.zero_stage == 3:
-        raise ckpt.CheckpointError(
-            f"{folder} was written at another layout ({saved_layout(folder)['layout']}, other data-parallel size or "
-            "ZeRO stage); resharding into ZeRO-3 is not supported: resume at the layout that wrote it, or run this job "
-            "with --zero-stage 1 or 2")
     model_config = engine.config.model
     num_layers = model_config.num_layers
     full_name: Callable[[str], Optional[str]] = lambda n: n
@@ -236,7 +319,7 @@ def load_into_deepspeed(engine, folder: Path, *, load_optimizer: bool, module_on
         fp8_name = lambda n: (lambda local: local if local in local_fp8 else None)(  # noqa: E731
             full_to_pipeline_name(n, num_layers))
         describe = f"pipeline stage {p.pipeline_parallel_rank} of {p.pipeline_parallel_size}, {describe}"
-    zero = engine.engine.optimizer if engine.zero_stage in (1, 2) else None
+    zero = engine.engine.optimizer if engine.zero_stage in (1, 2, 3) else None
     loaded = load_resharded(folder, model=engine.model, full_name=full_name, model_config=model_config,
                             tp_rank=p.tensor_parallel_rank, tp_size=p.tensor_parallel_size, optimizer=engine.optimizer,
                             zero_optimizer=zero, load_optimizer=load_optimizer, module_only=module_only,
