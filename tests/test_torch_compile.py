@@ -175,7 +175,7 @@ def test_compiled_run_composes(switches) -> None:
     assert max(abs(x - y) / abs(y) for x, y in zip(a, b)) < 1e-3, (a, b)
 
 
-def test_a_failed_quantization_compile_is_reported_not_claimed(monkeypatch) -> None:
+def test_a_failed_quantization_compile_is_reported_not_claimed(monkeypatch, caplog) -> None:
     """Where torch.compile cannot build the FP8 quantization (no C++ compiler on the node, an unsupported torch),
     the run trains on the eager reference and its startup line says so instead of 'compiled'."""
     from megatron.fp8 import convert_to_fp8, fused as fp8_fused
@@ -191,6 +191,7 @@ def test_a_failed_quantization_compile_is_reported_not_claimed(monkeypatch) -> N
         monkeypatch.setattr(wrapper, "compiled", None)
         monkeypatch.setattr(wrapper, "failed", False)
     monkeypatch.setattr(torch, "compile", broken_compile)
+    caplog.set_level(logging.INFO, logger="megatron")  # as a training run's setup_logging leaves it
     config = parse_config(tiny_argv(*FP8, "--torch-compile", "auto", **{**COMMON, "train_iters": 100}))
     model = GPTModel(config.model)
     convert_to_fp8(model, config.fp8)
@@ -204,3 +205,19 @@ def test_a_failed_quantization_compile_is_reported_not_claimed(monkeypatch) -> N
     assert fp8_fused.failed_functions()
     lines = [line for line in handler.lines if "torch.compile:" in line]
     assert any("runs eagerly" in line for line in lines) and not any("compiled in" in line for line in lines), lines
+
+
+def test_a_failed_block_compile_is_one_error_naming_the_flag(monkeypatch) -> None:
+    from megatron.model import GPTModel
+    from megatron.model.compile import apply_torch_compile
+
+    def broken_compile(fn, **kwargs):
+        def run(*args, **kw):
+            raise RuntimeError("no C++ compiler\nmore lines")
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    config = parse_config(tiny_argv("--torch-compile", "on", **COMMON))
+    with pytest.raises(ValueError, match=r"compiling the transformer blocks failed \(RuntimeError: no C\+\+ compiler\)"
+                                         r"; pass --torch-compile off"):
+        apply_torch_compile(config, GPTModel(config.model), torch.device("cpu"))

@@ -192,7 +192,15 @@ def apply_torch_compile(config: Any, model: nn.Module, device: torch.device) -> 
             per_token = model(batch.tokens, batch.position_ids, batch.attention_mask, labels=batch.labels)
         (per_token * batch.loss_mask).sum().backward()
 
-    seconds = warm_up(model, run)
+    try:
+        seconds = warm_up(model, run)
+    except Exception as exc:  # noqa: BLE001 - the fused quantization falls back by itself; compiled blocks cannot
+        if not n:
+            raise
+        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+        raise ValueError(f"--torch-compile: compiling the transformer blocks failed ({type(exc).__name__}: {first}); "
+                         "pass --torch-compile off to train eagerly (MEGATRON_TRACEBACK=1 shows the compiler's "
+                         "traceback)") from exc
     from megatron.fp8 import fused as fp8_fused
 
     failed = fp8_fused.failed_functions() if fused else []
