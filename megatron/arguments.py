@@ -243,10 +243,10 @@ def _main_params_checks(a: argparse.Namespace) -> None:
     unsupported = (
         (not a.bf16, "needs --bf16 (BF16 compute; the weights themselves become BF16)"),
         (a.pipeline_model_parallel_size > 1, "is not supported yet with --pipeline-model-parallel-size > 1"),
-        (a.deepspeed and stage in (0, 3),
-         f"under --deepspeed needs --zero-stage 1 or 2 (got {stage}): DeepSpeed 0.19 accumulates BF16 weights' "
-         "gradients in BF16 without ZeRO (FP32 accumulation is what this layout keeps), and ZeRO-3 is not supported "
-         "with it yet; without --deepspeed the torch engine implements it at any data-parallel size"),
+        (a.deepspeed and stage == 0,
+         "under --deepspeed needs --zero-stage 1, 2 or 3 (got 0): DeepSpeed 0.19 accumulates BF16 weights' "
+         "gradients in BF16 without ZeRO (FP32 accumulation is what this layout keeps); without --deepspeed the "
+         "torch engine implements it at any data-parallel size"),
         (not a.deepspeed and a.sequence_parallel and a.tensor_model_parallel_size > 1,
          "is not supported yet with --sequence-parallel under the torch engine (use --deepspeed --zero-stage 1)"),
     )

@@ -12,7 +12,7 @@ with them, and keys it omits are filled from the flags:
 | `gradient_clipping`                             | `--clip-grad` (0 = off in both)                |
 | `zero_optimization.stage`                       | `--zero-stage` (default 0)                     |
 | `torch_autocast.enabled`, `.dtype`              | `--bf16` (BF16 autocast, FP32 master weights)  |
-| `bf16.enabled`, `data_types.grad_accum_dtype`   | `--params-dtype bf16` (true, fp32; ZeRO 1/2)   |
+| `bf16.enabled`, `data_types.grad_accum_dtype`   | `--params-dtype bf16` (true, fp32; ZeRO 1-3)   |
 | `pipeline.pipe_partitioned`, `.grad_partitioned`| false under `--sequence-parallel` with PP x TP |
 
 Why `--bf16` is DeepSpeed's `torch_autocast` and not its `bf16` section: our `--bf16` means FP32
@@ -27,7 +27,8 @@ reduce their gradients in BF16 instead.
 
 `--params-dtype bf16` (Megatron's layout, opt-in) is where DeepSpeed's `bf16` section belongs: the module
 in BF16, `data_types.grad_accum_dtype: fp32` (FP32 main gradients) and the FP32 master copy in ZeRO's
-partitions (ZeRO 1: DeepSpeed's BF16_Optimizer; ZeRO 2: its ZeRO optimizer), with our AdamW/Fp8AdamW as
+partitions (ZeRO 1: DeepSpeed's BF16_Optimizer; ZeRO 2 and 3: its ZeRO optimizers; ZeRO-3 reduce-scatters each
+micro-batch's gradient and accumulates the pieces in FP32: docs/memory.md), with our AdamW/Fp8AdamW as
 the client optimizer stepping the FP32 partitions. `torch_autocast` stays on with it (same compute as
 --bf16). ZeRO 0 is refused: DeepSpeed 0.19 accumulates BF16 gradients in BF16 without ZeRO.
 
@@ -125,10 +126,12 @@ def _is_bf16_dtype(value: Any) -> bool:
 def _check_bf16_params(ds: dict, stage: int, source: str) -> None:
     """--params-dtype bf16: DeepSpeed's own bf16 mode (module cast to BF16, FP32 master partitions in its
     optimizer wrapper) with FP32 gradient accumulation. ZeRO-1 then runs DeepSpeed's BF16_Optimizer (FP32
-    accumulation buffer, FP32 master partition), ZeRO-2 its ZeRO optimizer over BF16 weights."""
-    if stage not in (1, 2):
-        raise DeepSpeedConfigError(f"{source}: --params-dtype bf16 needs ZeRO stage 1 or 2 (the config gives {stage}): "
-                                   "DeepSpeed 0.19 accumulates BF16 weights' gradients in BF16 without ZeRO")
+    accumulation buffer, FP32 master partition), ZeRO-2 and ZeRO-3 their ZeRO optimizers over BF16 weights
+    (ZeRO-3: FP32 gradient partitions, `grad_accum_dtype` being their dtype; deepspeed_engine casts the
+    partitions to BF16, `zero3_cast_partitions_to_bf16`)."""
+    if stage not in (1, 2, 3):
+        raise DeepSpeedConfigError(f"{source}: --params-dtype bf16 needs ZeRO stage 1, 2 or 3 (the config gives "
+                                   f"{stage}): DeepSpeed 0.19 accumulates BF16 weights' gradients in BF16 without ZeRO")
     section = next((k for k in ("bf16", "bfloat16") if k in ds), "bf16")
     bf16 = _section(ds, section, source)
     if bf16.setdefault("enabled", True) is not True:

@@ -33,8 +33,9 @@ ZeRO-3 is refused with TP (`deepspeed_config.py` says why).
 
 `--params-dtype bf16` (Megatron's layout) is DeepSpeed's bf16 mode, set up by `deepspeed_config.py`: DeepSpeed
 casts the module's parameters to BF16 and keeps the FP32 masters in its partitions (ZeRO-1: its BF16_Optimizer,
-whose partition files are named `bf16_zero_pp_rank_...`; ZeRO-2: its ZeRO optimizer); our AdamW/Fp8AdamW, built
-on the FP32 model before the cast, steps those partitions. Nothing else changes here.
+whose partition files are named `bf16_zero_pp_rank_...`; ZeRO-2 and 3: its ZeRO optimizers); our AdamW/Fp8AdamW,
+built on the FP32 model before the cast, steps those partitions. ZeRO-3 builds the model partitioned in FP32, and
+DeepSpeed does not cast partitioned parameters: `zero3_cast_partitions_to_bf16` does, after the optimizer is built.
 
 FP8 linears under ZeRO-3: an `Fp8Linear` quantizes its gathered weight in forward and, by default, keeps the FP8
 copy as an optimizer-step cache on the module and for its backward in the autograd context. Under ZeRO-3 both
@@ -114,6 +115,21 @@ def zero3_held_line(model: nn.Module) -> str:
     full = sum(full_numel(p) * p.element_size() for p in model.parameters())
     return (f"ZeRO-3: this rank holds {held:,} bytes of parameters after build, {held / full:.3f} of the model's "
             f"{full:,}")
+
+
+def zero3_cast_partitions_to_bf16(model: nn.Module) -> None:
+    """ZeRO-3 with --params-dtype bf16: round this rank's FP32 partitions (and the empty placeholders) to BF16, once.
+
+    DeepSpeed casts a module to BF16 only when it does not find it partitioned (its engine's
+    `_cast_module_mixed_precision`), and `zero.Init(module=...)` partitions parameters in the dtype they have,
+    so without this the ZeRO-3 module would train in FP32. Done here, after the optimizer was built on the FP32
+    partitions (Fp8AdamW accepts FP32 parameters only) and before `deepspeed.initialize`, which makes the FP32
+    masters from these BF16 partitions: the same order as ZeRO 1/2, where DeepSpeed casts the FP32 module in
+    `initialize` (masters = the initial values rounded once to BF16). Parameters only: buffers stay FP32."""
+    for param in model.parameters():
+        if hasattr(param, "ds_tensor"):
+            param.ds_tensor.data = param.ds_tensor.data.to(torch.bfloat16)
+        param.data = param.data.to(torch.bfloat16)
 
 
 def fp8_weights_per_call(model: nn.Module) -> int:
@@ -254,6 +270,9 @@ class DeepSpeedBase:
         tag_fp8_state_groups(optimizer, self.zero_stage)
         if self.zero_stage == 3:
             logger.info("%s", zero3_held_line(model))
+            if config.training.params_dtype == "bf16":
+                zero3_cast_partitions_to_bf16(model)
+                logger.info("--params-dtype bf16: %s", zero3_held_line(model).replace("after build", "in BF16"))
             fp8_weights_per_call(model)
         mark_model_parallel_params(model)
         if config.parallel.sequence_parallel and parallel.tensor_parallel_size > 1:
