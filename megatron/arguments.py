@@ -217,11 +217,32 @@ def _require(value, flag: str, hint: str = "") -> None:
         raise ValueError(f"{flag} is required{': ' + hint if hint else ''}")
 
 
+def _json_zero_stage(path: Optional[str]) -> Optional[int]:
+    """The ZeRO stage a DeepSpeed run's JSON gives when --zero-stage does not (None: neither gives one, DeepSpeed's
+    default 0 applies). Resolved here so that every later decision (torch.compile, the memory estimate, the
+    parse-time refusals) sees a stage given in the JSON as one given by the flag; deepspeed_config.py validates the
+    JSON in full."""
+    if path is None:
+        return None
+    from megatron.training.deepspeed_config import load_json
+
+    zero = load_json(path).get("zero_optimization", {})
+    if not isinstance(zero, dict) or "stage" not in zero:
+        return None
+    try:
+        return int(zero["stage"])
+    except (TypeError, ValueError):
+        raise ValueError(f"--deepspeed_config {path}: `zero_optimization.stage` is {zero['stage']!r}; "
+                         "use 0, 1, 2 or 3") from None
+
+
 def _not_supported_yet(a: argparse.Namespace) -> None:
     if not a.deepspeed and (a.deepspeed_config is not None or a.zero_stage is not None):
         raise ValueError("--deepspeed_config and --zero-stage need --deepspeed; add it, or drop them for torch DDP")
     if a.zero_stage is not None and a.zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"--zero-stage must be 0, 1, 2 or 3, got {a.zero_stage}")
+    if a.deepspeed and a.zero_stage is None:
+        a.zero_stage = _json_zero_stage(a.deepspeed_config)
     if a.deepspeed and a.no_save_optim:
         raise ValueError("--no-save-optim is not supported with --deepspeed: DeepSpeed checkpoints always carry "
                          "the (partitioned) optimizer state; drop the flag")

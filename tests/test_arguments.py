@@ -153,3 +153,24 @@ def test_distributed_timeout_minutes_reaches_the_process_group(monkeypatch):
     assert seen["timeout"] == datetime.timedelta(minutes=3)
     with pytest.raises(ValueError, match="--distributed-timeout-minutes must be > 0"):
         parse_config(tiny_argv("--distributed-timeout-minutes", "0"), world_size=1)
+
+
+def test_zero_stage_from_the_json_counts_as_the_flag(tmp_path):
+    """A stage given only in --deepspeed_config is resolved at parse time: the torch.compile refusal, the memory
+    estimate and the compile plan see it (a ZeRO-3 JSON run used to warm up compiled code on partitioned weights)."""
+    import json
+
+    from megatron.model.compile import plan_torch_compile
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    argv = tiny_argv("--deepspeed", "--deepspeed_config", str(path), train_iters=100)
+    config = parse_config(argv, world_size=2)
+    assert config.parallel.zero_stage == 3
+    assert plan_torch_compile(config, "cuda").blocks is False  # ZeRO-3: blocks stay eager under auto
+    with pytest.raises(ValueError, match="--torch-compile on is not supported with --zero-stage 3"):
+        parse_config(argv + ["--torch-compile", "on"], world_size=2)
+    assert not parse_config(tiny_argv("--deepspeed"), world_size=2).parallel.zero_stage  # DeepSpeed's default 0
+    path.write_text(json.dumps({"zero_optimization": {"stage": "three"}}))
+    with pytest.raises(ValueError, match="zero_optimization.stage"):
+        parse_config(argv, world_size=2)
