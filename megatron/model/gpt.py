@@ -20,6 +20,7 @@ from megatron.config import ModelConfig, PositionEmbedding, RecomputeGranularity
 from megatron.model.init import materialize
 from megatron.model.layers import RotaryEmbedding, at_least_fp32, build_norm
 from megatron.model.transformer import TransformerLayer
+from megatron.partitioned import full_numel
 
 
 class Embedding(nn.Module):
@@ -136,9 +137,8 @@ class GPTModel(nn.Module):
         return self.output_head(hidden, weight, labels)
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
-        # ds_numel: a parameter built partitioned under ZeRO-3 holds an empty placeholder (megatron/model/build.py)
-        numel = lambda p: getattr(p, "ds_numel", p.numel())  # noqa: E731
-        total = sum(numel(p) for p in self.parameters())
+        # full_numel: a parameter built partitioned under ZeRO-3 holds an empty placeholder (megatron/model/build.py)
+        total = sum(full_numel(p) for p in self.parameters())
         if exclude_embeddings:
-            total -= numel(self.embedding.word_embeddings.weight)
+            total -= full_numel(self.embedding.word_embeddings.weight)
         return total

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from megatron.config import OptimizerConfig
+from megatron.partitioned import full_shape
 
 logger = logging.getLogger(__name__)
 
@@ -19,8 +20,7 @@ def get_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     for _, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        # ds_shape: a parameter built partitioned under ZeRO-3 holds an empty placeholder (megatron/model/build.py)
-        (no_decay if len(getattr(param, "ds_shape", param.shape)) < 2 else decay).append(param)
+        (no_decay if len(full_shape(param)) < 2 else decay).append(param)  # full: ZeRO-3 partitions are 1-D
     groups = [{"params": decay, "weight_decay": weight_decay}]
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})

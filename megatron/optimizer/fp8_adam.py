@@ -67,6 +67,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 
 from megatron.fp8.fused import CompiledOrEager
+from megatron.partitioned import full_numel, full_shape
 from megatron.optimizer.fp8_state_quant import (
     MomentDtype, MomentFormat, block_layout, counter_uniform, dequantize, dequantize_with_floor, moment_format,
     quantize, state_nbytes, storage_numel,
@@ -196,8 +197,7 @@ class Fp8AdamW(torch.optim.Optimizer):
     def uses_fp8_states(self, p: torch.Tensor, group: Dict[str, Any]) -> bool:
         """The rule: the group's `fp8_states` if set, else True for matrices (ndim >= 2)."""
         override = group.get("fp8_states")
-        # ds_shape: a parameter built partitioned under ZeRO-3 holds an empty placeholder (megatron/model/build.py)
-        return bool(override) if override is not None else len(getattr(p, "ds_shape", p.shape)) >= 2
+        return bool(override) if override is not None else len(full_shape(p)) >= 2  # full: ZeRO-3 partitions
 
     def _formats(self, p: torch.Tensor, group: Dict[str, Any]) -> Tuple[MomentFormat, MomentFormat]:
         return (self.m_format, self.v_format) if self.uses_fp8_states(p, group) else (_FP32, _FP32)
@@ -209,7 +209,7 @@ class Fp8AdamW(torch.optim.Optimizer):
             for p in group["params"]:
                 i = 0 if self.uses_fp8_states(p, group) else 2
                 counts[i] += 1
-                counts[i + 1] += getattr(p, "ds_numel", p.numel())
+                counts[i + 1] += full_numel(p)
         return Fp8StateSummary(self.m_format.bits_label, self.v_format.bits_label, *counts)
 
     def state_nbytes(self) -> int:

@@ -70,20 +70,12 @@ from megatron.parallel import clip_grad_norm
 from megatron.parallel.layers import SEQUENCE_PARALLEL_GRAD, TP_SHARD_DIM
 from megatron.parallel.tensor_parallel import all_reduce_sum
 from megatron.parallel_state import ParallelState
+from megatron.partitioned import full_numel, full_shape, zero3_partitions_in_groups
 from megatron.training import checkpointing as ckpt
 from megatron.training.deepspeed_config import build_deepspeed_config, zero_stage
 from megatron.training.engine import MicroBatchEngine
 
 logger = logging.getLogger("megatron")
-
-
-def full_shape(param: torch.Tensor) -> torch.Size:
-    """The parameter's shape, also when ZeRO-3 has partitioned it (its data is then an empty placeholder)."""
-    return getattr(param, "ds_shape", param.shape)
-
-
-def full_numel(param: torch.Tensor) -> int:
-    return int(getattr(param, "ds_numel", param.numel()))
 
 
 def zero3_partitioner(config, parallel: ParallelState) -> Optional[Callable[[nn.Module], None]]:
@@ -161,21 +153,6 @@ def tag_fp8_state_groups(optimizer: torch.optim.Optimizer, stage: int) -> None:
     if stage >= 1 and optimizer.block_size == 0:
         logger.warning("Fp8AdamW under ZeRO stage %d with per-tensor scaling: each rank's flattened partition of "
                        "all matrices shares one scale; --fp8-optimizer-block-size 128 keeps scales local", stage)
-
-
-@contextlib.contextmanager
-def _zero3_partitions_in_groups(zero_optimizer):
-    """ZeRO-3 empties the client optimizer's param groups between steps (each step call fills in one sub-group's
-    flat partition): put this rank's partitions back for the block, as DeepSpeed's own state_dict does."""
-    fill = getattr(zero_optimizer, "_set_fp32_optimizer_param_groups", None)
-    if fill is None:  # ZeRO 0-2: the groups hold their tensors
-        yield
-        return
-    fill()
-    try:
-        yield
-    finally:
-        zero_optimizer._clear_fp32_optimizer_param_groups()
 
 
 class ModelParallelUnit:
@@ -288,7 +265,7 @@ class DeepSpeedBase:
         self.module: nn.Module = self.engine
         summary = getattr(optimizer, "state_summary", None)
         if summary is not None:
-            with _zero3_partitions_in_groups(self.engine.optimizer):
+            with zero3_partitions_in_groups(self.engine.optimizer):
                 logger.info("%s", summary())
 
     def _apply_lr_and_remember(self, iteration: int) -> list[float]:

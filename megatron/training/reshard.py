@@ -34,6 +34,7 @@ from torch import nn
 from megatron.checkpoint_conversion import layouts
 from megatron.checkpoint_conversion.full_state import MOMENTS, FullState, read_full_state, tensor_parallel_piece
 from megatron.config import ModelConfig
+from megatron.partitioned import full_shape, zero3_partitions_in_groups
 from megatron.training import checkpointing as ckpt
 
 logger = logging.getLogger("megatron")
@@ -76,7 +77,7 @@ def _pieces(named_params: list[tuple[str, nn.Parameter]], full: FullState, model
                                    "architecture flags as the run that saved it")
     out = {}
     for name, param in named_params:
-        shape = getattr(param, "ds_shape", param.shape)  # ZeRO-3: the parameter's shape, not its partition's
+        shape = full_shape(param)  # ZeRO-3: the parameter's shape, not its partition's
         try:
             piece = tensor_parallel_piece(name, full.model[name], model_config, tp_rank, tp_size)
         except ValueError:
@@ -220,8 +221,7 @@ def _load_zero3_optimizer(zero, named: list[tuple[str, nn.Parameter]], pieces: d
     if not load_optimizer:
         return
     base = zero.optimizer
-    zero._set_fp32_optimizer_param_groups()  # the groups hold the sub-groups' flat masters only around this
-    try:
+    with zero3_partitions_in_groups(zero):  # the groups hold the sub-groups' flat masters only around this
         sub_group = {id(flat): k for k, flat in enumerate(flats)}
         state, groups, index = {}, [], 0
         for group in base.param_groups:
@@ -233,8 +233,6 @@ def _load_zero3_optimizer(zero, named: list[tuple[str, nn.Parameter]], pieces: d
                 index += 1
             groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
         _load_state(base, state, groups, full)
-    finally:
-        zero._clear_fp32_optimizer_param_groups()
 
 
 def load_resharded(folder: Path, *, model: nn.Module, full_name: Callable[[str], Optional[str]],
