@@ -36,20 +36,19 @@ _RECOMPILE_LIMIT = 64
 
 
 class CompiledOrEager:
-    """`fn` compiled on first use; `fn` itself while `enabled()` is false, or after compiling or running the
-    compiled code failed once (warned once, naming `what`; eager for the rest of the process). Compiler
-    failures surface on the first call, before the compiled code has written anything, so the eager call
-    that follows computes the same result. Shared by the fused quantization and Fp8AdamW's update."""
+    """`fn` compiled on first use; `fn` itself after compiling or running the compiled code failed once (warned
+    once, naming `what`; eager for the rest of the process). Compiler failures surface on the first call, before
+    the compiled code has written anything, so the eager call that follows computes the same result. Shared by the fused quantization and Fp8AdamW's update."""
 
     def __init__(self, fn: Callable[..., Any], what: str = "", *, dynamic: bool | None = False,
-                 fullgraph: bool = True, enabled: Callable[[], bool] = lambda: True) -> None:
-        self.fn, self.what, self.enabled = fn, what or fn.__name__, enabled
+                 fullgraph: bool = True) -> None:
+        self.fn, self.what = fn, what or fn.__name__
         self.dynamic, self.fullgraph = dynamic, fullgraph
         self.compiled: Callable[..., Any] | None = None
         self.failed = False
 
     def __call__(self, *args: Any) -> Any:
-        if self.failed or not self.enabled():
+        if self.failed:
             return self.fn(*args)
         if self.compiled is None:
             import torch._dynamo
