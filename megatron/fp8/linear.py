@@ -306,12 +306,10 @@ class Fp8Linear(nn.Linear):
         w = self.weight
         key = (w._version, w.data_ptr(), backend.name)
         if self._weight_cache is None or self._weight_cache.key != key:
-            values_dtype = _fused_values_dtype(self, backend)
+            values_dtype = self._weight_values_dtype(backend)
             values = None
             with torch.no_grad():
                 if values_dtype is not False:
-                    if values_dtype is not None and self.recipe.power_of_two_scales:
-                        values_dtype = torch.bfloat16  # the dtype `_QuantizedWeight.weight` converts to
                     # Recorded by `_note_weight_use` instead: the cast may happen in an evaluation pass.
                     q, values, scale, amax = self._fused_quantize(Fp8Role.WEIGHT, w, spec, values_dtype, record=False)
                 else:
@@ -327,21 +325,32 @@ class Fp8Linear(nn.Linear):
             self._weight_cache = made
         return self._weight_cache
 
+    def _weight_values_dtype(self, backend: Backend) -> torch.dtype | None | bool:
+        """`_fused_values_dtype` for the weight: bf16 for the emulated GEMM with power-of-two scales (the dtype
+        `_QuantizedWeight.weight` converts to)."""
+        values_dtype = _fused_values_dtype(self, backend)
+        if values_dtype is not False and values_dtype is not None and self.recipe.power_of_two_scales:
+            return torch.bfloat16
+        return values_dtype
+
+    def _cast_weight(self, backend: Backend, spec: Fp8FormatSpec, scale: torch.Tensor,
+                     values_dtype: torch.dtype | None | bool, column_scale: torch.Tensor | None,
+                     scaled: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(Q(W diag(c)) or Q(W), its values for the GEMM or None) with a known scale: fused, one pass that never
+        materializes W diag(c); eager, from `scaled` (W diag(c) when the caller made it already)."""
+        if values_dtype is not False:
+            return fused.quantize_known(self.weight, scale, spec.max, spec.torch_dtype, values_dtype,
+                                        column_scale=column_scale)
+        if scaled is None:
+            scaled = self.weight if column_scale is None else self.weight.float() * column_scale.float()
+        return backend.quantize(scaled, scale, spec), None
+
     def _requantized_weight(self, backend: Backend, spec: Fp8FormatSpec, scale: torch.Tensor, amax: torch.Tensor,
                             column_scale: torch.Tensor | None) -> _QuantizedWeight:
         """The forward's FP8 weight (or W diag(c)) made again with its scale: the same values and scale give the
         same bits (the fused and eager casts are bitwise equal, tests/test_fp8_fused.py). Records nothing."""
-        values_dtype = _fused_values_dtype(self, backend)
-        values = None
         with torch.no_grad():
-            if values_dtype is not False:
-                if values_dtype is not None and self.recipe.power_of_two_scales:
-                    values_dtype = torch.bfloat16
-                q, values = fused.quantize_known(self.weight, scale, spec.max, spec.torch_dtype, values_dtype,
-                                                 column_scale=column_scale)
-            else:
-                w = self.weight if column_scale is None else self.weight.float() * column_scale.float()
-                q = backend.quantize(w, scale, spec)
+            q, values = self._cast_weight(backend, spec, scale, self._weight_values_dtype(backend), column_scale)
         return _QuantizedWeight(None, q, scale, amax, values=values)
 
     def _own_amax_scale(self, role: Fp8Role, amax: torch.Tensor, spec: Fp8FormatSpec) -> torch.Tensor:
@@ -352,23 +361,17 @@ class Fp8Linear(nn.Linear):
     def _quantized_scaled_weight(self, backend: Backend, spec: Fp8FormatSpec, column_scale: torch.Tensor,
                                  group: Any = None) -> _QuantizedWeight:
         """Q(W diag(column_scale)), made for this call only (see "Per-input-channel weight scale")."""
-        values_dtype = _fused_values_dtype(self, backend)
-        values = None
+        values_dtype = self._weight_values_dtype(backend)
         with torch.no_grad():
+            w = None
             if values_dtype is not False:  # W diag(c) is never materialized: one amax pass, one cast pass
-                if values_dtype is not None and self.recipe.power_of_two_scales:
-                    values_dtype = torch.bfloat16
                 amax = fused.column_scaled_amax(self.weight, column_scale)
             else:
                 w = self.weight.float() * column_scale.float()
                 amax = amax_of(w)
             comm.all_reduce(amax, group, comm.ReduceOp.MAX)  # a no-op without a group
             scale = self._own_amax_scale(Fp8Role.WEIGHT, amax, spec)
-            if values_dtype is not False:
-                q, values = fused.quantize_known(self.weight, scale, spec.max, spec.torch_dtype, values_dtype,
-                                                 column_scale=column_scale)
-            else:
-                q = backend.quantize(w, scale, spec)
+            q, values = self._cast_weight(backend, spec, scale, values_dtype, column_scale, scaled=w)
             if self.fp8_stats_enabled:
                 fp8_stats.record(self, Fp8Role.WEIGHT, self.weight.float() * column_scale.float(), q, scale, spec)
         self.fp8_weight_quantizations += 1
