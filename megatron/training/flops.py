@@ -8,12 +8,16 @@ from __future__ import annotations
 from megatron.config import MegatronConfig, ModelConfig, PositionEmbedding, RecomputeGranularity
 
 
+def _block_linear_weights(m: ModelConfig) -> dict[str, int]:
+    """Elements of each weight matrix of one transformer block (TP = 1)."""
+    return {"qkv": m.hidden_size * (m.query_projection_size + 2 * m.kv_projection_size),
+            "proj": m.query_projection_size * m.hidden_size,
+            "fc1": m.hidden_size * m.ffn_hidden_size * (2 if m.swiglu else 1),
+            "fc2": m.ffn_hidden_size * m.hidden_size}
+
+
 def _block_linear_params(m: ModelConfig) -> int:
-    qkv = m.hidden_size * (m.query_projection_size + 2 * m.kv_projection_size)
-    proj = m.query_projection_size * m.hidden_size
-    fc1 = m.hidden_size * m.ffn_hidden_size * (2 if m.swiglu else 1)
-    fc2 = m.ffn_hidden_size * m.hidden_size
-    params = qkv + proj + fc1 + fc2
+    params = sum(_block_linear_weights(m).values())
     if m.add_bias_linear:
         params += (m.query_projection_size + 2 * m.kv_projection_size) + m.hidden_size
         params += m.ffn_hidden_size * (2 if m.swiglu else 1) + m.hidden_size
@@ -107,11 +111,7 @@ def fp8_weight_copy_bytes(cfg: MegatronConfig) -> float:
     m, p = cfg.model, cfg.parallel
     if cfg.fp8 is None:
         return 0.0
-    linears = [m.hidden_size * (m.query_projection_size + 2 * m.kv_projection_size),  # qkv
-               m.query_projection_size * m.hidden_size,  # proj
-               m.hidden_size * m.ffn_hidden_size * (2 if m.swiglu else 1)]  # fc1
-    if not cfg.fp8.mlp_fc2_bf16:
-        linears.append(m.ffn_hidden_size * m.hidden_size)
+    linears = [n for name, n in _block_linear_weights(m).items() if not (name == "fc2" and cfg.fp8.mlp_fc2_bf16)]
     fp8_layers = max(m.num_layers - 2 * cfg.fp8.first_last_layers_bf16, 0)
     if not fp8_layers:
         return 0.0
