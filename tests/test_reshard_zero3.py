@@ -122,3 +122,18 @@ def test_zero3_moments_read_out_match_zero1s(sources):
         for moment, (dtype, ulps) in fp8.items():
             bound = 2 * ulps * torch.finfo(dtype).eps + 4 * noise
             assert rel(name, moment) <= bound, (name, moment, rel(name, moment), bound)
+
+
+@pytest.mark.parametrize("offload", ["offload_param", "swap_optimizer"])
+def test_resharding_into_offloaded_zero3_is_refused(offload):
+    """Second line of defence (parse_config refuses ZeRO offload, tests/test_deepspeed.py): a ZeRO-3 engine with
+    offloaded parameters or an NVMe-swapped optimizer keeps its partitions off the device, where the loader does
+    not write; resharding into it is one CheckpointError, before any state is touched."""
+    import types
+
+    from megatron.training.reshard import _load_zero3_optimizer
+
+    zero = types.SimpleNamespace(offload_param=False, swap_optimizer=False, fp32_partitioned_groups_flat=None)
+    setattr(zero, offload, True)
+    with pytest.raises(ckpt.CheckpointError, match="offload_param or an NVMe-swapped optimizer is not supported"):
+        _load_zero3_optimizer(zero, [], {}, None, None, 0, 1, True)
