@@ -9,7 +9,8 @@ all of them alike. Prints the median step time per variant, its ratio to the BF1
 optimizer-state bytes; `--json FILE` writes the same figures.
 
 `--torch-compile` sets every variant's `--torch-compile`: `off`, `on`, `auto`, a comma list of them, or `both`
-(= off,on, the default); each variant runs once per listed mode and the ratios are taken against the fastest
+(= off,on, the default); `on-break` is `on` with the FP8 layers run as graph breaks in the compiled blocks
+(what `on` did before they were traced into the blocks' graphs, megatron/fp8/traced.py; BF16 skips it); each variant runs once per listed mode and the ratios are taken against the fastest
 BF16 baseline (compiling cannot win by slowing BF16 down). `auto` is the CLI default: on CPU (the demo runs
 1000 iterations) the FP8 quantization compiled and the blocks eager, so BF16 skips it (it would equal `off`).
 Compilation happens while the variant is built (a logged warm-up), outside the timing.
@@ -33,6 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron.arguments import parse_config  # noqa: E402
+from megatron.fp8 import set_fp8_tracing  # noqa: E402
 from megatron.training.loop import Trainer  # noqa: E402
 
 DEMO = ("--num-layers 4 --hidden-size 256 --num-attention-heads 8 --num-key-value-heads 4 --ffn-hidden-size 704 "
@@ -55,17 +57,19 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-MODE_LABELS = {"off": "eager", "on": "compiled", "auto": "auto"}
+MODE_LABELS = {"off": "eager", "on": "compiled", "auto": "auto", "on-break": "compiled, FP8 graph breaks"}
 
 
 class Variant:
     def __init__(self, name: str, argv: list[str], device: torch.device, mode: str) -> None:
         self.name = f"{name} ({MODE_LABELS[mode]})"
         self.device = device
-        config = parse_config(argv + ["--torch-compile", mode, "--device", device.type])
+        config = parse_config(argv + ["--torch-compile", mode.replace("-break", ""), "--device", device.type])
         start = time.perf_counter()
         self.trainer = Trainer(config)
         self.build_s = time.perf_counter() - start  # includes the compile warm-up when compiled
+        if mode == "on-break":  # the FP8 layers as graph breaks in the compiled blocks (before traced.py): the
+            set_fp8_tracing(self.trainer.model, False)  # blocks retrace in the untimed --warmup steps
         self.times: list[float] = []
 
     def step(self, rows: list[torch.Tensor]) -> None:
@@ -123,7 +127,8 @@ def main() -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--variants", default="bf16,fp8 linears,fp8 + smooth-swiglu + Fp8AdamW",
                    help=f"comma-separated subset of: {', '.join(VARIANTS)}")
-    p.add_argument("--torch-compile", default="both", help="off, on, auto, a comma list of them, or both (= off,on)")
+    p.add_argument("--torch-compile", default="both",
+                   help="off, on, auto, on-break, a comma list of them, or both (= off,on)")
     p.add_argument("--compile-bf16", action="store_true",
                    help="the earlier spelling of --torch-compile both (scripts/gpu_check.py passes it)")
     p.add_argument("--extra", default="", help="extra pretrain_gpt.py flags for every variant, e.g. a model shape")
@@ -144,9 +149,11 @@ def main() -> None:
         p.error(f"--variants must include bf16 and name only {', '.join(VARIANTS)}; got {args.variants!r}")
     modes = ["off", "on"] if args.compile_bf16 or args.torch_compile == "both" else args.torch_compile.split(",")
     if not modes or any(m not in MODE_LABELS for m in modes):
-        p.error(f"--torch-compile takes off, on, auto, a comma list of them, or both; got {args.torch_compile!r}")
+        p.error(f"--torch-compile takes off, on, auto, on-break, a comma list of them, or both; got "
+                f"{args.torch_compile!r}")
     variants = [Variant(name, base + VARIANTS[name], device, m) for name in names for m in modes
-                if not (name == "bf16" and m == "auto" and device.type == "cpu" and "off" in modes)]
+                if not (name == "bf16" and m == "auto" and device.type == "cpu" and "off" in modes)
+                and not (name == "bf16" and m == "on-break")]
     logging.getLogger("megatron").setLevel(logging.INFO)
     m = variants[0].trainer.config.model
     gen = torch.Generator().manual_seed(0)

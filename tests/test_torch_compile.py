@@ -221,3 +221,44 @@ def test_a_failed_block_compile_is_one_error_naming_the_flag(monkeypatch) -> Non
     with pytest.raises(ValueError, match=r"compiling the transformer blocks failed \(RuntimeError: no C\+\+ compiler\)"
                                          r"; pass --torch-compile off"):
         apply_torch_compile(config, GPTModel(config.model), torch.device("cpu"))
+
+
+def test_a_failed_fp8_trace_falls_back_to_graph_breaks(monkeypatch) -> None:
+    """A torch whose dynamo cannot trace the FP8 layers into a block: the blocks are compiled again with those
+    layers as graph breaks (the eager FP8 path), with one warning; the run's startup line still follows."""
+    from megatron.fp8 import Fp8Linear, convert_to_fp8
+    from megatron.model import GPTModel
+    from megatron.model import compile as compile_mod
+
+    real_warm_up = compile_mod.warm_up
+    calls = []
+
+    def warm_up(model, run):
+        traced = [m.trace_in_compiled_graph for m in model.modules() if isinstance(m, Fp8Linear)]
+        calls.append(all(traced))
+        if all(traced):
+            def failing() -> None:  # fails part-way, as a compilation does: the eager parts ran already
+                run()
+                raise RuntimeError("dynamo cannot trace this\nmore")
+            return real_warm_up(model, failing)
+        return real_warm_up(model, run)
+
+    monkeypatch.setattr(compile_mod, "warm_up", warm_up)
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)  # the blocks' compile itself: not under test
+    config = parse_config(tiny_argv(*FP8, "--torch-compile", "on", **COMMON))
+    model = GPTModel(config.model)
+    convert_to_fp8(model, config.fp8)
+    before = {n: b.clone() for n, b in model.named_buffers()}
+    handler = _Lines()
+    logging.getLogger("megatron").addHandler(handler)
+    try:
+        plan = compile_mod.apply_torch_compile(config, model, torch.device("cpu"))
+    finally:
+        logging.getLogger("megatron").removeHandler(handler)
+    assert plan.blocks and calls == [True, False]
+    assert not any(m.trace_in_compiled_graph for m in model.modules() if isinstance(m, Fp8Linear))
+    warned = [line for line in handler.lines if "tracing the FP8 layers" in line]
+    assert len(warned) == 1 and "RuntimeError: dynamo cannot trace this" in warned[0], handler.lines
+    assert any("compiled in" in line for line in handler.lines)
+    for name, b in model.named_buffers():  # the failed attempt's amaxes were rolled back
+        assert torch.equal(b, before[name]), name

@@ -214,9 +214,14 @@ def _cuda_has_fp8(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
+# The stateless backends, made once: traced code (traced.py) looks them up here (dynamo does not trace into an
+# lru_cache). The Gaudi backend imports habana_frameworks when made, so it is made on first use.
+STATELESS_BACKENDS: dict[str, Backend] = {"emulated": EmulatedBackend(), "scaled_mm": CudaScaledMmBackend()}
+
+
 @functools.lru_cache(maxsize=None)
 def _make(name: str) -> Backend:
-    return {"emulated": EmulatedBackend, "scaled_mm": CudaScaledMmBackend, "hpu": HpuBackend}[name]()
+    return STATELESS_BACKENDS[name] if name in STATELESS_BACKENDS else HpuBackend()
 
 
 KERNEL_REFUSALS: list[str] = []  # first lines of the errors of scaled GEMMs that fell back (tests read it)

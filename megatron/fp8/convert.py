@@ -94,3 +94,13 @@ def set_fused_quantization(model: nn.Module, enabled: bool) -> int:
     for layer in layers:
         layer.fused_quantization = bool(enabled)
     return len(layers)
+
+
+def set_fp8_tracing(model: nn.Module, enabled: bool) -> int:
+    """Whether the `Fp8Linear`s of `model` are traced into a compiled transformer block's graph (traced.py) or
+    run eagerly there (a graph break per layer, the fallback); the number of layers set. Read when dynamo traces
+    a block, so a change retraces it."""
+    layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    for layer in layers:
+        layer.trace_in_compiled_graph = bool(enabled)
+    return len(layers)

@@ -48,14 +48,16 @@ class CompiledOrEager:
         self.failed = False
 
     def __call__(self, *args: Any) -> Any:
-        if self.failed:
+        # Inside a region dynamo is tracing (an FP8 layer traced into a compiled transformer block, traced.py),
+        # the function is traced into the enclosing graph: no nested compilation.
+        if self.failed or torch.compiler.is_compiling():
             return self.fn(*args)
         if self.compiled is None:
-            import torch._dynamo
+            from torch._dynamo import config as dynamo_config
 
             for name in ("recompile_limit", "cache_size_limit"):  # renamed across torch versions
-                if hasattr(torch._dynamo.config, name):
-                    setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), _RECOMPILE_LIMIT))
+                if hasattr(dynamo_config, name):
+                    setattr(dynamo_config, name, max(getattr(dynamo_config, name), _RECOMPILE_LIMIT))
             self.compiled = torch.compile(self.fn, dynamic=self.dynamic, fullgraph=self.fullgraph)
         try:
             return self.compiled(*args)

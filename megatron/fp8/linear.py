@@ -63,7 +63,7 @@ import torch
 import torch.nn as nn
 
 from megatron import comm
-from megatron.fp8 import fused, gemm_steps
+from megatron.fp8 import fused, gemm_steps, traced
 from megatron.fp8 import stats as fp8_stats
 from megatron.fp8.backends import Backend, backend_format_spec, select_backend
 from megatron.fp8.formats import Fp8FormatSpec
@@ -91,6 +91,12 @@ def _fused_values_dtype(module: "Fp8Linear", backend: Backend) -> torch.dtype | 
     if not module.fused_quantization or backend.name not in ("emulated", "scaled_mm"):
         return False
     return torch.float32 if backend.name == "emulated" else None
+
+
+def _output_dtype(x: torch.Tensor) -> torch.dtype:
+    """The GEMMs' output dtype: the autocast dtype under autocast, else the input's."""
+    device_type = x.device.type
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
 
 
 @dataclasses.dataclass
@@ -135,26 +141,14 @@ class _Fp8LinearFunction(torch.autograd.Function):
         values_dtype = _fused_values_dtype(module, backend)
         # Autocast would turn the fp32 GEMM of the emulated backend into bf16; every dtype here is explicit.
         with torch.autocast(x.device.type, enabled=False):
-            spec = specs[Fp8Role.INPUT]
-            v_x = None  # Q(x) in the emulated GEMM's dtype, when the fused kernel wrote it
-            if values_dtype is not False and input_amax is None:
-                q_x, v_x, s_x, x_amax = module._fused_quantize(Fp8Role.INPUT, x2d, spec, values_dtype)
-            else:
-                x_amax = amax_of(x2d) if input_amax is None else input_amax.float()
-                s_x = module._scale_for(Fp8Role.INPUT, x_amax, spec)
-                if input_amax is not None:  # the exact amax of this very x: current scaling for free
-                    s_x = module._own_amax_scale(Fp8Role.INPUT, x_amax, spec)
-                if values_dtype is not False:  # one compiled pass with the known scale
-                    q_x, v_x = fused.quantize_known(x2d, s_x, spec.max, spec.torch_dtype, values_dtype)
-                else:
-                    q_x = backend.quantize(x2d, s_x, spec)
+            q_x, v_x, s_x, x_amax = module._quantize_input(backend, specs[Fp8Role.INPUT], x2d, input_amax, values_dtype)
             if module.fp8_stats_enabled:
                 fp8_stats.record(module, Fp8Role.INPUT, x2d, q_x, s_x, specs[Fp8Role.INPUT])
             if column_scale is None:
                 w = module._quantized_weight(backend, specs[Fp8Role.WEIGHT])
             else:
                 w = module._quantized_scaled_weight(backend, specs[Fp8Role.WEIGHT], column_scale, column_scale_group)
-            module._note_weight_use(w)
+            module._note_weight_use(w.scale, w.amax)
             # Quantized with the real scales (the clamp saturates inf), multiplied out with guarded ones: an
             # inf/NaN operand makes the whole output NaN, as nn.Linear's would be non-finite.
             s_x = nonfinite_guard(s_x, x_amax)
@@ -231,6 +225,9 @@ class Fp8Linear(nn.Linear):
         # Quantize through the compiled functions of fused.py (bitwise the eager reference, fewer passes);
         # `set_fused_quantization` sets it for a model from --torch-compile. Off: the eager reference.
         self.fused_quantization = False
+        # Inside a compiled transformer block: traced into its graph (traced.py), or a graph break running the
+        # eager path (`set_fp8_tracing`; the fallback when tracing fails, and a benchmark's comparison).
+        self.trace_in_compiled_graph = True
         self.fp8_num_updates = 0  # optimizer steps seen by the delayed-scaling update
         self.fp8_weight_quantizations = 0  # how often the weight was cast (once per step when cached)
         # Per-call FP8 weight (set under ZeRO-3, where the weight exists only while gathered): no cache across
@@ -302,6 +299,23 @@ class Fp8Linear(nn.Linear):
                 self.fp8_scale[role] = scale
         return q, values, scale, amax
 
+    def _quantize_input(self, backend: Backend, spec: Fp8FormatSpec, x2d: torch.Tensor,
+                        input_amax: torch.Tensor | None, values_dtype: torch.dtype | None | bool
+                        ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """(Q(x), Q(x) in the emulated GEMM's dtype when the fused kernel wrote it else None, scale, amax);
+        records the amax (and the tensorwise scale) in training. With `input_amax` (the exact amax of this very
+        x) the scale is x's own: current scaling for free."""
+        if values_dtype is not False and input_amax is None:
+            return self._fused_quantize(Fp8Role.INPUT, x2d, spec, values_dtype)
+        x_amax = amax_of(x2d) if input_amax is None else input_amax.float()
+        s_x = self._scale_for(Fp8Role.INPUT, x_amax, spec)
+        if input_amax is not None:
+            s_x = self._own_amax_scale(Fp8Role.INPUT, x_amax, spec)
+        if values_dtype is not False:  # one compiled pass with the known scale
+            q_x, v_x = fused.quantize_known(x2d, s_x, spec.max, spec.torch_dtype, values_dtype)
+            return q_x, v_x, s_x, x_amax
+        return backend.quantize(x2d, s_x, spec), None, s_x, x_amax
+
     def _quantized_weight(self, backend: Backend, spec: Fp8FormatSpec) -> _QuantizedWeight:
         w = self.weight
         key = (w._version, w.data_ptr(), backend.name)
@@ -361,28 +375,35 @@ class Fp8Linear(nn.Linear):
     def _quantized_scaled_weight(self, backend: Backend, spec: Fp8FormatSpec, column_scale: torch.Tensor,
                                  group: Any = None) -> _QuantizedWeight:
         """Q(W diag(column_scale)), made for this call only (see "Per-input-channel weight scale")."""
-        values_dtype = self._weight_values_dtype(backend)
         with torch.no_grad():
-            w = None
-            if values_dtype is not False:  # W diag(c) is never materialized: one amax pass, one cast pass
-                amax = fused.column_scaled_amax(self.weight, column_scale)
-            else:
-                w = self.weight.float() * column_scale.float()
-                amax = amax_of(w)
-            comm.all_reduce(amax, group, comm.ReduceOp.MAX)  # a no-op without a group
-            scale = self._own_amax_scale(Fp8Role.WEIGHT, amax, spec)
-            q, values = self._cast_weight(backend, spec, scale, values_dtype, column_scale, scaled=w)
+            q, values, scale, amax = self._column_scaled_weight(backend, spec, column_scale, group)
             if self.fp8_stats_enabled:
                 fp8_stats.record(self, Fp8Role.WEIGHT, self.weight.float() * column_scale.float(), q, scale, spec)
         self.fp8_weight_quantizations += 1
         return _QuantizedWeight(None, q, scale, amax, values=values)
 
-    def _note_weight_use(self, w: _QuantizedWeight) -> None:
+    def _column_scaled_weight(self, backend: Backend, spec: Fp8FormatSpec, column_scale: torch.Tensor, group: Any
+                              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """(Q(W diag(c)), its values for the GEMM or None, scale, amax): the scale from its own amax, max-reduced
+        over `group`. Records nothing and counts nothing (callers do)."""
+        values_dtype = self._weight_values_dtype(backend)
+        w = None
+        if values_dtype is not False:  # W diag(c) is never materialized: one amax pass, one cast pass
+            amax = fused.column_scaled_amax(self.weight.detach(), column_scale)
+        else:
+            w = self.weight.detach().float() * column_scale.float()
+            amax = amax_of(w)
+        comm.all_reduce(amax, group, comm.ReduceOp.MAX)  # a no-op without a group
+        scale = self._own_amax_scale(Fp8Role.WEIGHT, amax, spec)
+        q, values = self._cast_weight(backend, spec, scale, values_dtype, column_scale, scaled=w)
+        return q, values, scale, amax
+
+    def _note_weight_use(self, scale: torch.Tensor, amax: torch.Tensor) -> None:
         """Every training forward records the weight's amax, wherever the cached FP8 weight was made."""
         if self.training:
-            self.fp8_step_amax[Fp8Role.WEIGHT] = torch.maximum(self.fp8_step_amax[Fp8Role.WEIGHT], w.amax)
+            self.fp8_step_amax[Fp8Role.WEIGHT] = torch.maximum(self.fp8_step_amax[Fp8Role.WEIGHT], amax)
             if self.recipe.scaling is Fp8Scaling.TENSORWISE:
-                self.fp8_scale[Fp8Role.WEIGHT] = w.scale
+                self.fp8_scale[Fp8Role.WEIGHT] = scale
 
     def invalidate_fp8_weight_cache(self) -> None:
         """Drop the FP8 weight; the next forward re-quantizes (called by `fp8_optimizer_step`)."""
@@ -390,19 +411,22 @@ class Fp8Linear(nn.Linear):
 
     # --- nn.Module -------------------------------------------------------------------------------------------
 
-    # A compiled transformer block (`--torch-compile`) runs this layer eagerly (a graph break): dynamo cannot
-    # trace the autograd function that carries the module's scaling state. Its quantization is compiled on
-    # its own (fused.py), so the block's other ops and the FP8 casts are both compiled code.
-    @torch.compiler.disable
     def forward(self, x: torch.Tensor, weight_column_scale: torch.Tensor | None = None,
                 input_amax: torch.Tensor | None = None, column_scale_group: Any = None) -> torch.Tensor:
         """y = Q(x) Q(W)^T + b; with `weight_column_scale` c, W diag(c) replaces W (see the module docstring);
-        `column_scale_group` is the group over which the amax of W diag(c) is max-reduced (TP shards)."""
-        device_type = x.device.type
-        if torch.is_autocast_enabled(device_type):
-            out_dtype = torch.get_autocast_dtype(device_type)
-        else:
-            out_dtype = x.dtype
+        `column_scale_group` is the group over which the amax of W diag(c) is max-reduced (TP shards).
+
+        Inside a compiled transformer block (`--torch-compile`) the per-tensor recipes are traced into the
+        block's graph (traced.py); everything else runs `_eager_forward`, a graph break there."""
+        if torch.compiler.is_compiling() and traced.traceable(self, x, column_scale_group):
+            column_scale = None if weight_column_scale is None else weight_column_scale.detach()
+            return traced.forward(self, x, _output_dtype(x), column_scale, input_amax)
+        return self._eager_forward(x, weight_column_scale, input_amax, column_scale_group)
+
+    @torch.compiler.disable
+    def _eager_forward(self, x: torch.Tensor, weight_column_scale: torch.Tensor | None,
+                       input_amax: torch.Tensor | None, column_scale_group: Any) -> torch.Tensor:
+        out_dtype = _output_dtype(x)
         if weight_column_scale is not None:
             weight_column_scale = weight_column_scale.detach()
         if self.recipe.tiles is not None:  # rowwise, blockwise, mxfp8: see tiled.py

@@ -7,8 +7,13 @@ What is compiled
   DDP/DeepSpeed wrappers and the Smooth-SwiGLU / FP8 hooks all still see the plain model). Blocks have one
   shape, so they share one compiled graph (dynamo caches on the code object; a block differing in shape or
   in its FP8 recipe gets its own entry). The embedding, the final norm and the LM head stay eager.
-- `Fp8Linear.forward` is a graph break inside a compiled block (see linear.py); its quantization runs through
-  the compiled functions of `megatron/fp8/fused.py` (`set_fused_quantization` on the model's FP8 layers).
+- The FP8 layers of the per-tensor recipes are traced into their block's graph (megatron/fp8/traced.py): one
+  graph per block, so inductor fuses each FP8 cast into the op producing its operand (the RMSNorm before qkv
+  and fc1, the SwiGLU product before fc2). The other recipes (tiled, stochastic rounding of gradients) and
+  statistics iterations run the eager FP8 path there, a graph break whose quantization is the compiled
+  functions of `megatron/fp8/fused.py` (`set_fused_quantization` on the model's FP8 layers). If tracing the
+  FP8 layers fails (a torch whose dynamo cannot), the warm-up compiles the blocks again with every FP8 layer a
+  graph break, with a warning (`set_fp8_tracing`).
 - The FP8 quantization alone can be compiled with the blocks left eager: a few small kernels (amax, scale,
   cast, the emulated GEMM's epilogue), seconds to compile, and most of what compiling gains for an FP8 step
   (docs/performance.md). `auto` does this where block compilation is not the default (CPU) or not supported.
@@ -142,21 +147,22 @@ def warm_up(model: nn.Module, run_micro_batch) -> float:
                 if hasattr(m, "fp8_weight_quantizations")}
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     start = time.perf_counter()
-    with torch.random.fork_rng(devices=devices):
-        run_micro_batch()
-    elapsed = time.perf_counter() - start
-    with torch.no_grad():
-        for name, b in model.named_buffers():
-            if name in buffers:
-                b.copy_(buffers[name])
-    for name, m in model.named_modules():
-        if name in counters:
-            m.fp8_weight_quantizations = counters[name]
-        if hasattr(m, "invalidate_fp8_weight_cache"):
-            m.invalidate_fp8_weight_cache()
-    for p in model.parameters():
-        p.grad = None
-    return elapsed
+    try:
+        with torch.random.fork_rng(devices=devices):
+            run_micro_batch()
+        return time.perf_counter() - start
+    finally:  # also after a failed compilation: the eager parts may have run
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                if name in buffers:
+                    b.copy_(buffers[name])
+        for name, m in model.named_modules():
+            if name in counters:
+                m.fp8_weight_quantizations = counters[name]
+            if hasattr(m, "invalidate_fp8_weight_cache"):
+                m.invalidate_fp8_weight_cache()
+        for p in model.parameters():
+            p.grad = None
 
 
 def apply_torch_compile(config: Any, model: nn.Module, device: torch.device) -> CompilePlan:
@@ -193,13 +199,12 @@ def apply_torch_compile(config: Any, model: nn.Module, device: torch.device) -> 
         (per_token * batch.loss_mask).sum().backward()
 
     try:
-        seconds = warm_up(model, run)
+        seconds = _warm_up_blocks(model, run, n, fp8_layers)
     except Exception as exc:  # noqa: BLE001 - the fused quantization falls back by itself; compiled blocks cannot
         if not n:
             raise
-        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
-        raise ValueError(f"--torch-compile: compiling the transformer blocks failed ({type(exc).__name__}: {first}); "
-                         "pass --torch-compile off to train eagerly (MEGATRON_TRACEBACK=1 shows the compiler's "
+        raise ValueError(f"--torch-compile: compiling the transformer blocks failed ({_first_line(exc)}); pass "
+                         "--torch-compile off to train eagerly (MEGATRON_TRACEBACK=1 shows the compiler's "
                          "traceback)") from exc
     from megatron.fp8 import fused as fp8_fused
 
@@ -210,3 +215,27 @@ def apply_torch_compile(config: Any, model: nn.Module, device: torch.device) -> 
     else:
         logger.info("> torch.compile: %s compiled in %.1f s (startup, not counted in tokens/s)", what, seconds)
     return plan
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0][:300]}" if text else type(exc).__name__
+
+
+def _warm_up_blocks(model: nn.Module, run, blocks: int, fp8_layers: int) -> float:
+    """`warm_up`; if compiling blocks with FP8 layers traced into them fails (a torch whose dynamo cannot trace
+    them), once more with those layers as graph breaks (the eager FP8 path inside compiled blocks), warned."""
+    try:
+        return warm_up(model, run)
+    except Exception as exc:  # noqa: BLE001 - retried below; a second failure propagates
+        if not (blocks and fp8_layers):
+            raise
+        import torch._dynamo
+
+        from megatron.fp8 import set_fp8_tracing
+
+        logger.warning("> torch.compile: tracing the FP8 layers into the transformer blocks failed (%s); the FP8 "
+                       "layers run as graph breaks inside the compiled blocks", _first_line(exc))
+        set_fp8_tracing(model, False)
+        torch._dynamo.reset()
+        return warm_up(model, run)

@@ -1,0 +1,145 @@
+"""`Fp8Linear` traced into a compiled transformer block: one graph per block, no graph break per linear.
+
+A compiled block (`--torch-compile`, megatron/model/compile.py) used to run each `Fp8Linear` eagerly (a graph
+break): dynamo cannot trace the eager autograd function, which keeps the module and a Python-side FP8 weight
+cache on its context. A block with four linears was then five graphs, and inductor could not fuse an FP8 cast
+into the op that produced its operand (the RMSNorm before qkv and fc1, the SwiGLU product before fc2): the
+fusion Transformer Engine writes by hand (its LayerNormLinear) and torchao gets from a traced Float8Linear.
+
+Here the layer is expressed in what dynamo traces: the quantization of x and W is ordinary code of the block
+(the functions of fused.py, inlined into the block's graph), and `_Gemms`, an autograd function whose forward
+and backward take tensors and Python constants only, runs the three GEMMs; its backward quantizes dy and
+updates the grad role's scaling buffers in place (AOTAutograd keeps a backward graph's mutation of a forward
+input). The arithmetic is the eager path's, operation for operation (the same fused.py functions, the same
+`gemm_nt`); inductor may fuse the output's rounding to bf16 into the next op (as in any compiled block), so a
+traced block agrees with an eager one within rounding noise, and per operation bitwise (tests/test_fp8_traced.py).
+
+What differs from the eager layer, by design:
+- the FP8 weight is made in every forward (fused amax + cast, torchao's Float8Linear does the same) instead of
+  once per optimizer step: a cache keyed on the weight's storage cannot live in a graph. Within a step the
+  weight does not change, so every micro-batch gets the same FP8 weight and scale the cache would have given;
+  the cost is one pass over W per micro-batch (docs/performance.md measures it). The forward's FP8 weight is
+  saved for backward as the cache would have held it. `fp8_weight_quantizations` counts eager casts only.
+- Configurations dynamo would not see through stay on the eager path (a graph break, as before): the tiled
+  recipes, stochastic rounding of gradients (its noise comes from the eager generator stream), statistics
+  iterations (`fp8_stats_enabled`), per-call weights (ZeRO-3, where blocks are not compiled), a Smooth-SwiGLU
+  column scale reduced over a TP group (a collective in the block), the Gaudi backend and unfused quantization.
+  `traceable` is the list.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from megatron.fp8 import gemm_steps
+from megatron.fp8.backends import STATELESS_BACKENDS, select_backend
+from megatron.fp8.scaling import Fp8Role
+
+if TYPE_CHECKING:
+    from megatron.fp8.linear import Fp8Linear
+
+# The roles as plain ints: dynamo (torch 2.13) recurses without end indexing a tuple with an IntEnum member.
+_INPUT, _WEIGHT, _GRAD = (int(role) for role in (Fp8Role.INPUT, Fp8Role.WEIGHT, Fp8Role.GRAD_OUTPUT))
+
+
+@torch._dynamo.assume_constant_result
+def _backend_name(choice: str, device: torch.device, scaling: str) -> str:
+    """The backend's name, evaluated when the graph is traced (selection reads the device's capabilities)."""
+    return select_backend(choice, device, scaling).name
+
+
+def traceable(module: "Fp8Linear", x: torch.Tensor, column_scale_group: Any) -> bool:
+    """Whether this call can be traced into the enclosing compiled graph (module docstring); evaluated while
+    tracing, so dynamo guards on what it reads and a change (statistics switched on) retraces."""
+    recipe = module.recipe
+    if (not module.trace_in_compiled_graph or not module.fused_quantization or recipe.tiles is not None or recipe.grad_stochastic_rounding
+            or module.fp8_stats_enabled or module.fp8_weight_per_call or column_scale_group is not None):
+        return False
+    return _backend_name(recipe.backend.value, x.device, recipe.scaling.value) in STATELESS_BACKENDS
+
+
+def forward(module: "Fp8Linear", x: torch.Tensor, out_dtype: torch.dtype, column_scale: torch.Tensor | None,
+            input_amax: torch.Tensor | None) -> torch.Tensor:
+    """y = Q(x) Q(W)^T + b (W diag(c) with `column_scale`), traceable; records amaxes as the eager layer does."""
+    from megatron.fp8.linear import _fused_values_dtype, nonfinite_guard
+
+    recipe = module.recipe
+    backend = STATELESS_BACKENDS[_backend_name(recipe.backend.value, x.device, recipe.scaling.value)]
+    specs = module.fp8_specs(backend)
+    x2d = x.reshape(-1, x.shape[-1])
+    values_dtype = _fused_values_dtype(module, backend)
+    w_spec = specs[_WEIGHT]
+    with torch.autocast(x.device.type, enabled=False), torch.no_grad():
+        q_x, v_x, s_x, x_amax = module._quantize_input(backend, specs[_INPUT], x2d.detach(), input_amax,
+                                                       values_dtype)
+        if column_scale is None:
+            q_w, v_w, s_w, w_amax = module._fused_quantize(_WEIGHT, module.weight.detach(), w_spec,
+                                                           module._weight_values_dtype(backend), record=False)
+        else:
+            q_w, v_w, s_w, w_amax = module._column_scaled_weight(backend, w_spec, column_scale, None)
+        module._note_weight_use(s_w, w_amax)
+        s_x = nonfinite_guard(s_x, x_amax)
+        s_w = nonfinite_guard(s_w, w_amax)
+    g_spec = specs[_GRAD]
+    consts = (backend.name, out_dtype, x.dtype, module.weight.dtype, recipe.power_of_two_scales, recipe.fp8_wgrad,
+              module.training, recipe.scaling.value == "delayed", recipe.scaling.value == "tensorwise",
+              recipe.margin, g_spec.max, g_spec.torch_dtype, values_dtype)
+    # What wgrad reads: Q(x) (1 byte per element), or x itself for a high-precision wgrad. None: the GEMM operand
+    # itself (dynamo refuses one tensor passed twice).
+    saved_x = (None if v_x is None else q_x) if recipe.fp8_wgrad else x2d.detach()
+    y2d = _Gemms.apply(x2d, module.weight, module.bias, q_x if v_x is None else v_x, s_x, q_w if v_w is None else v_w,
+                       s_w, saved_x, column_scale, module.fp8_scale, module.fp8_scale_valid, module.fp8_step_amax,
+                       consts)
+    return y2d.reshape(*x.shape[:-1], y2d.shape[-1])
+
+
+class _Gemms(torch.autograd.Function):
+    """fprop on quantized operands; dgrad and wgrad with dy quantized in backward (the grad role's buffers are
+    updated there, in place). Inputs 0-2 (x as [tokens, K], W, b) carry the gradients; the rest are operands."""
+
+    @staticmethod
+    def forward(ctx: Any, x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a: torch.Tensor,
+                s_a: torch.Tensor, w: torch.Tensor, s_w: torch.Tensor, saved_x: torch.Tensor | None,
+                column_scale: torch.Tensor | None, scale_buf: torch.Tensor, valid_buf: torch.Tensor,
+                step_amax_buf: torch.Tensor, consts: tuple) -> torch.Tensor:
+        backend_name, out_dtype, pow2 = consts[0], consts[1], consts[4]
+        backend = STATELESS_BACKENDS[backend_name]
+        with torch.autocast(x2d.device.type, enabled=False):
+            y = gemm_steps.add_bias(backend.gemm_nt(a, s_a, w, s_w, out_dtype, pow2, False), bias, out_dtype)
+        ctx.save_for_backward(a if saved_x is None else saved_x, s_a, w, s_w, column_scale, scale_buf, valid_buf, step_amax_buf)
+        ctx.consts, ctx.has_bias, ctx.w_dtype = consts, bias is not None, consts[3]  # gemm_steps reads the last two
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        from megatron.fp8 import fused
+        from megatron.fp8.linear import nonfinite_guard
+
+        saved_x, s_x, w, s_w, column_scale, scale_buf, valid_buf, step_amax_buf = ctx.saved_tensors
+        (backend_name, _, x_dtype, _, pow2, fp8_wgrad, training, delayed, tensorwise, margin, g_max, g_dtype,
+         values_dtype) = ctx.consts
+        backend = STATELESS_BACKENDS[backend_name]
+        g = _GRAD
+        dx = dw = None
+        with torch.autocast(dy.device.type, enabled=False):
+            q_g, v_g, s_g, g_amax = fused.quantize_tensor(dy.detach(), scale_buf[g], valid_buf[g], delayed, g_max,
+                                                          margin, pow2, g_dtype, values_dtype)
+            if training:
+                step_amax_buf[g] = torch.maximum(step_amax_buf[g], g_amax)
+                if tensorwise:
+                    scale_buf[g] = s_g
+            s_g = nonfinite_guard(s_g, g_amax)
+            g_op = q_g if v_g is None else v_g
+            if ctx.needs_input_grad[0]:
+                w_t = w.t().contiguous() if backend.wants_contiguous_operands else w.t()
+                dx = backend.gemm_nt(g_op, s_g, w_t, s_w, x_dtype, pow2, False)
+            if ctx.needs_input_grad[1]:
+                if fp8_wgrad:
+                    x_op = saved_x if values_dtype is None else saved_x.to(values_dtype)
+                    dw = backend.gemm_nt(g_op.t(), s_g, x_op.t(), s_x, torch.float32, pow2, False)
+                else:
+                    dw = gemm_steps.high_precision_wgrad(dy, saved_x)
+                dw = gemm_steps.finish_weight_grad(ctx, dw, column_scale)
+            db = gemm_steps.bias_grad(ctx, dy)
+        return (dx, dw, db) + (None,) * 10
