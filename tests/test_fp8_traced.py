@@ -20,32 +20,35 @@ from megatron.config import ModelConfig
 from megatron.fp8 import enable_fp8_stats, fp8_optimizer_step, set_fused_quantization
 from megatron.fp8.linear import Fp8Linear
 from megatron.fp8.recipe import Fp8Recipe
+from megatron.model.compile import register_fp8_weight_refresh
 from megatron.model.smooth_swiglu import SmoothSwiGLUGranularity
 from megatron.model.transformer import TransformerLayer
 
 
 class _Chain(torch.nn.Module):
     """Two FP8 linears back to back (the second's input is the first's bf16 output); with `column`, the second
-    gets a Smooth-SwiGLU-style column scale and its input's exact amax, as fc2 does."""
+    gets a Smooth-SwiGLU-style column scale and its input's exact amax, as fc2 does (named as in the MLP, whose
+    `fc2_weight_column_scaled` the compiled blocks' pre-hook reads)."""
 
     def __init__(self, recipe: Fp8Recipe, column: bool = False) -> None:
         super().__init__()
-        self.a = Fp8Linear(64, 96, bias=False, recipe=recipe)
-        self.b = Fp8Linear(96, 48, bias=True, recipe=recipe)
-        self.column = column
+        self.linear_fc1 = Fp8Linear(64, 96, bias=False, recipe=recipe)
+        self.linear_fc2 = Fp8Linear(96, 48, bias=True, recipe=recipe)
+        self.fc2_weight_column_scaled = column
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.a(x)
-        if not self.column:
-            return self.b(h)
+        h = self.linear_fc1(x)
+        if not self.fc2_weight_column_scaled:
+            return self.linear_fc2(h)
         c = torch.exp2(torch.arange(96, device=x.device, dtype=torch.float32) % 5 - 2)
-        return self.b(h * (1 / c).to(h.dtype), weight_column_scale=c, input_amax=h.abs().amax().float() / 4)
+        return self.linear_fc2(h * (1 / c).to(h.dtype), weight_column_scale=c,
+                               input_amax=h.abs().amax().float() / 4)
 
 
-def _steps(m: torch.nn.Module, xs: list[torch.Tensor], bf16: bool) -> list[tuple[str, torch.Tensor]]:
+def _steps(m: torch.nn.Module, xs: list[torch.Tensor], bf16: bool, first: int = 0) -> list[tuple[str, torch.Tensor]]:
     """(name, tensor) of the output, dx, every gradient and every buffer after each of the steps."""
     out = []
-    for step, x in enumerate(xs):
+    for step, x in enumerate(xs, start=first):
         x = x.clone().requires_grad_()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             y = m(x)
@@ -53,6 +56,7 @@ def _steps(m: torch.nn.Module, xs: list[torch.Tensor], bf16: bool) -> list[tuple
         out += [(f"{step}: y", y.detach()), (f"{step}: dx", x.grad)]
         out += [(f"{step}: grad {n}", p.grad.clone()) for n, p in m.named_parameters()]
         out += [(f"{step}: {n}", b.clone()) for n, b in m.named_buffers()]
+        out += [(f"{step}: {n} casts", torch.tensor(c.fp8_weight_quantizations)) for n, c in m.named_children()]
         fp8_optimizer_step(m)  # the delayed scaling update of a training step
         m.zero_grad()
     return out
@@ -74,25 +78,40 @@ RECIPES = {
 }
 
 
-@pytest.mark.parametrize("name,column,bf16", [("delayed-hybrid", False, True), ("delayed-hybrid", True, True),
-                                              ("tensorwise-e4m3-pow2-margin", False, True),
-                                              ("delayed-history4-scaled_mm", True, False),
-                                              ("bf16-wgrad", False, True)])
-def test_traced_layers_equal_eager_bitwise(name, column, bf16):
+@pytest.mark.parametrize("name,column,bf16,step_weights", [
+    ("delayed-hybrid", False, True, True), ("delayed-hybrid", True, True, False),
+    ("tensorwise-e4m3-pow2-margin", False, True, True), ("delayed-history4-scaled_mm", True, False, True),
+    ("bf16-wgrad", False, True, False)])
+def test_traced_layers_equal_eager_bitwise(name, column, bf16, step_weights):
+    """`step_weights`: the compiled module has the pre-hook compiled blocks get (the FP8 weight made once per
+    step, outside the graph, and the cast counter then equals the eager layer's); else W is cast per call."""
     torch.manual_seed(0)
     eager = _Chain(RECIPES[name], column)
     set_fused_quantization(eager, True)
     traced = copy.deepcopy(eager)
     torch._dynamo.reset()
+    if step_weights:
+        register_fp8_weight_refresh(traced)
     traced.compile(fullgraph=True, dynamic=False)  # fullgraph: a graph break would raise
     xs = [torch.randn(3, 8, 64) * s for s in (1.0, 3.0, 0.5)]
     with inductor_config.patch(emulate_precision_casts=True):
-        got = _steps(traced, xs, bf16)
+        got = _steps(traced, xs[:1], bf16)
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        got += _steps(traced, xs[1:], bf16, first=1)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # later steps compile nothing new
     want = _steps(eager, xs, bf16)
+    # The cast counter counts casts outside a graph: the per-step ones the pre-hook makes (as many as the eager
+    # layer's), none for a layer casting per call inside the graph (no pre-hook, or a column-scaled fc2).
+    per_call = {"linear_fc1": not step_weights, "linear_fc2": column or not step_weights}
+    for (name, g), (_, w) in zip(got, want):
+        if name.endswith(" casts"):
+            layer = name.split(": ")[1].split(" ")[0]
+            assert int(g) == (0 if per_call[layer] else int(w)) and int(w) > 0, name
+    got = [(n, w if n.endswith(" casts") else g) for (n, g), (_, w) in zip(got, want)]
     assert [n for n, _ in got] == [n for n, _ in want]
     for (name, g), (_, w) in zip(got, want):
         assert g.dtype == w.dtype, name
-        if name.endswith("grad b.bias"):
+        if name.endswith("grad linear_fc2.bias"):
             _assert_bias_grad_close(g, w, tokens=24)
         else:
             assert torch.equal(g, w), f"{name} differs"
@@ -120,6 +139,7 @@ def _block(recipe: Fp8Recipe) -> TransformerLayer:
             if isinstance(child, torch.nn.Linear):
                 setattr(parent, name, Fp8Linear.from_linear(child, recipe))
     set_fused_quantization(block, True)
+    register_fp8_weight_refresh(block)  # as compile_blocks does
     return block
 
 
@@ -146,6 +166,10 @@ def test_compiled_transformer_block_has_no_graph_break():
 
     assert _graph_breaks(run) == 0
     assert block.mlp.linear_fc2.weight.grad is not None and torch.isfinite(block.mlp.linear_fc2.weight.grad).all()
+    # qkv, proj and fc1 from the per-step cache (made by the pre-hook); fc2 casts W diag(c) in the graph
+    assert [block.self_attention.linear_qkv.fp8_weight_quantizations, block.self_attention.linear_proj.
+            fp8_weight_quantizations, block.mlp.linear_fc1.fp8_weight_quantizations,
+            block.mlp.linear_fc2.fp8_weight_quantizations] == [1, 1, 1, 0]
     stats_block = _block(Fp8Recipe())
     stats_block.compile(dynamic=False)
     enable_fp8_stats(stats_block, True)

@@ -234,6 +234,9 @@ class Fp8Linear(nn.Linear):
         # forwards, and none kept from forward to backward, which requantizes (see "Memory and caching").
         self.fp8_weight_per_call = False
         self._weight_cache: _QuantizedWeight | TiledWeight | None = None
+        # This step's FP8 weight for the traced path (its GEMM operand, scale, amax), set outside the compiled graph
+        # by `refresh_step_weight` (a compiled block's pre-hook); None: the traced path quantizes per call.
+        self._step_weight: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._init_fp8_buffers(self.weight.device)
 
     def _init_fp8_buffers(self, device: torch.device | str | None) -> None:
@@ -408,6 +411,22 @@ class Fp8Linear(nn.Linear):
     def invalidate_fp8_weight_cache(self) -> None:
         """Drop the FP8 weight; the next forward re-quantizes (called by `fp8_optimizer_step`)."""
         self._weight_cache = None
+        self._step_weight = None
+
+    def refresh_step_weight(self) -> None:
+        """Eagerly, before a compiled block runs (its pre-hook, outside the graph): this step's FP8 weight from the
+        per-step cache (quantized once per optimizer step, as the eager layer does), for the traced path to read
+        instead of quantizing per call. Only for layers the traced path takes (traced.py); None for the others."""
+        w, cache = self.weight, self._weight_cache
+        if self._step_weight is not None and cache is not None and cache.key[:2] == (w._version, w.data_ptr()):
+            return  # made this step (the key's backend follows the device, which `_apply` would have reset)
+        if not traced.uses_step_weight(self):
+            self._step_weight = None
+            return
+        backend = self.fp8_backend(self.weight.device)
+        with torch.autocast(self.weight.device.type, enabled=False):
+            w = self._quantized_weight(backend, self.fp8_specs(backend)[Fp8Role.WEIGHT])
+            self._step_weight = (w.weight(backend, self.recipe.power_of_two_scales), w.scale, w.amax)
 
     # --- nn.Module -------------------------------------------------------------------------------------------
 
@@ -437,6 +456,7 @@ class Fp8Linear(nn.Linear):
     def _apply(self, fn: Any, recurse: bool = True) -> "Fp8Linear":
         # .to()/.cuda() may replace the weight's storage; a cached FP8 copy on the old device must go.
         self._weight_cache = None
+        self._step_weight = None
         return super()._apply(fn, recurse)
 
     def extra_repr(self) -> str:

@@ -14,17 +14,20 @@ input). The arithmetic is the eager path's, operation for operation (the same fu
 `gemm_nt`); inductor may fuse the output's rounding to bf16 into the next op (as in any compiled block), so a
 traced block agrees with an eager one within rounding noise, and per operation bitwise (tests/test_fp8_traced.py).
 
-What differs from the eager layer, by design:
-- the FP8 weight is made in every forward (fused amax + cast, torchao's Float8Linear does the same) instead of
-  once per optimizer step: a cache keyed on the weight's storage cannot live in a graph. Within a step the
-  weight does not change, so every micro-batch gets the same FP8 weight and scale the cache would have given;
-  the cost is one pass over W per micro-batch (docs/performance.md measures it). The forward's FP8 weight is
-  saved for backward as the cache would have held it. `fp8_weight_quantizations` counts eager casts only.
-- Configurations dynamo would not see through stay on the eager path (a graph break, as before): the tiled
-  recipes, stochastic rounding of gradients (its noise comes from the eager generator stream), statistics
-  iterations (`fp8_stats_enabled`), per-call weights (ZeRO-3, where blocks are not compiled), a Smooth-SwiGLU
-  column scale reduced over a TP group (a collective in the block), the Gaudi backend and unfused quantization.
-  `traceable` is the list.
+The FP8 weight: a cache keyed on the weight's storage and version cannot live in a graph, so the compiled
+block's pre-hook (`register_fp8_weight_refresh` in megatron/model/compile.py, run eagerly before the graph)
+takes this step's FP8 weight from the eager layer's per-step cache (`Fp8Linear.refresh_step_weight`) and the
+graph reads it as an input: W is cast once per optimizer step, as in the eager layer (Transformer Engine caches
+it across micro-batches too; torchao's Float8Linear casts per call). Without the hook (a module compiled by
+hand) and for a Smooth-SwiGLU fc2 (W diag(c) changes every micro-batch) the graph casts W itself, per call, with
+the same bits; such in-graph casts are not counted in `fp8_weight_quantizations`. Either way the forward's FP8
+weight is what backward uses.
+
+Configurations dynamo would not see through stay on the eager path (a graph break, as before): the tiled
+recipes, stochastic rounding of gradients (its noise comes from the eager generator stream), statistics
+iterations (`fp8_stats_enabled`), per-call weights (ZeRO-3, where blocks are not compiled), a Smooth-SwiGLU
+column scale reduced over a TP group (a collective in the block), the Gaudi backend and unfused quantization.
+`traceable` is the list.
 """
 from __future__ import annotations
 
@@ -59,6 +62,15 @@ def traceable(module: "Fp8Linear", x: torch.Tensor, column_scale_group: Any) -> 
     return _backend_name(recipe.backend.value, x.device, recipe.scaling.value) in STATELESS_BACKENDS
 
 
+def uses_step_weight(module: "Fp8Linear") -> bool:
+    """Whether `Fp8Linear.refresh_step_weight` prepares this layer's FP8 weight for the traced path: the
+    configurations `traceable` takes (a Smooth-SwiGLU fc2 still makes W diag(c) per call)."""
+    recipe = module.recipe
+    return (module.trace_in_compiled_graph and module.fused_quantization and recipe.tiles is None
+            and not recipe.grad_stochastic_rounding and not module.fp8_weight_per_call
+            and module.fp8_backend(module.weight.device).name in STATELESS_BACKENDS)
+
+
 def forward(module: "Fp8Linear", x: torch.Tensor, out_dtype: torch.dtype, column_scale: torch.Tensor | None,
             input_amax: torch.Tensor | None) -> torch.Tensor:
     """y = Q(x) Q(W)^T + b (W diag(c) with `column_scale`), traceable; records amaxes as the eager layer does."""
@@ -73,7 +85,9 @@ def forward(module: "Fp8Linear", x: torch.Tensor, out_dtype: torch.dtype, column
     with torch.autocast(x.device.type, enabled=False), torch.no_grad():
         q_x, v_x, s_x, x_amax = module._quantize_input(backend, specs[_INPUT], x2d.detach(), input_amax,
                                                        values_dtype)
-        if column_scale is None:
+        if column_scale is None and module._step_weight is not None:  # made once per step, outside the graph
+            (q_w, s_w, w_amax), v_w = module._step_weight, None
+        elif column_scale is None:
             q_w, v_w, s_w, w_amax = module._fused_quantize(_WEIGHT, module.weight.detach(), w_spec,
                                                            module._weight_values_dtype(backend), record=False)
         else:

@@ -11,7 +11,8 @@ What is compiled
   graph per block, so inductor fuses each FP8 cast into the op producing its operand (the RMSNorm before qkv
   and fc1, the SwiGLU product before fc2). The other recipes (tiled, stochastic rounding of gradients) and
   statistics iterations run the eager FP8 path there, a graph break whose quantization is the compiled
-  functions of `megatron/fp8/fused.py` (`set_fused_quantization` on the model's FP8 layers). If tracing the
+  functions of `megatron/fp8/fused.py` (`set_fused_quantization` on the model's FP8 layers). A pre-hook on each
+  compiled block makes its FP8 weights once per optimizer step, outside the graph. If tracing the
   FP8 layers fails (a torch whose dynamo cannot), the warm-up compiles the blocks again with every FP8 layer a
   graph break, with a warning (`set_fp8_tracing`).
 - The FP8 quantization alone can be compiled with the blocks left eager: a few small kernels (amax, scale,
@@ -132,9 +133,28 @@ def compile_blocks(model: nn.Module) -> int:
 
     blocks = transformer_blocks(model)
     for block in blocks:
+        register_fp8_weight_refresh(block)
         block.compile(dynamic=False)
     set_fused_quantization(model, True)
     return len(blocks)
+
+
+@torch.compiler.disable
+def _refresh_fp8_weights(block: nn.Module, args: Any) -> None:
+    from megatron.fp8 import Fp8Linear
+
+    per_call = {id(m.linear_fc2) for m in block.modules() if getattr(m, "fc2_weight_column_scaled", False)}
+    for m in block.modules():
+        if isinstance(m, Fp8Linear) and id(m) not in per_call:
+            m.refresh_step_weight()
+
+
+def register_fp8_weight_refresh(block: nn.Module) -> None:
+    """Before each call of the compiled `block`, eagerly: this step's FP8 weight of each of its FP8 layers from
+    the per-step cache (`Fp8Linear.refresh_step_weight`), so that the traced layers quantize W once per optimizer
+    step, not once per micro-batch (a Smooth-SwiGLU fc2 makes W diag(c) per call: none is made for it). A hook on
+    the compiled module itself runs outside its graph."""
+    block.register_forward_pre_hook(_refresh_fp8_weights)
 
 
 def warm_up(model: nn.Module, run_micro_batch) -> float:

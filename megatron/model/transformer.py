@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megatron.config import ModelConfig, RecomputeGranularity
 from megatron.model.layers import apply_rotary, build_norm
-from megatron.model.smooth_swiglu import SmoothSwiGLU, swiglu_product
+from megatron.model.smooth_swiglu import SmoothSwiGLU, SmoothSwiGLUGranularity, swiglu_product
 
 
 def _init_linear(linear: nn.Linear, std: float) -> None:
@@ -107,6 +107,13 @@ class MLP(nn.Module):
             if not config.swiglu:
                 raise ValueError("--smooth-swiglu needs --swiglu (it rescales the SwiGLU product)")
             self.smooth_swiglu = SmoothSwiGLU(config.smooth_swiglu, has_bias=config.add_bias_linear)
+
+    @property
+    def fc2_weight_column_scaled(self) -> bool:
+        """Whether fc2 is called with a per-micro-batch weight column scale (Smooth-SwiGLU's channel form), so
+        that an FP8 fc2 makes its FP8 weight per call, never from a per-step cache."""
+        return (self.smooth_swiglu is not None and self.smooth_swiglu.enabled
+                and self.smooth_swiglu.granularity is SmoothSwiGLUGranularity.CHANNEL)
 
     def activation(self, fc1_out: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
