@@ -14,6 +14,8 @@ summary is written next to it. Stages:
   bench_linear bench/bench_fp8_linear.py at the Llama2-7B linear shapes (ours vs BF16, torchao when present)
   bench_step   bench/bench_train_step.py on a ~1B-parameter Llama: FP8 recipe vs the faster of eager and
                compiled BF16, 30 timed steps after warm-up
+  bench_traced bench/bench_train_step.py on the demo model, compiled: FP8 layers traced into the blocks vs
+               as graph breaks (`--torch-compile on,on-break`), BF16 alongside
 
     bash scripts/gpu_check.sh                # all stages; writes gpu_check.json and gpu_check.md
     bash scripts/gpu_check.sh --dry-run      # print the plan (commands and limits) and exit 0
@@ -71,6 +73,12 @@ def plan(gpus: int) -> list[dict]:
                  "--iters", "30", "--warmup", "3", "--micro-batch-size", "4", "--micro-batches", "1",
                  "--variants", "bf16,fp8 linears,fp8 linears + Fp8AdamW", "--extra", ONE_B,
                  "--json", "{out}/bench_step.json"]},
+        # Compiled blocks with the FP8 layers traced into them vs as graph breaks, on a small model where the
+        # host's per-layer overhead shows (the GPU waits for Python): the gain megatron/fp8/traced.py is for.
+        {"name": "bench_traced", "limit": 60, "env": {},
+         "cmd": [PY, str(REPO / "bench" / "bench_train_step.py"), "--device", "cuda", "--torch-compile", "on,on-break",
+                 "--iters", "20", "--warmup", "3", "--micro-batch-size", "4", "--micro-batches", "2",
+                 "--variants", "bf16,fp8 + smooth-swiglu + Fp8AdamW", "--json", "{out}/bench_traced.json"]},
     ]
     return stages
 
@@ -119,7 +127,7 @@ def write_markdown(results: dict, path: Path) -> None:
     for name, r in results.items():
         if name != "env":
             lines.append(f"| {name} | {r['rc']} | {r['seconds']} | {r['summary'].replace('|', '/')[:200]} |")
-    for name in ("bench_linear", "bench_step"):
+    for name in ("bench_linear", "bench_step", "bench_traced"):
         if name in results:
             lines += ["", f"## {name}", "", "```", results[name]["output_tail"][-3000:].strip(), "```"]
     path.write_text("\n".join(lines) + "\n")

@@ -50,9 +50,9 @@ def _steps(m: torch.nn.Module, xs: list[torch.Tensor], bf16: bool, first: int = 
     out = []
     for step, x in enumerate(xs, start=first):
         x = x.clone().requires_grad_()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=bf16):
             y = m(x)
-        (y.float() * torch.linspace(-1, 1, y.shape[-1])).sum().backward()
+        (y.float() * torch.linspace(-1, 1, y.shape[-1], device=x.device)).sum().backward()
         out += [(f"{step}: y", y.detach()), (f"{step}: dx", x.grad)]
         out += [(f"{step}: grad {n}", p.grad.clone()) for n, p in m.named_parameters()]
         out += [(f"{step}: {n}", b.clone()) for n, b in m.named_buffers()]
@@ -83,17 +83,22 @@ RECIPES = {
     ("tensorwise-e4m3-pow2-margin", False, True, True), ("delayed-history4-scaled_mm", True, False, True),
     ("bf16-wgrad", False, True, False)])
 def test_traced_layers_equal_eager_bitwise(name, column, bf16, step_weights):
+    assert_traced_equals_eager(RECIPES[name], column, bf16, step_weights, "cpu")
+
+
+def assert_traced_equals_eager(recipe: Fp8Recipe, column: bool, bf16: bool, step_weights: bool, device: str) -> None:
     """`step_weights`: the compiled module has the pre-hook compiled blocks get (the FP8 weight made once per
-    step, outside the graph, and the cast counter then equals the eager layer's); else W is cast per call."""
+    step, outside the graph, and the cast counter then equals the eager layer's); else W is cast per call.
+    Also run on a GPU by tests/test_gpu.py."""
     torch.manual_seed(0)
-    eager = _Chain(RECIPES[name], column)
+    eager = _Chain(recipe, column).to(device)
     set_fused_quantization(eager, True)
     traced = copy.deepcopy(eager)
     torch._dynamo.reset()
     if step_weights:
         register_fp8_weight_refresh(traced)
     traced.compile(fullgraph=True, dynamic=False)  # fullgraph: a graph break would raise
-    xs = [torch.randn(3, 8, 64) * s for s in (1.0, 3.0, 0.5)]
+    xs = [torch.randn(3, 8, 64, device=device) * s for s in (1.0, 3.0, 0.5)]
     with inductor_config.patch(emulate_precision_casts=True):
         got = _steps(traced, xs[:1], bf16)
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]

@@ -66,3 +66,14 @@ def test_per_call_and_fused_weights_are_bitwise_on_gpu():
     for per_call, fused in ((True, False), (False, True), (True, True)):
         for got, want in zip(_grads_of(per_call, fused), ref):
             assert torch.equal(got, want), (per_call, fused)
+
+
+def test_traced_fp8_layers_equal_eager_on_gpu():
+    """The FP8 layers traced into a compiled graph (megatron/fp8/traced.py) on the GPU: Triton quantization and
+    torch._scaled_mm in the graph give the eager layer's bits (with inductor's precision casts emulated), with a
+    Smooth-SwiGLU column scale on the second layer and the per-step weight pre-hook on the first."""
+    from test_fp8_traced import assert_traced_equals_eager
+
+    assert_traced_equals_eager(Fp8Recipe(backend=Fp8Backend.SCALED_MM), True, True, True, "cuda")
+    assert_traced_equals_eager(Fp8Recipe(backend=Fp8Backend.SCALED_MM, scaling="tensorwise"), False, True, True,
+                               "cuda")

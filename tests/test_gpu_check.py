@@ -43,11 +43,15 @@ def test_training_stage_flags_are_valid(name: str) -> None:
     assert out.returncode == 0, out.stderr
 
 
-def test_bench_step_variants_exist() -> None:
+@pytest.mark.parametrize("name", ["bench_step", "bench_traced"])
+def test_bench_step_variants_exist(name: str) -> None:
     bench = load_tool_bench()
-    stage = next(s for s in gpu_check.plan(gpus=1) if s["name"] == "bench_step")
+    stage = next(s for s in gpu_check.plan(gpus=1) if s["name"] == name)
     variants = stage["cmd"][stage["cmd"].index("--variants") + 1].split(",")
     assert set(variants) <= set(bench.VARIANTS) and "bf16" in variants
+    if "--torch-compile" in stage["cmd"]:
+        modes = stage["cmd"][stage["cmd"].index("--torch-compile") + 1].split(",")
+        assert set(modes) <= set(bench.MODE_LABELS)
 
 
 def load_tool_bench():
