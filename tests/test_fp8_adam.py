@@ -223,6 +223,36 @@ def test_exact_resume(kwargs):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("kwargs", [{}, {"block_size": 128}, {"block_size": 0}, {"stochastic_rounding": False}])
+def test_step_does_not_depend_on_the_chunk_length(monkeypatch, kwargs):
+    """The update runs in chunks (2^20 elements on CPU, 2^26 on accelerators, `_chunk_elements`); weights and
+    FP8 moments after 3 steps are the same bits with 384-element chunks (many, with ragged tails: 256 x 512 is
+    341 of them and a tail) as with one chunk per tensor."""
+    from megatron.optimizer import fp8_adam
+
+    results = []
+    for chunk in (384, 1 << 20):
+        monkeypatch.setattr(fp8_adam, "_CHUNK", chunk)
+        model = _big_model()
+        opt = Fp8AdamW(model.parameters(), **kwargs)
+        _run(model, opt, 3, seed=0)
+        results.append([t.clone() for t in model.parameters()]
+                       + [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)])
+    assert len(results[0]) == len(results[1])
+    for a, b in zip(*results):
+        assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
+                                                  b.view(torch.uint8) if b.element_size() == 1 else b)
+
+
+def test_chunks_are_larger_on_accelerators():
+    """A chunk is one kernel launch: on a GPU 2^20 elements would be host-bound (docs/fp8_adam.md)."""
+    from megatron.optimizer.fp8_adam import _chunk_elements
+
+    assert _chunk_elements(torch.device("cpu"), 128) == 1 << 20
+    assert _chunk_elements(torch.device("cuda"), 128) == 1 << 26
+    assert _chunk_elements(torch.device("cuda"), 96) % 96 == 0 and _chunk_elements(torch.device("cpu"), 0) == 1 << 20
+
+
 def test_load_torch_adamw_state_converts():
     model = _big_model()
     adamw = torch.optim.AdamW(model.parameters(), lr=1e-3)
