@@ -147,3 +147,42 @@ def test_weight_amax_is_recorded_even_when_the_cast_happened_in_evaluation() -> 
     _step(layer, 3.0)
     assert layer.fp8_weight_quantizations == 2
     assert layer.fp8_amax_history[Fp8Role.WEIGHT, 0].item() == layer.weight.abs().max().item()
+
+
+def test_batched_update_equals_the_per_module_update() -> None:
+    """`fp8_optimizer_step` updates the delayed-scaling modules in stacked batches (one per history shape and
+    update arithmetic): every buffer equals `delayed_update` run module by module, over 4 steps, for a model mixing
+    history lengths, max/most-recent, margins, power-of-two scales and tensorwise layers, with step amaxes that
+    include 0, inf and NaN."""
+    from megatron.fp8.scaling import delayed_update
+    from megatron.fp8.step import _fp8_maxes
+
+    recipes = [Fp8Recipe(amax_history_len=4, amax_compute_algo="max"), Fp8Recipe(),
+               Fp8Recipe(amax_history_len=4, amax_compute_algo="most_recent", margin=2),
+               Fp8Recipe(amax_history_len=4, amax_compute_algo="max", power_of_two_scales=True),
+               Fp8Recipe(scaling="tensorwise")]
+    model = nn.Sequential(*[Fp8Linear(4, 4, bias=False, recipe=recipes[i % len(recipes)]) for i in range(12)])
+    reference = [(m.fp8_amax_history.clone(), m.fp8_scale.clone(), m.fp8_scale_valid.clone(),
+                  m.fp8_nonfinite_steps.clone()) for m in model]
+    g = torch.Generator().manual_seed(0)
+    specials = torch.tensor([0.0, float("inf"), float("nan")])
+    for step in range(4):
+        amaxes = torch.rand(len(model), 3, generator=g) * 2.0 ** torch.randint(-20, 20, (len(model), 3), generator=g)
+        amaxes.view(-1)[torch.randint(0, amaxes.numel(), (4,), generator=g)] = specials[torch.arange(4) % 3]
+        for m, a in zip(model, amaxes):
+            m.fp8_step_amax.copy_(a)
+        want = []
+        for m, (history, scale, valid, steps), a in zip(model, reference, amaxes):
+            if m.recipe.scaling.value == "delayed":
+                history, scale, valid, nonfinite = delayed_update(history, scale, valid, a, _fp8_maxes(m), m.recipe)
+            else:
+                nonfinite = ~torch.isfinite(a)
+            want.append((history, scale, valid, steps + nonfinite.to(torch.int64)))
+        reference = want
+        fp8_optimizer_step(model)
+        for i, (m, (history, scale, valid, steps)) in enumerate(zip(model, want)):
+            assert torch.equal(m.fp8_amax_history, history) and torch.equal(m.fp8_scale_valid, valid), (step, i)
+            assert torch.equal(m.fp8_scale, scale) and torch.equal(m.fp8_nonfinite_steps, steps), (step, i)
+            assert not m.fp8_step_amax.any()
+    assert [m.fp8_num_updates for m in model] == [4 if r.scaling.value == "delayed" else 0
+                                                  for r in (m.recipe for m in model)]
