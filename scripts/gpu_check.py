@@ -14,6 +14,8 @@ summary is written next to it. Stages:
   bench_linear bench/bench_fp8_linear.py at the Llama2-7B linear shapes (ours vs BF16, torchao when present)
   bench_step   bench/bench_train_step.py on a ~1B-parameter Llama: FP8 recipe vs the faster of eager and
                compiled BF16, 30 timed steps after warm-up
+  bench_host   bench/bench_host_overhead.py on the GPU: host time per FP8 layer call (eager, fused, traced),
+               per fp8_optimizer_step (batched vs per module) and per Fp8AdamW chunk call
   bench_traced bench/bench_train_step.py on the demo model, compiled: FP8 layers traced into the blocks vs
                as graph breaks (`--torch-compile on,on-break`), BF16 alongside
 
@@ -68,6 +70,8 @@ def plan(gpus: int) -> list[dict]:
     stages += [
         {"name": "bench_linear", "limit": 50, "env": {},
          "cmd": [PY, str(REPO / "bench" / "bench_fp8_linear.py"), "--tokens", "8192", "--iters", "20"]},
+        {"name": "bench_host", "limit": 40, "env": {},
+         "cmd": [PY, str(REPO / "bench" / "bench_host_overhead.py"), "--device", "cuda", "--rounds", "10"]},
         {"name": "bench_step", "limit": 150, "env": {},
          "cmd": [PY, str(REPO / "bench" / "bench_train_step.py"), "--device", "cuda", "--compile-bf16",
                  "--iters", "30", "--warmup", "3", "--micro-batch-size", "4", "--micro-batches", "1",
@@ -127,7 +131,7 @@ def write_markdown(results: dict, path: Path) -> None:
     for name, r in results.items():
         if name != "env":
             lines.append(f"| {name} | {r['rc']} | {r['seconds']} | {r['summary'].replace('|', '/')[:200]} |")
-    for name in ("bench_linear", "bench_step", "bench_traced"):
+    for name in ("bench_linear", "bench_host", "bench_step", "bench_traced"):
         if name in results:
             lines += ["", f"## {name}", "", "```", results[name]["output_tail"][-3000:].strip(), "```"]
     path.write_text("\n".join(lines) + "\n")
