@@ -123,7 +123,7 @@ def bench_fp8_step(device: torch.device, rounds: int) -> None:
 def bench_adam(device: torch.device, rounds: int) -> None:
     p = nn.Parameter(torch.randn(256, 1024, device=device))
     p.grad = torch.randn_like(p)
-    chunk = fp8_adam._CHUNK
+    chunk, chunk_accelerator = fp8_adam._CHUNK, fp8_adam._CHUNK_ACCELERATOR
     variants = {}
     for label, length in (("one chunk of 262,144 elements", 1 << 20), ("256 chunks of 1,024 elements", 1024)):
         opt = fp8_adam.Fp8AdamW([p], lr=1e-6, compile=True)
@@ -133,7 +133,7 @@ def bench_adam(device: torch.device, rounds: int) -> None:
             try:
                 opt.step()
             finally:
-                fp8_adam._CHUNK, fp8_adam._CHUNK_ACCELERATOR = chunk, 1 << 26
+                fp8_adam._CHUNK, fp8_adam._CHUNK_ACCELERATOR = chunk, chunk_accelerator
         variants[label] = call
     medians = _interleaved(variants, device, rounds, 2)
     _print("adam: Fp8AdamW step (compiled), 256x1024 tensor", medians, unit="ms")
