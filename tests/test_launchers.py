@@ -7,6 +7,7 @@ parser accepts when it agrees with LOCAL_RANK.
 """
 import re
 import socket
+from pathlib import Path
 import subprocess
 import sys
 
@@ -46,10 +47,23 @@ def torchrun_losses(deepspeed_zero1) -> list[str]:
     return _printed_losses(log)
 
 
+def _leftover_segments(port: int) -> list[str]:
+    """DeepSpeed's CPU shared-memory all-reduce segments of the run on `port` still in /dev/shm."""
+    shm = Path("/dev/shm")
+    return sorted(p.name for p in shm.glob(f"deepspeed_allreduce_buffer_*_{port}_*")) if shm.is_dir() else []
+
+
 def test_deepspeed_launcher_equals_torchrun(torchrun_losses):
-    launched = _losses([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2",
-                        "--master_port", str(free_port()), "pretrain_gpt.py", *ARGV])
-    assert launched == torchrun_losses  # the printed values, digit for digit
+    """Also: the launcher's runs use DeepSpeed's shared-memory all-reduce on CPU (LOCAL_SIZE = WORLD_SIZE), whose
+    /dev/shm segments DeepSpeed never unlinks; ours are unlinked once mapped (megatron/training/deepspeed_shm.py),
+    so the run leaves none behind."""
+    port = free_port()
+    out = subprocess.run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
+                          str(port), "pretrain_gpt.py", *ARGV], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert _printed_losses(out.stdout + out.stderr) == torchrun_losses  # the printed values, digit for digit
+    assert "shared-memory all-reduce segments unlinked" in out.stdout + out.stderr
+    assert _leftover_segments(port) == []
 
 
 def test_deepspeed_launcher_with_a_hostfile_equals_torchrun(torchrun_losses, tmp_path):

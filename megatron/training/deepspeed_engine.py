@@ -73,6 +73,7 @@ from megatron.parallel_state import ParallelState
 from megatron.partitioned import full_numel, full_shape, zero3_partitions_in_groups
 from megatron.training import checkpointing as ckpt
 from megatron.training.deepspeed_config import build_deepspeed_config, zero_stage
+from megatron.training.deepspeed_shm import release_deepspeed_shm
 from megatron.training.engine import MicroBatchEngine
 
 logger = logging.getLogger("megatron")
@@ -92,6 +93,7 @@ def zero3_partitioner(config, parallel: ParallelState) -> Optional[Callable[[nn.
     # zero.Init reads the world size from DeepSpeed's communication layer, which wraps our process group.
     _ensure_process_group(parallel)
     deepspeed.init_distributed()
+    release_deepspeed_shm()
 
     def partition(part: nn.Module) -> None:
         # Over all ranks, as the engine partitions without an mpu: ZeRO-3 runs at TP = PP = 1 (deepspeed_config.py).
@@ -259,6 +261,7 @@ class DeepSpeedBase:
         import deepspeed
 
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.ds_config, mpu=mpu)
+        release_deepspeed_shm()  # after DeepSpeed's backend is up (initialize starts it if nothing did)
         _use_weights_only_loading(self.engine)
         # The loop calls `module(...)`, `.train()` and `.eval()`: the DeepSpeed engine is itself an nn.Module
         # whose forward runs ZeRO-3 gathering and the torch_autocast section around our model.

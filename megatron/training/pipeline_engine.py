@@ -147,6 +147,9 @@ def build_pipeline_module(model: nn.Module, parallel: ParallelState) -> nn.Modul
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
     deepspeed.init_distributed(dist_backend=dist.get_backend())  # adopts our process group (before initialize)
+    from megatron.training.deepspeed_shm import release_deepspeed_shm
+
+    release_deepspeed_shm()
 
     if model.output_layer is None:
         raise ValueError("pipeline parallelism needs --untie-embeddings-and-output-weights")
