@@ -161,7 +161,9 @@ def _losses(log: str) -> list[float]:
     ("--tensor-model-parallel-size", "2", "--sequence-parallel"),
     ("--deepspeed", "--zero-stage", "1"),
     ("--recompute-granularity", "full"),
-], ids=["tp2", "zero1", "full-recompute"])
+    ("--smooth-swiglu",),  # data parallel (DDP) with fc2 column-scaled in the graph
+    ("--tensor-model-parallel-size", "2", "--smooth-swiglu"),  # fc2 eager (its amax is max-reduced over TP)
+], ids=["tp2", "zero1", "full-recompute", "ddp-smooth-swiglu", "tp2-smooth-swiglu"])
 def test_compiled_run_composes(switches) -> None:
     """Each composition trains with compiled blocks, logs the compile line, and stays within 1e-3 of the eager
     run's losses over 4 steps (a broken composition - a lost all-reduce, a missing shard - moves them by far
