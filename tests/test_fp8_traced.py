@@ -78,6 +78,7 @@ RECIPES = {
 }
 
 
+@pytest.mark.isa_sensitive  # compiled vs eager bit for bit: generated kernels follow the ISA, CI reruns with AVX2
 @pytest.mark.parametrize("name,column,bf16,step_weights", [
     ("delayed-hybrid", False, True, True), ("delayed-hybrid", True, True, False),
     ("tensorwise-e4m3-pow2-margin", False, True, True), ("delayed-history4-scaled_mm", True, False, True),
