@@ -28,6 +28,12 @@ recipes, stochastic rounding of gradients (its noise comes from the eager genera
 iterations (`fp8_stats_enabled`), per-call weights (ZeRO-3, where blocks are not compiled), a Smooth-SwiGLU
 column scale reduced over a TP group (a collective in the block), the Gaudi backend and unfused quantization.
 `traceable` is the list.
+
+Where it has run: the torch engine (DDP), DeepSpeed ZeRO 0-2, tensor parallelism with sequence parallelism,
+full activation recompute, Smooth-SwiGLU (tests/test_torch_compile.py, slow). Not with pipeline parallelism or
+ZeRO-3, whose blocks stay eager (megatron/model/compile.py): a pipeline schedule runs several micro-batches'
+forwards before their backwards, and `_Gemms` saves the layer's scaling buffers for its backward, which autograd's
+in-place checks have not been tried against.
 """
 from __future__ import annotations
 
