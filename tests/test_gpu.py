@@ -77,3 +77,33 @@ def test_traced_fp8_layers_equal_eager_on_gpu():
     assert_traced_equals_eager(Fp8Recipe(backend=Fp8Backend.SCALED_MM), True, True, True, "cuda")
     assert_traced_equals_eager(Fp8Recipe(backend=Fp8Backend.SCALED_MM, scaling="tensorwise"), False, True, True,
                                "cuda")
+
+
+def test_fp8_layer_and_optimizer_steps_do_not_synchronise_on_gpu():
+    """Under `torch.cuda.set_sync_debug_mode("error")` every host-device synchronisation raises: an FP8 layer's
+    forward and backward (power-of-two scales, eager and fused), Fp8AdamW's step with stochastic rounding and the
+    delayed-scaling update queue their kernels without waiting for the device (tests/test_host_sync.py counts
+    the host-to-device copies on CPU)."""
+    from megatron.fp8 import fp8_optimizer_step, set_fused_quantization
+    from megatron.optimizer.fp8_adam import Fp8AdamW
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Fp8Linear(256, 512, bias=False, recipe=Fp8Recipe(power_of_two_scales=True),
+                                          device="cuda"),
+                                Fp8Linear(512, 256, bias=False, recipe=Fp8Recipe(), device="cuda"))
+    set_fused_quantization(model[1], True)
+    opt = Fp8AdamW(model.parameters(), lr=1e-3, compile=False)
+    x = torch.randn(64, 256, device="cuda")
+    for step in range(3):  # the first step makes state and caches; the later ones must not synchronise
+        if step == 2:
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(x).float().pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            fp8_optimizer_step(model)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")

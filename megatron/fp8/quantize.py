@@ -70,7 +70,10 @@ def _pow2_scale(amax: torch.Tensor, target: float | torch.Tensor) -> torch.Tenso
     block's amax mantissa exceeds target's (448 = 1.75 x 2^8), where the spec's rule would clip.
     """
     m, e = torch.frexp(amax.float())
-    t, f = torch.frexp(torch.as_tensor(target, dtype=torch.float32, device=amax.device))
+    # torch.full, not as_tensor: a host value copied to a CUDA device synchronises the stream; a fill does not.
+    target = (target.to(device=amax.device, dtype=torch.float32) if torch.is_tensor(target)
+              else torch.full((), float(target), dtype=torch.float32, device=amax.device))
+    t, f = torch.frexp(target)
     exponent = (f - e) - (m > t).to(e.dtype)
     return torch.ldexp(torch.ones_like(m), exponent.clamp(-149, 128).to(torch.float32))
 

@@ -76,8 +76,8 @@ def record(module: "Fp8Linear", role: int, t: torch.Tensor, q: torch.Tensor, sca
     clipped = over.sum()
     flushed = ((t != 0) & (q.float() == 0)).sum()
     nan, inf = count_nonfinite(t)
-    numel = torch.tensor(t.numel(), dtype=torch.int64, device=t.device)
-    n_blocks = torch.tensor(blocks, dtype=torch.int64, device=t.device)
+    numel = torch.full((), t.numel(), dtype=torch.int64, device=t.device)  # fills: no host-to-device copy
+    n_blocks = torch.full((), blocks, dtype=torch.int64, device=t.device)
     module.fp8_stats_counts[role] += torch.stack(
         [clipped, flushed, nan, inf, numel, block_over.sum(), n_blocks]).to(torch.int64)
     module.fp8_stats_amax[role] = torch.maximum(module.fp8_stats_amax[role], amax_of(t))

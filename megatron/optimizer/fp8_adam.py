@@ -243,7 +243,7 @@ class Fp8AdamW(torch.optim.Optimizer):
              + int(step) * 0x94D049BB133111EB) & _MASK64
         z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
         z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-        return torch.tensor((z ^ (z >> 31)) & 0xFFFFFFFF, dtype=torch.int64, device=p.device)
+        return torch.full((), (z ^ (z >> 31)) & 0xFFFFFFFF, dtype=torch.int64, device=p.device)
 
     @staticmethod
     def _new_moment(p: torch.Tensor, fmt: MomentFormat, zero: bool = True
@@ -305,7 +305,9 @@ class Fp8AdamW(torch.optim.Optimizer):
         and collects the amaxes, pass 2 recomputes m and v from the old states and quantizes them."""
         beta1, beta2 = group["betas"]
         lr = group["lr"]
-        scalars = [torch.tensor(x, dtype=torch.float32, device=p.device) for x in (
+        # Device scalars by fills (torch.full): torch.tensor(x, device=cuda) would copy from the host and
+        # synchronise the stream once per tensor (tests/test_host_sync.py).
+        scalars = [torch.full((), x, dtype=torch.float32, device=p.device) for x in (
             1.0 - lr * group["weight_decay"], lr / (1.0 - beta1**step), math.sqrt(1.0 - beta2**step))]
         fixed = (beta1, beta2, group["eps"], m_fmt, v_fmt, self.stochastic_rounding)
         fmts = (m_fmt, v_fmt)
@@ -316,7 +318,7 @@ class Fp8AdamW(torch.optim.Optimizer):
         per_tensor = any(f.is_fp8 and f.block_size == 0 for f in fmts)
         amaxes: List[Optional[torch.Tensor]] = [None, None]
         noise_key = self._noise_key(p, ordinal, step) if v_fmt.dtype is not MomentDtype.FP32 else None
-        starts = [torch.tensor(a, dtype=torch.int64, device=p.device) for a in range(0, n, chunk)]
+        starts = [torch.full((), a, dtype=torch.int64, device=p.device) for a in range(0, n, chunk)]
         if per_tensor:  # pass 1
             amaxes = [torch.zeros((), device=p.device), torch.zeros((), device=p.device)]
             for a in range(0, n, chunk):

@@ -330,8 +330,9 @@ class DeepSpeedEngine(DeepSpeedBase, MicroBatchEngine):
         bad = ~torch.isfinite(loss.detach())
         self._loss_nonfinite = bad if self._loss_nonfinite is None else self._loss_nonfinite | bad
         if self._is_last:
-            poison = torch.where(self._loss_nonfinite, torch.tensor(float("nan"), device=loss.device),
-                                 torch.tensor(1.0, device=loss.device))
+            # Fills, not torch.tensor(..., device=): a host-to-device copy would synchronise the CUDA stream.
+            poison = torch.where(self._loss_nonfinite, torch.full((), float("nan"), device=loss.device),
+                                 torch.ones((), device=loss.device))
             loss = loss * poison.to(loss.dtype)
         self.engine.backward(loss, scale_wrt_gas=False)
 
