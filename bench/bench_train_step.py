@@ -10,9 +10,10 @@ optimizer-state bytes; `--json FILE` writes the same figures.
 
 `--torch-compile` sets every variant's `--torch-compile`: `off`, `on`, `auto`, a comma list of them, or `both`
 (= off,on, the default); `on-break` is `on` with the FP8 layers run as graph breaks in the compiled blocks
-(what `on` did before they were traced into the blocks' graphs, megatron/fp8/traced.py; BF16 skips it); each variant runs once per listed mode and the ratios are taken against the fastest
-BF16 baseline (compiling cannot win by slowing BF16 down). `auto` is the CLI default: on CPU (the demo runs
-1000 iterations) the FP8 quantization compiled and the blocks eager, so BF16 skips it (it would equal `off`).
+(what `on` did before they were traced into the blocks' graphs, megatron/fp8/traced.py; BF16 skips it); each
+variant runs once per listed mode and the ratios are taken against the fastest BF16 baseline (compiling cannot
+win by slowing BF16 down). `auto` is the CLI default: on CPU (the demo runs 1000 iterations) the FP8
+quantization compiled and the blocks eager, so BF16 skips it (it would equal `off`).
 Compilation happens while the variant is built (a logged warm-up), outside the timing.
 
     python bench/bench_train_step.py                        # demo shape, CPU, eager and compiled

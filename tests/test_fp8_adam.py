@@ -327,8 +327,8 @@ def test_compiled_matches_eager(block_size):
     """20 steps of fixed gradients (no feedback through the model), compiled vs eager.
 
     Both kernels evaluate the same fp32 expressions and draw the same stochastic-rounding noise (the
-    counter-based hash of seed, parameter, step and element, inside the kernel); fusion and FMA contraction may still move a
-    pre-rounding value by a few fp32 ulps (say <= 8 * 2^-23 relative). An FP8 rounding decision flips only
+    counter-based hash of seed, parameter, step and element, inside the kernel); fusion and FMA contraction may
+    still move a pre-rounding value by a few fp32 ulps (say <= 8 * 2^-23 relative). An FP8 rounding decision flips only
     if its boundary falls inside that interval; boundaries are >= 2^-4 apart relative to the value
     (E4M3; E5M2: 2^-3), so P(flip) <= 8 * 2^-23 * 2^4 = 2^-16 per element, moment and step: <= 6e-4 of
     the elements over 20 steps and two moments. A flip changes an element's later updates by up to a

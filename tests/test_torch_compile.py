@@ -58,7 +58,8 @@ def test_compile_time_logged_once(compiled_run) -> None:
 
 def test_state_dict_keys_unchanged(compiled_run) -> None:
     keys = list(compiled_run.result.model.state_dict())
-    eager = pretrain(parse_config(tiny_argv(*FP8, "--torch-compile", "off", **{**COMMON, "train_iters": 2, "lr_warmup_iters": 1})))
+    eager = pretrain(parse_config(tiny_argv(*FP8, "--torch-compile", "off",
+                                            **{**COMMON, "train_iters": 2, "lr_warmup_iters": 1})))
     assert keys == list(eager.model.state_dict())
     assert not any("_orig_mod" in k for k in keys)
 

@@ -38,7 +38,8 @@ _RECOMPILE_LIMIT = 64
 class CompiledOrEager:
     """`fn` compiled on first use; `fn` itself after compiling or running the compiled code failed once (warned
     once, naming `what`; eager for the rest of the process). Compiler failures surface on the first call, before
-    the compiled code has written anything, so the eager call that follows computes the same result. Shared by the fused quantization and Fp8AdamW's update."""
+    the compiled code has written anything, so the eager call that follows computes the same result. Shared by the
+    fused quantization and Fp8AdamW's update."""
 
     def __init__(self, fn: Callable[..., Any], what: str = "", *, dynamic: bool | None = False,
                  fullgraph: bool = True) -> None:

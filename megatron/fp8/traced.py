@@ -58,23 +58,26 @@ def _backend_name(choice: str, device: torch.device, scaling: str) -> str:
     return select_backend(choice, device, scaling).name
 
 
+def _takes(module: "Fp8Linear") -> bool:
+    """The layer's configuration is one the traced path implements (module docstring), whatever the call."""
+    recipe = module.recipe
+    return (module.trace_in_compiled_graph and module.fused_quantization and recipe.tiles is None
+            and not recipe.grad_stochastic_rounding and not module.fp8_weight_per_call)
+
+
 def traceable(module: "Fp8Linear", x: torch.Tensor, column_scale_group: Any) -> bool:
     """Whether this call can be traced into the enclosing compiled graph (module docstring); evaluated while
     tracing, so dynamo guards on what it reads and a change (statistics switched on) retraces."""
-    recipe = module.recipe
-    if (not module.trace_in_compiled_graph or not module.fused_quantization or recipe.tiles is not None or recipe.grad_stochastic_rounding
-            or module.fp8_stats_enabled or module.fp8_weight_per_call or column_scale_group is not None):
+    if not _takes(module) or module.fp8_stats_enabled or column_scale_group is not None:
         return False
+    recipe = module.recipe
     return _backend_name(recipe.backend.value, x.device, recipe.scaling.value) in STATELESS_BACKENDS
 
 
 def uses_step_weight(module: "Fp8Linear") -> bool:
-    """Whether `Fp8Linear.refresh_step_weight` prepares this layer's FP8 weight for the traced path: the
-    configurations `traceable` takes (a Smooth-SwiGLU fc2 still makes W diag(c) per call)."""
-    recipe = module.recipe
-    return (module.trace_in_compiled_graph and module.fused_quantization and recipe.tiles is None
-            and not recipe.grad_stochastic_rounding and not module.fp8_weight_per_call
-            and module.fp8_backend(module.weight.device).name in STATELESS_BACKENDS)
+    """Whether `Fp8Linear.refresh_step_weight` prepares this layer's FP8 weight for the traced path (eagerly,
+    outside the graph; a Smooth-SwiGLU fc2 still makes W diag(c) per call)."""
+    return _takes(module) and module.fp8_backend(module.weight.device).name in STATELESS_BACKENDS
 
 
 def forward(module: "Fp8Linear", x: torch.Tensor, out_dtype: torch.dtype, column_scale: torch.Tensor | None,
@@ -127,7 +130,8 @@ class _Gemms(torch.autograd.Function):
         backend = STATELESS_BACKENDS[backend_name]
         with torch.autocast(x2d.device.type, enabled=False):
             y = gemm_steps.add_bias(backend.gemm_nt(a, s_a, w, s_w, out_dtype, pow2, False), bias, out_dtype)
-        ctx.save_for_backward(a if saved_x is None else saved_x, s_a, w, s_w, column_scale, scale_buf, valid_buf, step_amax_buf)
+        ctx.save_for_backward(a if saved_x is None else saved_x, s_a, w, s_w, column_scale, scale_buf, valid_buf,
+                              step_amax_buf)
         ctx.consts, ctx.has_bias, ctx.w_dtype = consts, bias is not None, consts[3]  # gemm_steps reads the last two
         return y
 

@@ -257,7 +257,8 @@ class DeepSpeedBase:
         if config.parallel.sequence_parallel and parallel.tensor_parallel_size > 1:
             sum_sequence_parallel_grads_in_backward(model, parallel.tensor_parallel_group)
 
-    def _wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer, mpu: Optional[ModelParallelUnit] = None) -> None:
+    def _wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+              mpu: Optional[ModelParallelUnit] = None) -> None:
         import deepspeed
 
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.ds_config, mpu=mpu)
@@ -432,7 +433,8 @@ def load_checkpoint(engine, load_dir: str, load_optimizer: bool, module_only: bo
     folder = ckpt.iteration_dir(load_dir, iteration)
     if not any(folder.glob("*" + DS_MODEL_FILE)):  # ZeRO-3 writes one zero_pp_rank_<dp>_<name> per rank
         raise ckpt.CheckpointError(f"{Path(load_dir) / ckpt.TRACKER_FILE} points at iteration {iteration} but "
-                                   f"{folder} holds no DeepSpeed *{DS_MODEL_FILE}; restore that folder or fix the tracker")
+                                   f"{folder} holds no DeepSpeed *{DS_MODEL_FILE}; restore that folder or fix the "
+                                   "tracker")
     load_path, client = engine.load_checkpoint(str(load_dir), tag=folder.name, load_module_strict=True,
                                                load_optimizer_states=load_optimizer, load_lr_scheduler_states=False,
                                                load_module_only=module_only)
