@@ -111,8 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dry-run", action="store_true",
                    help="print the resolved config, parameter count, FLOPs and memory estimate, then exit")
     g.add_argument("--torch-compile", choices=["auto", "on", "off"], default="auto",
-                   help="torch.compile each transformer block and the FP8 quantization; auto = on for CUDA, off on "
-                        "CPU (measured: docs/performance.md)")
+                   help="torch.compile each transformer block (FP8 layers traced into it) and the FP8 quantization; "
+                        "auto = both on CUDA (blocks eager with PP or ZeRO-3), on CPU the FP8 quantization only for "
+                        "runs of >= 100 iterations, nothing on Gaudi (docs/performance.md)")
 
     g = p.add_argument_group("mixed precision")
     g.add_argument("--bf16", action="store_true", help="BF16 autocast with FP32 master weights")
