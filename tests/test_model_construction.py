@@ -287,4 +287,7 @@ def test_1b_model_construction_stays_within_this_ranks_share(mode):
 
 
 if __name__ == "__main__":  # a torchrun worker of the 1B test
-    print("RESULT " + json.dumps(_construction_worker(sys.argv[1])), flush=True)
+    # One write of the whole line (a pipe takes writes under 4 KiB whole): print() writes the text and its newline
+    # separately, and with unbuffered output the other rank's line could land between them (seen once in CI).
+    sys.stdout.write("RESULT " + json.dumps(_construction_worker(sys.argv[1])) + "\n")
+    sys.stdout.flush()
