@@ -321,7 +321,7 @@ class Fp8Linear(nn.Linear):
 
     def _quantized_weight(self, backend: Backend, spec: Fp8FormatSpec) -> _QuantizedWeight:
         w = self.weight
-        key = (w._version, w.data_ptr(), backend.name)
+        key = (*self.weight_storage_key(), backend.name)
         if self._weight_cache is None or self._weight_cache.key != key:
             values_dtype = self._weight_values_dtype(backend)
             values = None
@@ -413,20 +413,25 @@ class Fp8Linear(nn.Linear):
         self._weight_cache = None
         self._step_weight = None
 
+    def weight_storage_key(self) -> tuple[int, int]:
+        """What identifies the weight's current values for the per-step FP8 caches: its version counter (bumped
+        by every in-place update) and its storage (replaced by `.to()` or a `.data` assignment)."""
+        return self.weight._version, self.weight.data_ptr()
+
     def refresh_step_weight(self) -> None:
         """Eagerly, before a compiled block runs (its pre-hook, outside the graph): this step's FP8 weight from the
         per-step cache (quantized once per optimizer step, as the eager layer does), for the traced path to read
         instead of quantizing per call. Only for layers the traced path takes (traced.py); None for the others."""
-        w, cache = self.weight, self._weight_cache
-        if self._step_weight is not None and cache is not None and cache.key[:2] == (w._version, w.data_ptr()):
+        cache = self._weight_cache
+        if self._step_weight is not None and cache is not None and cache.key[:2] == self.weight_storage_key():
             return  # made this step (the key's backend follows the device, which `_apply` would have reset)
-        if not traced.uses_step_weight(self):
+        backend = self.fp8_backend(self.weight.device)
+        if not traced.uses_step_weight(self, backend):
             self._step_weight = None
             return
-        backend = self.fp8_backend(self.weight.device)
         with torch.autocast(self.weight.device.type, enabled=False):
-            w = self._quantized_weight(backend, self.fp8_specs(backend)[Fp8Role.WEIGHT])
-            self._step_weight = (w.weight(backend, self.recipe.power_of_two_scales), w.scale, w.amax)
+            made = self._quantized_weight(backend, self.fp8_specs(backend)[Fp8Role.WEIGHT])
+            self._step_weight = (made.weight(backend, self.recipe.power_of_two_scales), made.scale, made.amax)
 
     # --- nn.Module -------------------------------------------------------------------------------------------
 

@@ -94,7 +94,7 @@ def tiled_weight(module: "Fp8Linear", backend: "Backend", spec: Fp8FormatSpec,
             module.fp8_weight_quantizations += 1
             return TiledWeight(None, w, quantize_tile_role(module, Fp8Role.WEIGHT, w, w_tile, spec))
         w = module.weight
-        key = (w._version, w.data_ptr(), backend.name, "tiles")
+        key = (*module.weight_storage_key(), backend.name, "tiles")
         cache = module._weight_cache
         if not isinstance(cache, TiledWeight) or cache.key != key:
             cache = TiledWeight(key, w, quantize_tile_role(module, Fp8Role.WEIGHT, w, w_tile, spec))

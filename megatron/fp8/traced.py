@@ -46,6 +46,7 @@ from megatron.fp8.backends import STATELESS_BACKENDS, select_backend
 from megatron.fp8.scaling import Fp8Role
 
 if TYPE_CHECKING:
+    from megatron.fp8.backends import Backend
     from megatron.fp8.linear import Fp8Linear
 
 # The roles as plain ints: dynamo (torch 2.13) recurses without end indexing a tuple with an IntEnum member.
@@ -74,10 +75,10 @@ def traceable(module: "Fp8Linear", x: torch.Tensor, column_scale_group: Any) -> 
     return _backend_name(recipe.backend.value, x.device, recipe.scaling.value) in STATELESS_BACKENDS
 
 
-def uses_step_weight(module: "Fp8Linear") -> bool:
-    """Whether `Fp8Linear.refresh_step_weight` prepares this layer's FP8 weight for the traced path (eagerly,
-    outside the graph; a Smooth-SwiGLU fc2 still makes W diag(c) per call)."""
-    return _takes(module) and module.fp8_backend(module.weight.device).name in STATELESS_BACKENDS
+def uses_step_weight(module: "Fp8Linear", backend: "Backend") -> bool:
+    """Whether `Fp8Linear.refresh_step_weight` prepares this layer's FP8 weight (for `backend`, the layer's) for
+    the traced path (eagerly, outside the graph; a Smooth-SwiGLU fc2 still makes W diag(c) per call)."""
+    return _takes(module) and backend.name in STATELESS_BACKENDS
 
 
 def forward(module: "Fp8Linear", x: torch.Tensor, out_dtype: torch.dtype, column_scale: torch.Tensor | None,

@@ -56,6 +56,7 @@ from megatron.parallel.layers import TP_SHARD_DIM
 from megatron.parallel.tensor_parallel import enter_tensor_parallel_region
 from megatron.parallel_state import ParallelState
 from megatron.training.deepspeed_engine import DeepSpeedBase
+from megatron.training.deepspeed_shm import release_deepspeed_shm
 from megatron.training.engine import Engine
 
 logger = logging.getLogger("megatron")
@@ -147,8 +148,6 @@ def build_pipeline_module(model: nn.Module, parallel: ParallelState) -> nn.Modul
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
     deepspeed.init_distributed(dist_backend=dist.get_backend())  # adopts our process group (before initialize)
-    from megatron.training.deepspeed_shm import release_deepspeed_shm
-
     release_deepspeed_shm()
 
     if model.output_layer is None:
