@@ -23,17 +23,20 @@ Compilation happens while the variant is built (a logged warm-up), outside the t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megatron import cpu_bf16  # noqa: E402
 from megatron.arguments import parse_config  # noqa: E402
 from megatron.fp8 import set_fp8_tracing  # noqa: E402
 from megatron.training.loop import Trainer  # noqa: E402
@@ -62,12 +65,17 @@ MODE_LABELS = {"off": "eager", "on": "compiled", "auto": "auto", "on-break": "co
 
 
 class Variant:
-    def __init__(self, name: str, argv: list[str], device: torch.device, mode: str) -> None:
-        self.name = f"{name} ({MODE_LABELS[mode]})"
+    def __init__(self, name: str, argv: list[str], device: torch.device, mode: str,
+                 bf16_gemm: Optional[str] = None) -> None:
+        self.name = f"{name} ({MODE_LABELS[mode]})" + (f" [CPU BF16 GEMM {bf16_gemm}]" if bf16_gemm else "")
         self.device = device
+        # megatron/cpu_bf16.py: how the BF16 autocast GEMMs run on CPU (torch's kernels or FP32 on rounded operands)
+        self.bf16_gemm_mode = bf16_gemm
+        self.bf16_gemm = (lambda: cpu_bf16.use_mode(bf16_gemm)) if bf16_gemm else contextlib.nullcontext
         config = parse_config(argv + ["--torch-compile", mode.replace("-break", ""), "--device", device.type])
         start = time.perf_counter()
-        self.trainer = Trainer(config)
+        with self.bf16_gemm():
+            self.trainer = Trainer(config)
         self.build_s = time.perf_counter() - start  # includes the compile warm-up when compiled
         if mode == "on-break":  # the FP8 layers as graph breaks in the compiled blocks (before traced.py): the
             set_fp8_tracing(self.trainer.model, False)  # blocks retrace in the untimed --warmup steps
@@ -76,8 +84,9 @@ class Variant:
     def step(self, rows: list[torch.Tensor]) -> None:
         _sync(self.device)
         t0 = time.perf_counter()
-        loss, _, _ = self.trainer.train_step(iter(rows))
-        float(loss)  # the loop reads the loss once per log interval; here once per step
+        with self.bf16_gemm():
+            loss, _, _ = self.trainer.train_step(iter(rows))
+            float(loss)  # the loop reads the loss once per log interval; here once per step
         self.times.append(time.perf_counter() - t0)
         self.trainer.state.iteration += 1
 
@@ -132,6 +141,10 @@ def main() -> None:
                    help="off, on, auto, on-break, a comma list of them, or both (= off,on)")
     p.add_argument("--compile-bf16", action="store_true",
                    help="the earlier spelling of --torch-compile both (scripts/gpu_check.py passes it)")
+    p.add_argument("--cpu-bf16-gemm", default="default",
+                   help="CPU only: how BF16 autocast GEMMs run (megatron/cpu_bf16.py): default (this CPU's choice), "
+                        "native (torch's BF16 kernels), fp32 (FP32 GEMMs on BF16-rounded operands), or both "
+                        "(every variant once with each, side by side)")
     p.add_argument("--extra", default="", help="extra pretrain_gpt.py flags for every variant, e.g. a model shape")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     p.add_argument("--profile", type=int, default=0, metavar="N",
@@ -152,7 +165,12 @@ def main() -> None:
     if not modes or any(m not in MODE_LABELS for m in modes):
         p.error(f"--torch-compile takes off, on, auto, on-break, a comma list of them, or both; got "
                 f"{args.torch_compile!r}")
-    variants = [Variant(name, base + VARIANTS[name], device, m) for name in names for m in modes
+    gemm_modes = {"default": [None], "native": ["native"], "fp32": ["fp32"], "both": ["native", "fp32"]}
+    if args.cpu_bf16_gemm not in gemm_modes or (args.cpu_bf16_gemm != "default" and device.type != "cpu"):
+        p.error(f"--cpu-bf16-gemm takes default, native, fp32 or both, and only with --device cpu; got "
+                f"{args.cpu_bf16_gemm!r}")
+    variants = [Variant(name, base + VARIANTS[name], device, m, g) for g in gemm_modes[args.cpu_bf16_gemm]
+                for name in names for m in modes
                 if not (name == "bf16" and m == "auto" and device.type == "cpu" and "off" in modes)
                 and not (name == "bf16" and m == "on-break")]
     logging.getLogger("megatron").setLevel(logging.INFO)
@@ -164,7 +182,8 @@ def main() -> None:
     params = sum(p.numel() for p in variants[0].trainer.model.parameters())
     tokens_per_step = args.micro_batch_size * args.micro_batches * m.seq_length
     print(f"torch {torch.__version__} device={device} threads={torch.get_num_threads()} params={params:,} "
-          f"tokens/step={tokens_per_step}")
+          f"tokens/step={tokens_per_step} cpu_capability={torch.backends.cpu.get_cpu_capability()} "
+          f"cpu_bf16_gemm_default={cpu_bf16.cpu_bf16_gemm_mode() if device.type == 'cpu' else '-'}")
     for v in variants:
         for _ in range(args.warmup):
             v.step(rows)
@@ -184,6 +203,12 @@ def main() -> None:
                          "build_s": v.build_s, "steps_s": v.times})
         print(f"{v.name:<42} {med * 1000:>10.1f}ms {med / ref:>11.2f}x {tokens_per_step / med:>10.0f} "
               f"{v.state_bytes() / 2**20:>7.2f} MiB {v.build_s:>12.1f}s")
+    if args.cpu_bf16_gemm == "both":
+        for v in variants:
+            if v.bf16_gemm_mode == "fp32":
+                twin = next(w for w in variants if w.name == v.name.replace("GEMM fp32]", "GEMM native]"))
+                print(f"{v.name.split(' [')[0]}: step with FP32 GEMMs on BF16-rounded operands / torch's BF16 "
+                      f"kernels = {medians[v.name] / medians[twin.name]:.3f}x")
     if args.profile:
         profile_table(variants, rows, args.profile)
     if args.json:

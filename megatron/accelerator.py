@@ -14,6 +14,8 @@ from typing import ContextManager, Optional
 
 import torch
 
+from megatron import cpu_bf16
+
 
 def _hpu_available() -> bool:
     try:
@@ -46,9 +48,13 @@ class Accelerator:
 
     def autocast(self, bf16: bool) -> ContextManager:
         """BF16 autocast (FP32 master weights stay untouched) or a no-op for FP32 runs."""
-        if not bf16:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device_type, dtype=torch.bfloat16)
+        return bf16_autocast(self.device_type, bf16)
+
+    def prepare_bf16(self) -> None:
+        """Settle how BF16 autocast runs on this device before any engine enters it (DeepSpeed's
+        `torch_autocast` included); logs the choice once. On CPU see `megatron.cpu_bf16`."""
+        if self.device_type == "cpu":
+            cpu_bf16.install()
 
     def synchronize(self) -> None:
         if self.device_type == "cuda":
@@ -96,6 +102,19 @@ class Accelerator:
             return {"mem-max-allocated-MiB": stats.get("MaxInUse", 0) / 2**20}
         # ru_maxrss is in KiB on Linux
         return {"mem-max-rss-MiB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def bf16_autocast(device_type: str, enabled: bool = True) -> ContextManager:
+    """BF16 autocast on `device_type`, or a no-op when not enabled.
+
+    On a CPU whose BF16 matmul has no fast kernel, the autocast GEMMs first become FP32 GEMMs on BF16-rounded
+    operands (`megatron.cpu_bf16`): the same arithmetic, at FP32 speed.
+    """
+    if not enabled:
+        return contextlib.nullcontext()
+    if device_type == "cpu":
+        cpu_bf16.install()
+    return torch.autocast(device_type=device_type, dtype=torch.bfloat16)
 
 
 def get_accelerator(requested: str = "auto", local_rank: Optional[int] = None) -> Accelerator:

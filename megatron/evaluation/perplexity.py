@@ -16,7 +16,6 @@ compares across tokenizers where perplexity does not.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from megatron.accelerator import bf16_autocast
 from megatron.config import DataConfig
 from megatron.data.indexed_dataset import MMapIndexedDataset
 from megatron.data.provider import make_batch
@@ -86,7 +86,7 @@ def indexed_perplexity(model: nn.Module, data_path: Sequence[str], data: DataCon
     for start in range(0, num_samples, micro_batch_size):
         rows = [dataset[i]["text"] for i in range(start, min(start + micro_batch_size, num_samples))]
         batch = make_batch(torch.from_numpy(np.stack(rows)), tokenizer.eod, data).to(device)
-        autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+        autocast = bf16_autocast(device.type, bf16)
         with autocast:
             per_token = model(batch.tokens, batch.position_ids, batch.attention_mask, labels=batch.labels)
         masked = (per_token * batch.loss_mask).sum()

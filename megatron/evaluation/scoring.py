@@ -18,13 +18,14 @@ was trained after; the Hugging Face export declares it as BOS so lm-eval's `hf` 
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from megatron.accelerator import bf16_autocast
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ def score_windows(model: nn.Module, windows: Sequence[Window], batch_size: int =
         inputs = torch.zeros(len(chunk), width, dtype=torch.long)
         for row, w in enumerate(chunk):
             inputs[row, :len(w.tokens) - 1] = torch.tensor(w.tokens[:-1])
-        autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+        autocast = bf16_autocast(device.type, bf16)
         with autocast:
             logits = model(inputs.to(device))
         logprobs = F.log_softmax(logits.float(), dim=-1)

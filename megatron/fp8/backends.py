@@ -37,6 +37,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from megatron.cpu_bf16 import emulates_bf16_gemms
 from megatron.fp8 import fused
 from megatron.fp8.formats import Fp8FormatSpec, format_spec
 from megatron.fp8.quantize import TiledFp8, dequantize_tiles, quantize
@@ -66,7 +67,8 @@ class EmulatedBackend:
         # ulp at arbitrary scales). Dividing by a power of two is exact, so with power-of-two scales the bf16
         # GEMM's single rounding is the hardware's; otherwise the GEMM runs in fp32 (exact operands, one fp32
         # rounding per accumulation step as on the tensor cores) and the result is rounded once at the end.
-        if out_dtype == torch.bfloat16 and pow2_scales:
+        # CPUs without a fast BF16 GEMM (megatron.cpu_bf16) take the fp32 GEMM always: the same single rounding.
+        if out_dtype == torch.bfloat16 and pow2_scales and not (a.device.type == "cpu" and emulates_bf16_gemms()):
             out = (a.to(torch.bfloat16) @ b.to(torch.bfloat16).t()).float()
         else:
             out = a.float() @ b.float().t()

@@ -55,6 +55,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from megatron.accelerator import bf16_autocast
+
 logger = logging.getLogger("megatron")
 
 MODES = ("auto", "on", "off")
@@ -214,7 +216,7 @@ def apply_torch_compile(config: Any, model: nn.Module, device: torch.device) -> 
     batch = make_batch(text, None, config.data).to(device)
 
     def run() -> None:
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=t.bf16):
+        with bf16_autocast(device.type, t.bf16):
             per_token = model(batch.tokens, batch.position_ids, batch.attention_mask, labels=batch.labels)
         (per_token * batch.loss_mask).sum().backward()
 

@@ -1,0 +1,178 @@
+"""BF16 GEMMs on CPUs without fast BF16 kernels: FP32 GEMMs on BF16-rounded operands.
+
+A BF16 GEMM on a GPU (and on CPUs with AVX-512/AMX through oneDNN) multiplies BF16 operands, accumulates in
+FP32 and rounds the result to BF16 once. Products of two BF16 values are exact in FP32, so the same numbers
+come out of an FP32 GEMM of the BF16-rounded operands whose output is rounded to BF16 once; only the
+summation order differs. On x86 CPUs where oneDNN cannot use AVX-512 (AVX2-only CPUs such as many AMD EPYC,
+laptops and desktops, or any CPU with `ONEDNN_MAX_CPU_ISA` capped below AVX512_CORE) torch's BF16 matmul
+takes a generic path ~20-60x slower than FP32 (512^3: ~120-220 ms vs ~2-6 ms), and every `--bf16` run crawls.
+
+`install()` therefore re-registers torch's CPU autocast kernels of the GEMM-like ops (`mm`, `addmm`, `bmm`,
+`baddbmm`, `matmul`, `linear`, `scaled_dot_product_attention`) on such CPUs: each rounds its floating-point
+operands to BF16, runs the op in FP32 (autocast excluded) and rounds the output to BF16. The operations are
+recorded by autograd as usual, so the backward GEMMs run in FP32 too, with BF16-rounded incoming gradients
+and BF16-rounded results, as a BF16 backward would. Every autocast region of the process is covered: our
+training loop, the evaluation tools and DeepSpeed's `torch_autocast`. Attention in FP32 on BF16-rounded
+q/k/v does not round the softmax probabilities to BF16 before the second GEMM, as some BF16 kernels do; it is
+the more accurate of the two.
+
+The choice is made once per process and logged in one line. `MEGATRON_CPU_BF16_GEMM` overrides it:
+`auto` (default: by the CPU), `native` (torch's BF16 kernels) or `fp32` (the emulation, on any CPU).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import warnings
+from typing import Iterator
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ENV_VAR = "MEGATRON_CPU_BF16_GEMM"
+_CHOICES = ("auto", "native", "fp32")
+# oneDNN ISA names that keep its AVX-512 BF16 paths (AVX512_CORE and above, AVX10); anything else
+# (SSE41, AVX, AVX2, AVX2_VNNI, ...) caps it below them.
+_AVX512_PREFIXES = ("AVX512", "AVX10")
+_OPS = ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "scaled_dot_product_attention")
+_ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)  # what autocast casts (float64 stays)
+
+_library: torch.library.Library | None = None  # the registration; it stays in force while referenced
+_logged = False
+_forced: str | None = None  # use_mode()
+
+
+class CpuBf16ConfigError(ValueError):
+    """`MEGATRON_CPU_BF16_GEMM` holds a value we do not know."""
+
+
+def _onednn_isa_cap() -> str | None:
+    for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        value = os.environ.get(name, "").strip().upper()
+        if value and value not in ("ALL", "DEFAULT"):
+            return value
+    return None
+
+
+def native_bf16_gemm_is_fast() -> bool:
+    """Whether torch's CPU BF16 matmul has a fast kernel here.
+
+    torch routes CPU BF16 matmuls to oneDNN when the CPU has AVX-512 (F/BW/VL/DQ) or is an ARM CPU with
+    BF16 instructions; otherwise to a generic loop. `ONEDNN_MAX_CPU_ISA` below AVX512_CORE forces the slow
+    path too (measured: 512^3 in ~120 ms vs ~2 ms FP32 on an AVX-512 CPU with the cap set to AVX2).
+    """
+    machine = os.uname().machine.lower()
+    if machine in ("aarch64", "arm64"):
+        return "bf16" in _cpu_flags()
+    if not torch.cpu._is_avx512_supported():
+        return False
+    cap = _onednn_isa_cap()
+    return cap is None or cap.startswith(_AVX512_PREFIXES)
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith(("flags", "features")):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+@functools.cache
+def cpu_bf16_gemm_mode() -> str:
+    """"native" or "fp32": how CPU BF16 GEMMs run in this process (decided once)."""
+    choice = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
+    if choice not in _CHOICES:
+        raise CpuBf16ConfigError(f"{ENV_VAR}={os.environ[ENV_VAR]!r} is not one of {', '.join(_CHOICES)}: "
+                                 "unset it (auto: chosen by the CPU), or set native (torch's BF16 kernels) or "
+                                 "fp32 (FP32 GEMMs on BF16-rounded operands)")
+    if choice != "auto":
+        return choice
+    return "native" if native_bf16_gemm_is_fast() else "fp32"
+
+
+def emulates_bf16_gemms() -> bool:
+    """True where CPU BF16 GEMMs are FP32 GEMMs on BF16-rounded operands (see the module docstring)."""
+    return (_forced or cpu_bf16_gemm_mode()) == "fp32"
+
+
+def _round_to_bf16(value):
+    if isinstance(value, torch.Tensor) and value.dtype in _ELIGIBLE:
+        return value.to(torch.bfloat16).float()
+    return value
+
+
+def _cast_to_bf16(value):
+    if isinstance(value, torch.Tensor) and value.dtype in _ELIGIBLE:
+        return value.to(torch.bfloat16)
+    return value
+
+
+def _autocast_kernel(op):
+    keys = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+
+    def kernel(*args, **kwargs):
+        # torch's own autocast kernel casts to BF16 and runs the op below autocast; only use_mode() reaches
+        # that branch here (on CPUs with fast BF16 kernels nothing is registered).
+        convert = _round_to_bf16 if emulates_bf16_gemms() else _cast_to_bf16
+        args = [convert(a) for a in args]
+        kwargs = {k: convert(v) for k, v in kwargs.items()}
+        with torch._C._ExcludeDispatchKeyGuard(keys):
+            out = op(*args, **kwargs)
+        return out.to(torch.bfloat16)
+
+    return kernel
+
+
+def _register() -> None:
+    global _library
+    if _library is None:
+        lib = torch.library.Library("aten", "IMPL")
+        with warnings.catch_warnings():  # "Overriding a previously registered kernel": that is the point
+            warnings.simplefilter("ignore", UserWarning)
+            for name in _OPS:
+                lib.impl(name, _autocast_kernel(getattr(torch.ops.aten, name).default), "AutocastCPU")
+        _library = lib
+
+
+def install() -> str:
+    """Decide the CPU BF16 GEMM mode once and, for "fp32", register the emulating autocast kernels.
+
+    Idempotent; returns the mode and logs it once. Called where a CPU process enters BF16 autocast (the
+    accelerator's autocast, the evaluation tools) before it does.
+    """
+    global _logged
+    mode = cpu_bf16_gemm_mode()
+    if mode == "fp32":
+        _register()
+    if not _logged:
+        _logged = True
+        if mode == "fp32":
+            logger.info("CPU BF16: BF16 autocast GEMMs and attention run in FP32 on BF16-rounded operands, "
+                        "rounded to BF16 once (torch's BF16 matmul has no fast kernel here, CPU capability %s; "
+                        "%s=native keeps torch's kernels)", torch.backends.cpu.get_cpu_capability(), ENV_VAR)
+        else:
+            logger.info("CPU BF16: torch's BF16 kernels (CPU capability %s; %s=fp32 emulates them in FP32)",
+                        torch.backends.cpu.get_cpu_capability(), ENV_VAR)
+    return mode
+
+
+@contextlib.contextmanager
+def use_mode(mode: str) -> Iterator[None]:
+    """Run CPU BF16 autocast GEMMs as `mode` ("native" or "fp32") inside the block, whatever this CPU's
+    default: how a benchmark times both side by side and a test checks both on any CPU."""
+    global _forced
+    if mode not in ("native", "fp32"):
+        raise ValueError(f"mode must be native or fp32, got {mode!r}")
+    _register()
+    previous, _forced = _forced, mode
+    try:
+        yield
+    finally:
+        _forced = previous

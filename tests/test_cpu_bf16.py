@@ -1,0 +1,153 @@
+"""CPU BF16 autocast GEMMs as FP32 GEMMs on BF16-rounded operands (megatron/cpu_bf16.py).
+
+The reference is the BF16 arithmetic in float64: operands rounded to BF16, exact products and sums, one rounding
+to BF16. An FP32 GEMM of K terms differs from the exact sum by at most gamma_K * sum|a||b| with
+gamma_K = K u / (1 - K u), u = 2^-24 (Higham, Accuracy and Stability of Numerical Algorithms, Thm 3.5; any
+summation order), and the final rounding to BF16 adds at most half a BF16 ulp of the result. So
+|out - ref| <= ulp_bf16(out) / 2 + gamma_K * (|A| @ |B|) holds on any CPU. The same GEMM on *unrounded*
+operands violates it (the negative control), so the test sees a kernel that forgot to round.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron import cpu_bf16
+
+U32 = 2.0 ** -24
+
+
+def gamma(k: int) -> float:
+    return k * U32 / (1 - k * U32)
+
+
+def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
+    """The spacing of BF16 numbers at |x| (8 significant bits), for normal values."""
+    e = torch.floor(torch.log2(x.abs().double().clamp_min(2.0 ** -126)))
+    return torch.exp2(e - 7)
+
+
+def within_bound(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|out - exact BF16 GEMM| minus the bound; <= 0 everywhere when out is right."""
+    a64, b64 = a.bfloat16().double(), b.bfloat16().double()
+    ref = a64 @ b64
+    bound = bf16_ulp(out) / 2 + gamma(a.shape[-1]) * (a64.abs() @ b64.abs())
+    return (out.double() - ref).abs() - bound
+
+
+@pytest.fixture
+def emulated():
+    with cpu_bf16.use_mode("fp32"):
+        yield
+
+
+def test_mm_matches_float64_bf16_arithmetic(emulated):
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(64, 384, generator=g) * 3
+    b = torch.randn(384, 48, generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        outs = {"mm": a @ b, "linear": F.linear(a, b.t()), "addmm": torch.addmm(torch.zeros(48), a, b),
+                "bmm": torch.bmm(a[None], b[None])[0]}
+    for name, out in outs.items():
+        assert out.dtype == torch.bfloat16, name
+        assert within_bound(out, a, b).max() <= 0, name
+    # Negative control: the unrounded operands' exact product is outside the bound somewhere.
+    unrounded = (a.double() @ b.double()).to(torch.bfloat16)
+    assert (unrounded.double() - outs["mm"].double()).abs().max() > 0
+    a64, b64 = a.double(), b.double()
+    wrong = (a64 @ b64 - a.bfloat16().double() @ b.bfloat16().double()).abs()
+    assert (wrong - bf16_ulp(outs["mm"]) / 2 - gamma(384) * (a64.abs() @ b64.abs())).max() > 0
+
+
+def test_backward_is_the_bf16_backward(emulated):
+    """dA = bf16(dY) @ bf16(B)^T rounded to BF16, then to the leaf's FP32; likewise dB."""
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(32, 96, generator=g, requires_grad=True)
+    b = torch.randn(96, 40, generator=g, requires_grad=True)
+    dy = torch.randn(32, 40, generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = a @ b
+    y.backward(dy.bfloat16())
+    assert a.grad.dtype == torch.float32 and b.grad.dtype == torch.float32
+    assert within_bound(a.grad, dy, b.detach().t()).max() <= 0
+    assert within_bound(b.grad, a.detach().t(), dy).max() <= 0
+
+
+def test_attention_rounds_inputs_and_output(emulated):
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, 4, 16, 8, generator=g) for _ in range(3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert out.dtype == torch.bfloat16
+    r = [t.bfloat16().double() for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*r, is_causal=True)
+    # FP32 softmax attention on exact BF16 inputs: rows are convex combinations of v, so the FP32 error is a
+    # few u32 of max|v| (far below a BF16 ulp of it); the output rounding adds half a BF16 ulp.
+    slack = bf16_ulp(out) / 2 + 64 * U32 * r[2].abs().amax()
+    assert ((out.double() - ref).abs() - slack).max() <= 0
+
+
+def test_native_mode_is_torchs_kernel():
+    """use_mode('native') keeps BF16 operands (what torch's autocast does): same bound, BF16 GEMM."""
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(16, 64, generator=g), torch.randn(64, 8, generator=g)
+    with cpu_bf16.use_mode("native"), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not cpu_bf16.emulates_bf16_gemms()
+        out = a @ b
+    assert out.dtype == torch.bfloat16
+    assert within_bound(out, a, b).max() <= 0
+
+
+def test_compiled_graph_uses_the_emulation(emulated):
+    """Under torch.compile the autocast region traces through the registered kernels: the ATen graph's mm
+    multiplies FP32 tensors (BF16-rounded), and the result matches the BF16 arithmetic."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    def f(x, w):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return (x @ w) * 2  # an exact epilogue: the bound below still applies to out / 2
+
+    g = torch.Generator().manual_seed(4)
+    a, b = torch.randn(8, 32, generator=g), torch.randn(32, 16, generator=g)
+    torch._dynamo.reset()
+    out = torch.compile(f, backend=aot_autograd(fw_compiler=keep))(a, b)
+    assert out.dtype == torch.bfloat16
+    assert within_bound(out / 2, a, b).max() <= 0
+    mms = [n for gm in graphs for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default]
+    assert mms and all(x.meta["val"].dtype == torch.float32 for n in mms for x in n.args[:2])
+
+
+@pytest.mark.parametrize("env, isa, fast, expected", [
+    ("native", None, False, "native"), ("fp32", None, True, "fp32"), ("", None, True, "native"),
+    ("auto", "AVX2", True, "fp32"), ("auto", "avx512_core_bf16", True, "native"), (None, None, False, "fp32"),
+])
+def test_mode_choice(monkeypatch, env, isa, fast, expected):
+    cpu_bf16.cpu_bf16_gemm_mode.cache_clear()
+    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: fast)
+    monkeypatch.setattr(cpu_bf16.os, "uname", lambda: type("U", (), {"machine": "x86_64"})())
+    for var, value in ((cpu_bf16.ENV_VAR, env), ("ONEDNN_MAX_CPU_ISA", isa), ("DNNL_MAX_CPU_ISA", None)):
+        if value is None:
+            monkeypatch.delenv(var, raising=False)
+        else:
+            monkeypatch.setenv(var, value)
+    try:
+        assert cpu_bf16.cpu_bf16_gemm_mode() == expected
+    finally:
+        cpu_bf16.cpu_bf16_gemm_mode.cache_clear()
+
+
+def test_unknown_mode_names_the_variable(monkeypatch):
+    cpu_bf16.cpu_bf16_gemm_mode.cache_clear()
+    monkeypatch.setenv(cpu_bf16.ENV_VAR, "bf16")
+    try:
+        with pytest.raises(cpu_bf16.CpuBf16ConfigError, match="MEGATRON_CPU_BF16_GEMM='bf16'.*native.*fp32"):
+            cpu_bf16.cpu_bf16_gemm_mode()
+    finally:
+        cpu_bf16.cpu_bf16_gemm_mode.cache_clear()
