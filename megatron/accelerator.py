@@ -50,11 +50,15 @@ class Accelerator:
         """BF16 autocast (FP32 master weights stay untouched) or a no-op for FP32 runs."""
         return bf16_autocast(self.device_type, bf16)
 
-    def prepare_bf16(self) -> None:
+    def prepare_bf16(self, bf16: bool) -> None:
         """Settle how BF16 autocast runs on this device before any engine enters it (DeepSpeed's
         `torch_autocast` included); logs the choice once. On CPU see `megatron.cpu_bf16`."""
-        if self.device_type == "cpu":
+        if self.device_type != "cpu":
+            return
+        if bf16:
             cpu_bf16.install()
+        else:
+            cpu_bf16.check_unused()
 
     def synchronize(self) -> None:
         if self.device_type == "cuda":

@@ -57,20 +57,21 @@ def _onednn_isa_cap() -> str | None:
     return None
 
 
-def native_bf16_gemm_is_fast() -> bool:
-    """Whether torch's CPU BF16 matmul has a fast kernel here.
+def slow_bf16_gemm_reason() -> str | None:
+    """Why torch's CPU BF16 matmul has no fast kernel here, or None where it has one.
 
     torch routes CPU BF16 matmuls to oneDNN when the CPU has AVX-512 (F/BW/VL/DQ) or is an ARM CPU with
     BF16 instructions; otherwise to a generic loop. `ONEDNN_MAX_CPU_ISA` below AVX512_CORE forces the slow
     path too (measured: 512^3 in ~120 ms vs ~2 ms FP32 on an AVX-512 CPU with the cap set to AVX2).
     """
-    machine = os.uname().machine.lower()
-    if machine in ("aarch64", "arm64"):
-        return "bf16" in _cpu_flags()
+    if os.uname().machine.lower() in ("aarch64", "arm64"):
+        return None if "bf16" in _cpu_flags() else "an ARM CPU without BF16 instructions"
     if not torch.cpu._is_avx512_supported():
-        return False
+        return "an x86 CPU without AVX-512"
     cap = _onednn_isa_cap()
-    return cap is None or cap.startswith(_AVX512_PREFIXES)
+    if cap is not None and not cap.startswith(_AVX512_PREFIXES):
+        return f"ONEDNN_MAX_CPU_ISA={cap}"
+    return None
 
 
 def _cpu_flags() -> set[str]:
@@ -94,7 +95,7 @@ def cpu_bf16_gemm_mode() -> str:
                                  "fp32 (FP32 GEMMs on BF16-rounded operands)")
     if choice != "auto":
         return choice
-    return "native" if native_bf16_gemm_is_fast() else "fp32"
+    return "native" if slow_bf16_gemm_reason() is None else "fp32"
 
 
 def emulates_bf16_gemms() -> bool:
@@ -141,6 +142,13 @@ def _register() -> None:
         _library = lib
 
 
+def check_unused() -> None:
+    """For runs without BF16: a set `MEGATRON_CPU_BF16_GEMM` is validated and said to do nothing."""
+    if os.environ.get(ENV_VAR, "").strip():
+        mode = cpu_bf16_gemm_mode()
+        logger.info("CPU BF16: %s=%s has no effect: this run does not use BF16 autocast (no --bf16)", ENV_VAR, mode)
+
+
 def install() -> str:
     """Decide the CPU BF16 GEMM mode once and, for "fp32", register the emulating autocast kernels.
 
@@ -155,8 +163,8 @@ def install() -> str:
         _logged = True
         if mode == "fp32":
             logger.info("CPU BF16: BF16 autocast GEMMs and attention run in FP32 on BF16-rounded operands, "
-                        "rounded to BF16 once (torch's BF16 matmul has no fast kernel here, CPU capability %s; "
-                        "%s=native keeps torch's kernels)", torch.backends.cpu.get_cpu_capability(), ENV_VAR)
+                        "rounded to BF16 once (torch's BF16 matmul has no fast kernel on %s; %s=native keeps "
+                        "torch's kernels)", slow_bf16_gemm_reason() or f"request ({ENV_VAR}=fp32)", ENV_VAR)
         else:
             logger.info("CPU BF16: torch's BF16 kernels (CPU capability %s; %s=fp32 emulates them in FP32)",
                         torch.backends.cpu.get_cpu_capability(), ENV_VAR)

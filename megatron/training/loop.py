@@ -105,8 +105,7 @@ class Trainer:
         for note in config.compat.notes:  # upstream flags accepted as no-ops, the env recipe (megatron/compat.py)
             logger.info(note)
         t = config.training
-        if t.bf16:
-            self.accel.prepare_bf16()
+        self.accel.prepare_bf16(t.bf16)
         if t.data_parallel_size != self.parallel.data_parallel_size:
             raise ValueError(f"config was resolved for data-parallel size {t.data_parallel_size} but "
                              f"{self.parallel.data_parallel_size} ranks are running; launch with the same WORLD_SIZE")
