@@ -22,7 +22,6 @@ The choice is made once per process and logged in one line. `MEGATRON_CPU_BF16_G
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 import warnings
@@ -85,9 +84,8 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-@functools.cache
-def cpu_bf16_gemm_mode() -> str:
-    """"native" or "fp32": how CPU BF16 GEMMs run in this process (decided once)."""
+def decide_mode() -> str:
+    """"native" or "fp32" from `MEGATRON_CPU_BF16_GEMM` and the CPU; raises on a value we do not know."""
     choice = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
     if choice not in _CHOICES:
         raise CpuBf16ConfigError(f"{ENV_VAR}={os.environ[ENV_VAR]!r} is not one of {', '.join(_CHOICES)}: "
@@ -98,9 +96,26 @@ def cpu_bf16_gemm_mode() -> str:
     return "native" if slow_bf16_gemm_reason() is None else "fp32"
 
 
+def _decide_at_import() -> str | None:
+    try:
+        return decide_mode()
+    except CpuBf16ConfigError:
+        return None  # reported by cpu_bf16_gemm_mode(), where an entry point turns it into one clear line
+
+
+# Decided once, at import: a plain module constant is what the compiled FP8 GEMMs can read without a graph
+# break (torch.compile guards on it).
+_MODE = _decide_at_import()
+
+
+def cpu_bf16_gemm_mode() -> str:
+    """"native" or "fp32": how CPU BF16 GEMMs run in this process."""
+    return _MODE if _MODE is not None else decide_mode()
+
+
 def emulates_bf16_gemms() -> bool:
     """True where CPU BF16 GEMMs are FP32 GEMMs on BF16-rounded operands (see the module docstring)."""
-    return (_forced or cpu_bf16_gemm_mode()) == "fp32"
+    return (_forced or _MODE) == "fp32"
 
 
 def _round_to_bf16(value):

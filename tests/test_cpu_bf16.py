@@ -129,7 +129,6 @@ def test_compiled_graph_uses_the_emulation(emulated):
     ("auto", "AVX2", True, "fp32"), ("auto", "AVX2_VNNI", True, "fp32"), ("auto", "AVX10_1_512", True, "native"), ("auto", "avx512_core_bf16", True, "native"), (None, None, False, "fp32"),
 ])
 def test_mode_choice(monkeypatch, env, isa, fast, expected):
-    cpu_bf16.cpu_bf16_gemm_mode.cache_clear()
     monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: fast)
     monkeypatch.setattr(cpu_bf16.os, "uname", lambda: type("U", (), {"machine": "x86_64"})())
     for var, value in ((cpu_bf16.ENV_VAR, env), ("ONEDNN_MAX_CPU_ISA", isa), ("DNNL_MAX_CPU_ISA", None)):
@@ -137,17 +136,11 @@ def test_mode_choice(monkeypatch, env, isa, fast, expected):
             monkeypatch.delenv(var, raising=False)
         else:
             monkeypatch.setenv(var, value)
-    try:
-        assert cpu_bf16.cpu_bf16_gemm_mode() == expected
-    finally:
-        cpu_bf16.cpu_bf16_gemm_mode.cache_clear()
+    assert cpu_bf16.decide_mode() == expected
 
 
 def test_unknown_mode_names_the_variable(monkeypatch):
-    cpu_bf16.cpu_bf16_gemm_mode.cache_clear()
     monkeypatch.setenv(cpu_bf16.ENV_VAR, "bf16")
-    try:
-        with pytest.raises(cpu_bf16.CpuBf16ConfigError, match="MEGATRON_CPU_BF16_GEMM='bf16'.*native.*fp32"):
-            cpu_bf16.cpu_bf16_gemm_mode()
-    finally:
-        cpu_bf16.cpu_bf16_gemm_mode.cache_clear()
+    monkeypatch.setattr(cpu_bf16, "_MODE", cpu_bf16._decide_at_import())
+    with pytest.raises(cpu_bf16.CpuBf16ConfigError, match="MEGATRON_CPU_BF16_GEMM='bf16'.*native.*fp32"):
+        cpu_bf16.cpu_bf16_gemm_mode()
