@@ -9,7 +9,7 @@ from megatron.arguments import parse_config
 from megatron.config import LrDecayStyle, Normalization, PositionEmbedding
 from megatron.model import GPTModel
 from megatron.training.flops import count_parameters
-from tests.conftest import REPO, tiny_argv
+from tests.support.config import REPO, tiny_argv
 
 
 def test_tiny_config_resolves():

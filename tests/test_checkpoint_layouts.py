@@ -18,7 +18,7 @@ import torch
 from megatron.checkpoint_conversion import export_to_hf, load_gpt_checkpoint
 from megatron.checkpoint_conversion.checkpoint_io import read_checkpoint, resolve_checkpoint_dir
 from megatron.checkpoint_conversion.layouts import detect_layout
-from tests.conftest import REPO, load_tool, tiny_argv
+from tests.support.config import REPO, load_tool, tiny_argv
 from tests.test_deepspeed import free_port
 from tests.test_evaluate import VOCAB, write_indexed
 

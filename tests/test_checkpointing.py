@@ -9,7 +9,7 @@ import torch
 from megatron.arguments import parse_config
 from megatron.training import checkpointing as ckpt
 from megatron.training.loop import pretrain
-from tests.conftest import REPO, tiny_argv
+from tests.support.config import REPO, tiny_argv
 
 
 def _save(root, iteration, value, **kw):

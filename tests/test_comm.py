@@ -21,8 +21,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import REPO, tiny_argv
 from megatron import comm
+from tests.support.config import REPO, tiny_argv
 
 COMM_FILE = REPO / "megatron" / "comm.py"
 DIST_MODULES = {"torch.distributed", "torch.distributed.distributed_c10d", "deepspeed.comm"}

@@ -6,10 +6,10 @@ import json
 import numpy as np
 import pytest
 
-from conftest import load_tool, tiny_argv
 from megatron.arguments import parse_config
 from megatron.evaluation.run_compare import compare, relative_gap
 from megatron.training.loop import pretrain
+from tests.support.config import load_tool, tiny_argv
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

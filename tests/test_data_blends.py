@@ -5,11 +5,11 @@ import json
 import numpy as np
 import pytest
 
-from conftest import tiny_argv
 from megatron.arguments import parse_config
 from megatron.data.gpt_dataset import build_train_valid_test_datasets
 from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder
 from megatron.tokenizer import NullTokenizer
+from tests.support.config import tiny_argv
 
 SEQ = 16
 

@@ -14,7 +14,6 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from conftest import REPO, tiny_argv
 from megatron.arguments import parse_config
 from megatron.config import DataConfig
 from megatron.data.errors import CorruptIndexedDatasetError, DataError, TokenIdOutOfRangeError
@@ -24,6 +23,7 @@ from megatron.data.preprocess import preprocess
 from megatron.data.token_range import scan_token_range
 from megatron.tokenizer import NullTokenizer
 from megatron.training.datasets import build_datasets
+from tests.support.config import REPO, tiny_argv
 
 NULL = DataConfig(tokenizer_type="NullTokenizer", vocab_size=1000)
 SEQ = 16
@@ -346,8 +346,8 @@ def test_a_truncated_bin_stops_pretraining_with_one_line(tmp_path):
 def test_prepare_demo_data_redoes_a_pair_without_a_complete_manifest(tmp_path, monkeypatch):
     """Issue 15.6: a pair whose publication was killed (the manifest is a marker) or that has no manifest is redone;
     only a complete one is skipped (prepare_demo_data used to skip any split whose .bin and .idx existed)."""
-    from conftest import load_tool
     from megatron.data.manifest import mark_publishing
+    from tests.support.config import load_tool
 
     tool = load_tool("prepare_demo_data")
     for split in ("train", "valid", "test"):

@@ -1,7 +1,7 @@
 """DeepSpeed on CPU (gloo, 2 processes): ZeRO equals the torch path, exact resume, Fp8AdamW, BF16, config checks.
 
 Every DeepSpeed run is a subprocess (DeepSpeed keeps process-global state: the process group, its
-communication backend), each on its own free port (tests/launch.py). Runs shared by several tests are module
+communication backend), each on its own free port (tests/support/launch.py). Runs shared by several tests are module
 fixtures; the torch engine's reference and its noise control are session fixtures (tests/conftest.py).
 """
 import json
@@ -15,9 +15,10 @@ from megatron.arguments import parse_config
 from megatron.training import checkpointing as ckpt
 from megatron.training.deepspeed_config import DeepSpeedConfigError, build_deepspeed_config
 from megatron.training.deepspeed_engine import _deepspeed_safe_globals
-from tests.conftest import tiny_argv
-from tests.launch import BASE, free_port, losses, run  # noqa: F401  (free_port: imported from here by other modules)
-from tests.run_noise import assert_losses_within_noise, assert_weights_within_noise
+from tests.support.config import tiny_argv
+from tests.support.launch import BASE, free_port, run  # noqa: F401  (free_port: imported from here by other modules)
+from tests.support.logs import losses
+from tests.support.run_noise import assert_losses_within_noise, assert_weights_within_noise
 
 pytest.importorskip("deepspeed")
 
@@ -108,7 +109,7 @@ FP8ADAM = ("--optimizer", "fp8adam", "--fp8-optimizer-block-size", "128")
 @pytest.fixture(scope="module")
 def fp8adam_runs(tmp_path_factory):
     """FP8 linears + Fp8AdamW, 8 iterations: ZeRO-1 on 2 ranks (log, save dir), the torch engine in one process on
-    the same 8 samples per step, and its noise control with micro-batches of 1 (tests/run_noise.py)."""
+    the same 8 samples per step, and its noise control with micro-batches of 1 (tests/support/run_noise.py)."""
     save = tmp_path_factory.mktemp("fp8adam_zero1")
     log = run(2, "--deepspeed", "--zero-stage", "1", *FP8ADAM, "--fp8-format", "hybrid", save=save, train_iters=8,
               eval_iters=0)
@@ -120,7 +121,7 @@ def fp8adam_runs(tmp_path_factory):
 @pytest.mark.isa_sensitive
 def test_fp8adam_and_fp8_linears_under_zero1_track_the_torch_engine(fp8adam_runs):
     """FP8 linears + Fp8AdamW under ZeRO-1 (2 ranks) against the same run on the torch engine (1 process, the
-    same 8 samples per step), within the run's own noise (tests/run_noise.py): the control is the torch run with
+    same 8 samples per step), within the run's own noise (tests/support/run_noise.py): the control is the torch run with
     micro-batches of 1. The correct DeepSpeed run differs only where summation order flips a rounding (FP8 GEMM
     inputs, Fp8AdamW moments of its partitions), which in FP8 moves a value by a whole FP8 step: as much as the
     control's reordering does, and of the order of the FP8 linears' whole effect in this short run (measured

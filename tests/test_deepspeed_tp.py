@@ -6,7 +6,7 @@ The reference is TP = 2 on the torch engine (TorchEngine: DDP-free at DP = 1, ou
 reduction). DeepSpeed adds the same fp32 numbers in other orders (its ZeRO norm and clipping code, the sequence-
 parallel gradients summed per micro-batch in backward hooks instead of once per step, the data-parallel
 reduction at DP = 2, the pipeline's stage boundaries), so the runs differ by rounding that the steps amplify,
-bounded by the reference's own noise (tests/run_noise.py): a control run of the same math in another order.
+bounded by the reference's own noise (tests/support/run_noise.py): a control run of the same math in another order.
 What this catches is orders of magnitude larger: a replicated norm counted twice in the gradient norm (clipping is
 active), sequence-parallel gradients left partial, ZeRO partitioning over the TP ranks, DeepSpeed's pipeline
 splitting sequence-parallel activations over TP ranks that hold different tokens.
@@ -31,8 +31,8 @@ from megatron.checkpoint_conversion.checkpoint_io import (model_config_from_dict
 from megatron.parallel.layout import shard_state_dict
 from megatron.parallel_state import RankLayout
 from megatron.training.deepspeed_config import DeepSpeedConfigError, build_deepspeed_config
-from tests.conftest import REPO, load_tool, tiny_argv
-from tests.run_noise import assert_losses_within_noise, assert_weights_within_noise, printed_unit
+from tests.support.config import REPO, load_tool, tiny_argv
+from tests.support.run_noise import assert_losses_within_noise, assert_weights_within_noise, printed_unit
 from tests.test_deepspeed import free_port, losses
 from tests.test_evaluate import VOCAB, data_argv, write_indexed
 

@@ -99,7 +99,7 @@ import sys  # noqa: E402
 import torch  # noqa: E402
 
 from megatron.training import checkpointing as ckpt  # noqa: E402
-from tests.conftest import REPO, tiny_argv  # noqa: E402
+from tests.support.config import REPO, tiny_argv  # noqa: E402
 
 RUN = dict(log_interval=1, eval_iters=0, lr_warmup_iters=0)
 

@@ -11,7 +11,6 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import load_tool, tiny_argv
 from megatron.arguments import parse_config
 from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder
 from megatron.evaluation.lm_eval_adapter import LM_EVAL_AVAILABLE, MegatronLM
@@ -21,6 +20,7 @@ from megatron.evaluation.scoring import (
 )
 from megatron.tokenizer import NullTokenizer
 from megatron.training.loop import pretrain
+from tests.support.config import load_tool, tiny_argv
 
 VOCAB = 127  # NullTokenizer ids 0..126 plus eod 127: 128 ids, no padding
 

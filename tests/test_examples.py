@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.support.config import REPO
 
 
 def _run(script, *extra):

@@ -169,7 +169,7 @@ def test_counter_noise_is_uniform_and_keyed():
 def test_training_compiles_by_default_and_the_flag_turns_it_off():
     from megatron.arguments import parse_config
     from megatron.optimizer import build_optimizer
-    from tests.conftest import tiny_argv
+    from tests.support.config import tiny_argv
 
     model = _model()
     on = build_optimizer(model, parse_config(tiny_argv("--fp8-optimizer")).optimizer)

@@ -1,5 +1,5 @@
 """Both FP8 hardware backends trained end to end on the CPU: `scaled_mm` (torch._scaled_mm, which runs on the
-CPU) and `hpu` (HpuBackend over stand-ins of Gaudi's ops, tests/fake_hpu.py). Each tracks the emulated backend.
+CPU) and `hpu` (HpuBackend over stand-ins of Gaudi's ops, tests/support/fake_hpu.py). Each tracks the emulated backend.
 
 The bound comes from the run itself: a backend that computes the same FP8 GEMMs may differ from the emulated
 one by rounding (accumulation order; Gaudi2's E4M3 max of 240 moves every E4M3 scale), which is FP8 noise of
@@ -22,9 +22,9 @@ from megatron.arguments import parse_config
 from megatron.fp8.backends import HpuBackend
 from megatron.fp8.recipe import Fp8Backend
 from megatron.training.loop import pretrain
-from tests.conftest import tiny_argv
+from tests.support.config import tiny_argv
 
-import fake_hpu
+from tests.support import fake_hpu
 
 ITERS = 8
 TRACKING = 5  # allowed mean |loss - emulated| in units of the run's mean |FP8 - BF16| (see above)

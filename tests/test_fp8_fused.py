@@ -18,7 +18,7 @@ from megatron.fp8.formats import Fp8Dtype, format_spec
 from megatron.fp8.quantize import Tile, compute_scale, quantize, quantize_tiles
 from megatron.training.fp8_hooks import Fp8Hooks
 from megatron.training.loop import pretrain
-from tests.conftest import tiny_argv
+from tests.support.config import tiny_argv
 
 E4M3, E5M2 = format_spec(Fp8Dtype.E4M3), format_spec(Fp8Dtype.E5M2)
 

@@ -16,7 +16,7 @@ from megatron.arguments import parse_config
 from megatron.fp8 import Fp8Linear, Fp8Recipe, fp8_optimizer_step
 from megatron.fp8.scaling import Fp8Role
 from megatron.training.loop import Trainer
-from tests.conftest import tiny_argv
+from tests.support.config import tiny_argv
 
 RECIPES = [Fp8Recipe(scaling="delayed"), Fp8Recipe(scaling="tensorwise")]
 

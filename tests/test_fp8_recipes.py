@@ -27,8 +27,9 @@ from megatron.fp8.formats import format_spec
 from megatron.fp8.quantize import Tile, compute_scale, dequantize_tiles, from_e8m0, quantize_tiles, to_e8m0
 from megatron.fp8.stats import sqnr_db
 from megatron.training.loop import pretrain
-from tests.conftest import assert_resume_is_exact, tiny_argv
-from tests.run_noise import NOISE_FACTOR
+from tests.support.config import tiny_argv
+from tests.support.training import assert_resume_is_exact
+from tests.support.run_noise import NOISE_FACTOR
 from tests.test_tensor_parallel import _errors, _free_port, _train_side_by_side
 
 FINE = ("rowwise", "blockwise", "mxfp8")
@@ -360,7 +361,7 @@ def _tp_worker(rank: int, port: int, out_dir: str) -> None:
 def test_tp2_tracks_tp1_per_recipe(tmp_path):
     """TP=2 against TP=1 (same weights and batches, 3 steps) within the recipe's own FP8-vs-FP32 difference:
     final weights and logits strictly, per-step losses within NOISE_FACTOR of it (two roundings of the same
-    kind, which one is larger is chance: tests/run_noise.py). Blockwise and MXFP8 tiles fall on the same
+    kind, which one is larger is chance: tests/support/run_noise.py). Blockwise and MXFP8 tiles fall on the same
     elements at TP=2 (validated sizes), so TP changes only fp32 summation orders, which move FP8 roundings
     where a value sits at a rounding boundary (and, with fp32 scales, a tile's scale by an ulp); rowwise scales
     of the row-parallel GEMMs cover the local half of K (no collective), a real but smaller change than FP8."""

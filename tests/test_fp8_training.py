@@ -6,7 +6,8 @@ from torch import nn
 from megatron.arguments import parse_config
 from megatron.fp8 import Fp8Linear
 from megatron.training.loop import pretrain
-from tests.conftest import assert_resume_is_exact, tiny_argv
+from tests.support.config import tiny_argv
+from tests.support.training import assert_resume_is_exact
 
 FP8 = ("--fp8-format", "hybrid", "--fp8-amax-history-len", "4", "--fp8-amax-compute-algo", "max")
 

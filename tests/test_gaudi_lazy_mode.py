@@ -11,7 +11,7 @@ import pytest
 from megatron.accelerator import Accelerator
 from megatron.arguments import parse_config
 from megatron.training.loop import Trainer
-from tests.conftest import tiny_argv
+from tests.support.config import tiny_argv
 
 
 def _fake_htcore(monkeypatch) -> list[str]:

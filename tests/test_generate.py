@@ -6,11 +6,11 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import load_tool, tiny_argv
 from megatron.arguments import parse_config
 from megatron.data.mock import MockGPTDataset
 from megatron.evaluation.generation import SamplingConfig, filter_logits, generate
 from megatron.training.loop import pretrain
+from tests.support.config import load_tool, tiny_argv
 
 NULL_TOKENIZER = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "127"]  # 128 ids = the mock vocabulary
 

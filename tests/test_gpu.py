@@ -41,7 +41,7 @@ def test_scaled_mm_backend_matches_emulation_on_gpu():
 def test_tiny_fp8_gpt_trains_on_gpu():
     from megatron.arguments import parse_config
     from megatron.training.loop import pretrain
-    from tests.conftest import tiny_argv
+    from tests.support.config import tiny_argv
 
     result = pretrain(parse_config(tiny_argv("--bf16", "--fp8-format", "hybrid", "--device", "cuda",
                                              "--fp8-backend", "scaled_mm", train_iters=30, eval_iters=0)))

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO, load_tool  # noqa: F401  (REPO on sys.path)
+from tests.support.config import REPO
 
 sys.path.insert(0, str(REPO / "scripts"))
 import gpu_check  # noqa: E402

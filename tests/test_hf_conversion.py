@@ -7,7 +7,6 @@ import json
 import pytest
 import torch
 
-from conftest import tiny_argv
 from megatron.arguments import parse_config
 from megatron.checkpoint_conversion import (
     NotLlamaCompatibleError, check_llama_compatible, export_to_hf, fold_smooth_swiglu_scales, import_from_hf,
@@ -16,6 +15,7 @@ from megatron.checkpoint_conversion import (
 from megatron.config import Normalization, PositionEmbedding, SmoothSwiGLUGranularity
 from megatron.model import GPTModel
 from megatron.training.checkpointing import save_checkpoint
+from tests.support.config import tiny_argv
 
 transformers = pytest.importorskip("transformers")
 

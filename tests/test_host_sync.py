@@ -12,9 +12,9 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, tiny_argv
 from megatron.arguments import parse_config
 from megatron.training.loop import pretrain
+from tests.support.config import REPO, tiny_argv
 
 READS = ("item", "__bool__", "__float__", "__int__", "__index__", "tolist", "cpu", "numpy")
 PACKAGE = str(REPO / "megatron") + "/"

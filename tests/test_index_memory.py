@@ -7,10 +7,10 @@ import os
 import numpy as np
 import pytest
 
-import index_reference as reference
-from conftest import REPO
 from megatron.data import blended_dataset, gpt_index
 from megatron.data.gpt_index import build_gpt_indices, document_dtype, index_dtype, sample_dtype
+from tests.support import index_reference as reference
+from tests.support.config import REPO
 
 BUDGET_PER_TOKEN = 16e9 / 2e12  # the bound: 16 GB at 2T tokens, i.e. 3.2 GB at 400B
 
@@ -112,11 +112,11 @@ def _coordination_worker(rank: int, store: str, prefix: str, root: str) -> None:
 
     import torch.distributed as dist
 
-    from conftest import tiny_argv
     from megatron.arguments import parse_config
     from megatron.data import gpt_dataset, token_range
     from megatron.parallel_state import ParallelState
     from megatron.training.datasets import build_datasets
+    from tests.support.config import tiny_argv
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     parallel = ParallelState(world_size=2, rank=rank, data_parallel_size=2, data_parallel_rank=rank,

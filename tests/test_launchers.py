@@ -13,8 +13,8 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO, tiny_argv
-from tests.launch import BASE
+from tests.support.config import REPO, tiny_argv
+from tests.support.launch import BASE
 
 pytest.importorskip("deepspeed")
 

@@ -14,7 +14,7 @@ from megatron.optimizer.main_params import MainParams
 from megatron.training import checkpointing as ckpt
 from megatron.training.flops import memory_estimate_bytes
 from megatron.training.loop import pretrain
-from tests.conftest import tiny_argv
+from tests.support.config import tiny_argv
 
 # Fp8AdamW eager here: the compiled kernel is tested in test_fp8_adam_compiled.py, and compiling costs seconds.
 FP8 = ("--bf16", "--fp8-format", "hybrid", "--optimizer", "fp8adam", "--fp8-optimizer-block-size", "128",

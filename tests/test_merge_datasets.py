@@ -10,13 +10,13 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from conftest import REPO
 from megatron.config import DataConfig
 from megatron.data import indexed_dataset, merge
 from megatron.data.errors import DataError
 from megatron.data.indexed_dataset import MMapIndexedDataset, MMapIndexedDatasetBuilder
 from megatron.data.merge import merge_datasets
 from megatron.data.preprocess import preprocess
+from tests.support.config import REPO
 
 NULL = DataConfig(tokenizer_type="NullTokenizer", vocab_size=1000)
 PARTS = [

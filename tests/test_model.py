@@ -5,7 +5,7 @@ import torch
 from megatron.arguments import parse_config
 from megatron.data.provider import get_ltor_masks_and_position_ids
 from megatron.model import GPTModel
-from tests.conftest import tiny_argv
+from tests.support.config import tiny_argv
 
 
 def _model(*switches, **overrides):

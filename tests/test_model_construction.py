@@ -33,7 +33,7 @@ from megatron.model.init import InitKind, Piece, fill_initial_values_, init_rule
 from megatron.model.transformer import output_layer_std
 from megatron.parallel.layout import TP_SHARD_DIM, ShardSpec, shard_indices, shard_spec, shard_tensor
 from megatron.parallel_state import ParallelState
-from tests.conftest import REPO, tiny_argv
+from tests.support.config import REPO, tiny_argv
 
 SEED = 1234
 

@@ -8,7 +8,8 @@ from megatron.model import GPTModel
 from megatron.optimizer import build_optimizer
 from megatron.optimizer.fp8_adam import Fp8AdamW
 from megatron.training.loop import pretrain
-from tests.conftest import assert_resume_is_exact, tiny_argv
+from tests.support.config import tiny_argv
+from tests.support.training import assert_resume_is_exact
 
 
 def test_no_weight_decay_on_norms_and_biases():

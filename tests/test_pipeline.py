@@ -3,7 +3,7 @@
 PP=1 is the same DeepSpeed ZeRO-1 (or ZeRO-0) run in one process (4 micro-batches of 2 per step, as the pipeline's).
 Without dropout the two compute the same math, but not in the same order: the gradient norm (clipping) is
 summed per stage and then over stages, and a stage boundary can change how a kernel blocks its sums. So the
-runs differ by rounding that the steps amplify, bounded by the noise of the run itself (tests/run_noise.py):
+runs differ by rounding that the steps amplify, bounded by the noise of the run itself (tests/support/run_noise.py):
 the control is PP=1 on two data-parallel ranks, the same micro-batches (hence the same FP8 amaxes and
 Smooth-SwiGLU scales) with the gradients summed in yet another order. With BF16 autocast and Fp8AdamW the
 ZeRO-1 partition, hence Fp8AdamW's per-partition moment scale, is per stage under PP and per rank in the
@@ -14,8 +14,8 @@ import re
 import pytest
 
 from megatron.arguments import parse_config
-from tests.conftest import tiny_argv
-from tests.run_noise import assert_losses_within_noise
+from tests.support.config import tiny_argv
+from tests.support.run_noise import assert_losses_within_noise
 from tests.test_deepspeed import losses, run
 
 pytest.importorskip("deepspeed")

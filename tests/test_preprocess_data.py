@@ -14,8 +14,8 @@ from megatron.config import DataConfig
 from megatron.data.indexed_dataset import MMapIndexedDataset
 from megatron.data.preprocess import preprocess
 from megatron.tokenizer import NullTokenizer
+from tests.support.config import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NULL = DataConfig(tokenizer_type="NullTokenizer", vocab_size=1000)
 
 

@@ -11,7 +11,7 @@ Two kinds of checks:
   state, LR schedule and data position bit for bit; Fp8AdamW's FP8 moments within one rounding of their format
   under the new pieces' scales (`requantization_bound`, derived from the format, not fitted).
 - Loss: the next step at the new layout computes the loss of a same-layout resume within the runs' own noise (a
-  control resumes at the same layout with half the micro-batch size, tests/run_noise.py). A same-layout resume
+  control resumes at the same layout with half the micro-batch size, tests/support/run_noise.py). A same-layout resume
   repeats the uninterrupted run bit for bit (tests/test_tensor_parallel.py, test_deepspeed.py, test_pipeline.py
   assert it per engine), so the reference is the source run's own third step: each source trains 3 iterations,
   saving at 2, and is then pointed back at iteration 2 (the learning rate decays over 3 iterations in every run,
@@ -30,8 +30,8 @@ import torch
 from megatron.checkpoint_conversion.full_state import read_full_state
 from megatron.optimizer.fp8_state_quant import moment_format
 from megatron.training import checkpointing as ckpt
-from tests.conftest import REPO, tiny_argv
-from tests.run_noise import assert_losses_within_noise
+from tests.support.config import REPO, tiny_argv
+from tests.support.run_noise import assert_losses_within_noise
 
 pytest.importorskip("deepspeed")
 

@@ -23,7 +23,7 @@ import torch
 
 from megatron.checkpoint_conversion.full_state import read_full_state
 from megatron.training import checkpointing as ckpt
-from tests.run_noise import assert_losses_within_noise
+from tests.support.run_noise import assert_losses_within_noise
 from tests.test_reshard import V256, Z1, assert_same_state, losses, run
 
 pytest.importorskip("deepspeed")

@@ -10,7 +10,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from conftest import assert_resume_is_exact, load_tool, tiny_argv
 from megatron.arguments import parse_config
 from megatron.config import ModelConfig, SmoothSwiGLUGranularity as G
 from megatron.fp8 import Fp8Linear, Fp8Recipe, Fp8Scaling
@@ -22,6 +21,8 @@ from megatron.model.swiglu_outliers import (CHANNEL, PARTS, PLAIN, TOKEN, Outlie
                                             sudden_outlier_sqnr)
 from megatron.model.transformer import MLP
 from megatron.training.loop import pretrain
+from tests.support.config import load_tool, tiny_argv
+from tests.support.training import assert_resume_is_exact
 
 BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, ffn_hidden_size=128,
             seq_length=32, max_position_embeddings=32, padded_vocab_size=128, kv_channels=16)

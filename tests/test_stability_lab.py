@@ -17,9 +17,8 @@ import torch
 
 from megatron.stability import presets
 from megatron.stability.inject import channel_cosines
-from tests.conftest import load_tool
+from tests.support.config import REPO, load_tool
 
-REPO = Path(__file__).resolve().parents[1]
 stability_lab = load_tool("stability_lab")
 VOCAB = 4096  # the demo tokenizer's size (tools/prepare_demo_data.py)
 

@@ -12,7 +12,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import load_tool, tiny_argv
 from megatron.arguments import parse_config
 from megatron.config import ModelConfig
 from megatron.model import GPTModel
@@ -21,6 +20,7 @@ from megatron.model.swiglu_diagnostics import (ActivationRecorder, JumpDetector,
 from megatron.training.checkpointing import CheckpointError, model_file
 from megatron.training.loop import pretrain
 from megatron.training.swiglu_hooks import STATE_KEY, SwiGLUHooks
+from tests.support.config import load_tool, tiny_argv
 
 CFG = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, ffn_hidden_size=128,
                   seq_length=32, max_position_embeddings=32, padded_vocab_size=128, kv_channels=16)

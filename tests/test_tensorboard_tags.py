@@ -6,7 +6,7 @@ import pytest
 
 from megatron.arguments import parse_config
 from megatron.training.loop import pretrain
-from tests.conftest import tiny_argv
+from tests.support.config import tiny_argv
 
 GBS, SEQ = 8, 32  # tiny_argv's global batch and sequence length
 

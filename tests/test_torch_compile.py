@@ -19,8 +19,8 @@ from megatron.arguments import parse_config
 from megatron.model.compile import (FUSED_MIN_ITERS, check_torch_compile_supported, plan_torch_compile,
                                     resolve_torch_compile)
 from megatron.training.loop import pretrain
-from tests.conftest import REPO, tiny_argv
-from tests.run_noise import assert_losses_within_noise
+from tests.support.config import REPO, tiny_argv
+from tests.support.run_noise import assert_losses_within_noise
 
 # fp32 (no --bf16): compiled kernels reorder fp32 arithmetic, which is the kind of difference the control run
 # (another micro-batch split) measures. One layer keeps the compilation short.

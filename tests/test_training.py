@@ -10,8 +10,8 @@ import torch
 from megatron.arguments import parse_config
 from megatron.optimizer.lr_scheduler import lr_at
 from megatron.training.loop import Trainer, TrainingDiverged, pretrain
-from tests.conftest import REPO, tiny_argv
-from tests.run_noise import assert_weights_within_noise
+from tests.support.config import REPO, tiny_argv
+from tests.support.run_noise import assert_weights_within_noise
 
 
 def test_tiny_run_loss_drops_clearly():
@@ -28,7 +28,7 @@ def test_tiny_run_loss_drops_clearly():
 @pytest.mark.isa_sensitive
 def test_gradient_accumulation_equivalence():
     """8 micro-batches of 1 and 1 micro-batch of 8 give the same update (fp32), to within the noise of the run:
-    4 micro-batches of 2, the same math in a third summation order, is the control (tests/run_noise.py)."""
+    4 micro-batches of 2, the same math in a third summation order, is the control (tests/support/run_noise.py)."""
     weights = []
     for mbs in (1, 8, 2):
         result = pretrain(parse_config(tiny_argv(micro_batch_size=mbs, global_batch_size=8, train_iters=2,

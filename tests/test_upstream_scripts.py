@@ -1,4 +1,4 @@
-"""Issue 18: Megatron-DeepSpeed users' launch commands run unedited (tests/upstream_commands.py holds them).
+"""Issue 18: Megatron-DeepSpeed users' launch commands run unedited (tests/support/upstream_commands.py holds them).
 
 Each upstream command, with its real sizes and only its paths replaced (a tiny SentencePiece model stands in
 for Llama's tokenizer, tmp folders for data and checkpoints), goes through `pretrain_gpt.py --dry-run`
@@ -18,8 +18,8 @@ from megatron.arguments import parse_config
 from megatron.config import RecomputeGranularity, SmoothSwiGLUGranularity
 from megatron.fp8.recipe import Fp8Format
 from megatron.tokenizer.train import train_sentencepiece
-from tests.conftest import tiny_argv
-from tests.upstream_commands import REFERENCE_FP8_ENV, habana_llama2, microsoft_llama2, reference_fp8
+from tests.support.config import tiny_argv
+from tests.support.upstream_commands import REFERENCE_FP8_ENV, habana_llama2, microsoft_llama2, reference_fp8
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex an old sphinx".split()
 
@@ -268,7 +268,7 @@ def test_pipeline_full_recompute_is_recompute(pp2_fp32_log):
     stage's transformer layers; recomputing is exact (same ops again, no dropout), so the losses are equal.
     Without recompute: tests/conftest.py's `pp2_fp32_log` (ZeRO 0, clipping at 0.05), shared with test_pipeline."""
     pytest.importorskip("deepspeed")
-    from tests.launch import run
+    from tests.support.launch import run
     from tests.test_pipeline import values
 
     switches = ["--deepspeed", "--zero-stage", "0", "--pipeline-model-parallel-size", "2"]

@@ -13,7 +13,7 @@ partitioned and gathered: tests/test_zero3_fp8.py says why).
 
 Why a noise bound against ZeRO-1 and not bitwise: ZeRO-3 reduces every micro-batch's gradient and accumulates the
 pieces, ZeRO-1 accumulates and then reduces; Fp8AdamW's blocks of 128 lie on differently cut flat partitions.
-The control (tests/run_noise.py) is ZeRO-2 with the same layout: the same initial masters and the same math in a
+The control (tests/support/run_noise.py) is ZeRO-2 with the same layout: the same initial masters and the same math in a
 third order (its gradients are reduced and partitioned as backward produces them).
 """
 from __future__ import annotations
@@ -31,9 +31,10 @@ from megatron.checkpoint_conversion.checkpoint_io import read_checkpoint, resolv
 from megatron.checkpoint_conversion.layouts import load_file
 from megatron.training import checkpointing as ckpt
 from megatron.training.deepspeed_config import build_deepspeed_config
-from tests.conftest import tiny_argv
-from tests.launch import BASE, losses, run
-from tests.run_noise import assert_losses_within_noise, assert_weights_within_noise
+from tests.support.config import tiny_argv
+from tests.support.launch import BASE, run
+from tests.support.logs import losses
+from tests.support.run_noise import assert_losses_within_noise, assert_weights_within_noise
 
 pytest.importorskip("deepspeed")
 

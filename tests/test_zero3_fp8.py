@@ -11,7 +11,7 @@ Why the comparison with ZeRO-1 is a noise bound and not bitwise: the FP8 GEMMs s
 micro-batches and then reduces: the same fp32 sums in another order; (2) Fp8AdamW's scale blocks of 128 elements
 lie on each rank's flat partition, which ZeRO-1 cuts from the concatenated group and ZeRO-3 concatenates from
 each tensor's half, so blocks straddle other tensors and the rounding (and the stochastic-rounding draws) of
-the FP8 moments differ. The control (tests/run_noise.py) is the same math in a third order of both kinds: the
+the FP8 moments differ. The control (tests/support/run_noise.py) is the same math in a third order of both kinds: the
 torch engine in one process (4 micro-batches accumulated, per-tensor scale blocks), against ZeRO-1.
 """
 from __future__ import annotations
@@ -29,9 +29,10 @@ from megatron.checkpoint_conversion.checkpoint_io import read_checkpoint, resolv
 from megatron.checkpoint_conversion.layouts import load_file
 from megatron.training import checkpointing as ckpt
 from megatron.training.deepspeed_config import DeepSpeedConfigError, build_deepspeed_config
-from tests.conftest import tiny_argv
-from tests.launch import BASE, losses, run
-from tests.run_noise import assert_losses_within_noise, assert_weights_within_noise
+from tests.support.config import tiny_argv
+from tests.support.launch import BASE, run
+from tests.support.logs import losses
+from tests.support.run_noise import assert_losses_within_noise, assert_weights_within_noise
 
 pytest.importorskip("deepspeed")
 
