@@ -19,7 +19,7 @@ from megatron.checkpoint_conversion import export_to_hf, load_gpt_checkpoint
 from megatron.checkpoint_conversion.checkpoint_io import read_checkpoint, resolve_checkpoint_dir
 from megatron.checkpoint_conversion.layouts import detect_layout
 from tests.support.config import REPO, load_tool, tiny_argv
-from tests.test_deepspeed import free_port
+from tests.support.launch import free_port, pretrain_command, run_checked
 from tests.test_evaluate import VOCAB, write_indexed
 
 pytest.importorskip("deepspeed")
@@ -40,11 +40,7 @@ LAYOUTS = {  # name: (processes, switches)
 
 def _train(nproc: int, switches: tuple, save) -> None:
     argv = tiny_argv(*switches, save=save, **FROZEN)
-    cmd = [sys.executable, "pretrain_gpt.py", *argv] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-        str(free_port()), "pretrain_gpt.py", *argv]
-    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
+    run_checked(pretrain_command(nproc, argv), stdout_tail=0, stderr_tail=3000)
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ from megatron.arguments import parse_config
 from megatron.training import checkpointing as ckpt
 from megatron.training.loop import pretrain
 from tests.support.config import REPO, tiny_argv
+from tests.support.launch import pretrain_cli as _pretrain_cli
 
 
 def _save(root, iteration, value, **kw):
@@ -190,11 +191,6 @@ def test_disk_full_names_enospc_and_the_folder_and_keeps_the_previous_checkpoint
         _save(tmp_path, 4, 2.0)
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp")] == []  # no partial folder left
     assert ckpt.load_checkpoint_files(tmp_path)["path"].name == "iter_0000002"
-
-
-def _pretrain_cli(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "pretrain_gpt.py", *argv], cwd=REPO, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, **(env or {})})
 
 
 def test_user_errors_print_one_line_without_a_traceback(tmp_path):

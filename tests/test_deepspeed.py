@@ -16,7 +16,7 @@ from megatron.training import checkpointing as ckpt
 from megatron.training.deepspeed_config import DeepSpeedConfigError, build_deepspeed_config
 from megatron.training.deepspeed_engine import _deepspeed_safe_globals
 from tests.support.config import tiny_argv
-from tests.support.launch import BASE, free_port, run  # noqa: F401  (free_port: imported from here by other modules)
+from tests.support.launch import BASE, run
 from tests.support.logs import losses
 from tests.support.run_noise import assert_losses_within_noise, assert_weights_within_noise
 

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -31,10 +29,11 @@ from megatron.checkpoint_conversion.checkpoint_io import (model_config_from_dict
 from megatron.parallel.layout import shard_state_dict
 from megatron.parallel_state import RankLayout
 from megatron.training.deepspeed_config import DeepSpeedConfigError, build_deepspeed_config
-from tests.support.config import REPO, load_tool, tiny_argv
+from tests.support.config import load_tool, tiny_argv
+from tests.support.launch import pretrain_command, run_checked
+from tests.support.logs import values
 from tests.support.run_noise import assert_losses_within_noise, assert_weights_within_noise, printed_unit
-from tests.test_deepspeed import free_port, losses
-from tests.test_evaluate import VOCAB, data_argv, write_indexed
+from tests.test_evaluate import data_argv, write_indexed
 
 pytest.importorskip("deepspeed")
 
@@ -67,17 +66,8 @@ class Runs:
     def __call__(self, name: str, nproc: int, *switches: str, **overrides):
         save = self.root / name
         argv = data_argv(*self.data, **{**BASE, "save": str(save), **overrides}) + list(switches)
-        cmd = [sys.executable, "pretrain_gpt.py", *argv] if nproc == 1 else [
-            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-            "--master_port", str(free_port()), "pretrain_gpt.py", *argv]
-        out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+        out = run_checked(pretrain_command(nproc, argv))
         return values(out.stderr), save, out.stderr
-
-
-def values(log: str) -> list[float]:
-    """Training losses, then validation losses, in log order."""
-    return losses(log) + [float(v) for v in re.findall(r"lm loss value: (\S+) \|", log)]
 
 
 def merged_weights(save) -> dict:

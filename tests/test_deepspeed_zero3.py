@@ -11,20 +11,18 @@ model whole, and nothing would be partitioned or gathered.
 """
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from tests.test_deepspeed import losses, run
+from tests.support.config import write_zero3_config
+from tests.support.launch import run
+from tests.support.logs import losses
 
 pytest.importorskip("deepspeed")
 
 
 @pytest.fixture(scope="module")
 def zero3_args(tmp_path_factory) -> tuple[str, ...]:
-    path = tmp_path_factory.mktemp("z3json") / "zero3.json"
-    path.write_text(json.dumps({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}))
-    return ("--deepspeed", "--deepspeed_config", str(path), "--bf16")
+    return ("--deepspeed", "--deepspeed_config", write_zero3_config(tmp_path_factory.mktemp("z3json")), "--bf16")
 
 
 @pytest.fixture(scope="module")

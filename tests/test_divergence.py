@@ -94,19 +94,18 @@ def test_config_validates_itself(field, value, flag):
 
 # ------------------------------------------------------------------------------------------ end to end
 import subprocess  # noqa: E402
-import sys  # noqa: E402
 
 import torch  # noqa: E402
 
 from megatron.training import checkpointing as ckpt  # noqa: E402
-from tests.support.config import REPO, tiny_argv  # noqa: E402
+from tests.support.config import tiny_argv  # noqa: E402
+from tests.support.launch import pretrain_cli  # noqa: E402
 
 RUN = dict(log_interval=1, eval_iters=0, lr_warmup_iters=0)
 
 
 def _cli(*switches: str, **overrides) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "pretrain_gpt.py", *tiny_argv(*switches, **{**RUN, **overrides})], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+    return pretrain_cli(*tiny_argv(*switches, **{**RUN, **overrides}))
 
 
 def test_an_exploding_run_stops_with_code_3_before_saving_and_names_the_healthy_checkpoint(tmp_path):

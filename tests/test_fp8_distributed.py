@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import torch
 import torch.distributed as dist
@@ -10,14 +9,10 @@ import torch.multiprocessing as mp
 
 from megatron.fp8 import Fp8Linear, Fp8Recipe, convert_to_fp8, fp8_optimizer_step
 from test_fp8_helpers import TinyGPT
+from tests.support.launch import free_port
+from tests.support.processes import init_gloo
 
 WORLD = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _amaxes(model: torch.nn.Module) -> torch.Tensor:
@@ -25,7 +20,7 @@ def _amaxes(model: torch.nn.Module) -> torch.Tensor:
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    init_gloo(rank, port, WORLD)
     try:
         torch.manual_seed(0)  # same weights on both ranks (data parallel)
         model = TinyGPT()
@@ -57,7 +52,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 
 def test_one_batched_all_reduce_gives_every_rank_the_max(tmp_path: os.PathLike) -> None:
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
     r0, r1 = (torch.load(os.path.join(tmp_path, f"rank{r}.pt")) for r in range(WORLD))
     assert r0["calls"] == [(8, 3)] and r1["calls"] == [(8, 3)]  # ONE all-reduce of [n_modules, 3 roles]
     assert not torch.equal(r0["local"], r1["local"])  # the ranks really saw different amaxes

@@ -29,8 +29,10 @@ from megatron.fp8.stats import sqnr_db
 from megatron.training.loop import pretrain
 from tests.support.config import tiny_argv
 from tests.support.training import assert_resume_is_exact
+from tests.support.launch import free_port
+from tests.support.processes import init_gloo
 from tests.support.run_noise import NOISE_FACTOR
-from tests.test_tensor_parallel import _errors, _free_port, _train_side_by_side
+from tests.support.tensor_parallel import errors, train_side_by_side
 
 FINE = ("rowwise", "blockwise", "mxfp8")
 E4M3, E5M2 = format_spec("e4m3"), format_spec("e5m2")
@@ -341,9 +343,9 @@ def _tp_case(parallel, scaling: str) -> dict:
     tp = parallelize_tensor(copy.deepcopy(base), parallel, False)
     convert_to_fp8(base, cfg.fp8, amax_group=parallel.data_parallel_group)
     convert_to_fp8(tp, cfg.fp8, amax_group=parallel.amax_group)
-    traces = _train_side_by_side(parallel, cfg, {"ref": base, "tp": tp, "exact": exact}, {"tp"},
-                                 {"ref": False, "tp": False, "exact": False}, steps=3)
-    return {"tp": _errors(traces["tp"], traces["ref"]), "fp8": _errors(traces["ref"], traces["exact"])}
+    traces = train_side_by_side(parallel, cfg, {"ref": base, "tp": tp, "exact": exact}, {"tp"},
+                                {"ref": False, "tp": False, "exact": False}, steps=3)
+    return {"tp": errors(traces["tp"], traces["ref"]), "fp8": errors(traces["ref"], traces["exact"])}
 
 
 def _tp_worker(rank: int, port: int, out_dir: str) -> None:
@@ -351,7 +353,7 @@ def _tp_worker(rank: int, port: int, out_dir: str) -> None:
     from megatron.parallel_state import initialize_parallel_state
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    init_gloo(rank, port, 2)
     parallel = initialize_parallel_state(ParallelConfig(tensor_model_parallel_size=2), get_accelerator("cpu"))
     results = {scaling: _tp_case(parallel, scaling) for scaling in FINE}
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -365,7 +367,7 @@ def test_tp2_tracks_tp1_per_recipe(tmp_path):
     elements at TP=2 (validated sizes), so TP changes only fp32 summation orders, which move FP8 roundings
     where a value sits at a rounding boundary (and, with fp32 scales, a tile's scale by an ulp); rowwise scales
     of the row-parallel GEMMs cover the local half of K (no collective), a real but smaller change than FP8."""
-    mp.spawn(_tp_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_tp_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
         results = torch.load(tmp_path / f"rank{rank}.pt")
         assert results.keys() == set(FINE)

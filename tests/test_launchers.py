@@ -5,16 +5,14 @@ launcher counts one CPU "accelerator" per NUMA node, so `--num_gpus 2` (alias `-
 or a hostfile's `slots=2` sets the number of processes; it passes `--local_rank=N`, which our
 parser accepts when it agrees with LOCAL_RANK.
 """
-import re
-import socket
 from pathlib import Path
 import subprocess
-import sys
 
 import pytest
 
 from tests.support.config import REPO, tiny_argv
-from tests.support.launch import BASE
+from tests.support.launch import BASE, deepspeed_command, free_port, run_checked
+from tests.support.logs import printed_losses
 
 pytest.importorskip("deepspeed")
 
@@ -22,21 +20,14 @@ pytest.importorskip("deepspeed")
 ARGV = tiny_argv("--deepspeed", "--zero-stage", "1", **BASE)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _printed_losses(log: str) -> list[str]:
-    found = re.findall(r"\| lm loss: (\S+) \|", log)
+    found = printed_losses(log)
     assert len(found) == BASE["train_iters"], log[-2000:]
     return found
 
 
 def _losses(cmd: list[str]) -> list[str]:
-    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    out = run_checked(cmd, stdout_tail=3000, stderr_tail=3000)
     # Logged lines reach stderr with torchrun and stdout with the deepspeed launcher (it pipes both).
     return _printed_losses(out.stdout + out.stderr)
 
@@ -58,8 +49,8 @@ def test_deepspeed_launcher_equals_torchrun(torchrun_losses):
     /dev/shm segments DeepSpeed never unlinks; ours are unlinked once mapped (megatron/training/deepspeed_shm.py),
     so the run leaves none behind."""
     port = free_port()
-    out = subprocess.run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
-                          str(port), "pretrain_gpt.py", *ARGV], cwd=REPO, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(deepspeed_command(["--num_gpus", "2"], "pretrain_gpt.py", *ARGV, port=port), cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert _printed_losses(out.stdout + out.stderr) == torchrun_losses  # the printed values, digit for digit
     assert "shared-memory all-reduce segments unlinked" in out.stdout + out.stderr
@@ -71,7 +62,6 @@ def test_deepspeed_launcher_with_a_hostfile_equals_torchrun(torchrun_losses, tmp
     # command on every node with its own --node_rank, or drop --no_ssh and let the launcher use ssh).
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=2\n")
-    launched = _losses([sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile), "--no_ssh",
-                        "--node_rank", "0", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-                        "pretrain_gpt.py", *ARGV])
+    launched = _losses(deepspeed_command(["--hostfile", str(hostfile), "--no_ssh", "--node_rank", "0", "--master_addr",
+                                          "127.0.0.1"], "pretrain_gpt.py", *ARGV))
     assert launched == torchrun_losses

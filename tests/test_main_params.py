@@ -142,7 +142,8 @@ def test_deepspeed_zero1_bf16_params_resume_exactly_and_checkpoints_hold_fp32_ma
     """2 gloo processes, ZeRO-1 (DeepSpeed's BF16_Optimizer around Fp8AdamW): the module states are BF16, the
     layout-free reader returns the FP32 masters of the partitions, and resuming continues bit for bit."""
     from megatron.checkpoint_conversion.full_state import read_full_state
-    from tests.test_deepspeed import losses, run
+    from tests.support.launch import run
+    from tests.support.logs import losses
 
     flags = ("--deepspeed", "--zero-stage", "1", *FP8, *MAIN)
     straight = losses(run(2, *flags, train_iters=8, eval_iters=0))

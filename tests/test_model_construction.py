@@ -3,27 +3,21 @@
 - Per-tensor initialization (megatron/model/init.py): a TP shard or a pipeline stage built on meta and then
   materialized equals, bitwise, the slice or the layers of the TP=1/PP=1 model; the distributions are
   Megatron's; the RoPE buffers are those of a CPU-built model.
-- Memory: a ~1B-parameter Llama built at TP=2 and at PP=2 (2 gloo processes, `torchrun -m` of this module):
-  each rank's peak RSS grows by less than (1/2 + 0.1) x the full model's FP32 bytes, and no tensor produced
-  during construction (recorded by a TorchDispatchMode) is larger than the rank's largest parameter piece.
-  The recorder's negative control is the old path (build whole, then cut) on a tiny model; the RSS check was
-  seen to fail by hand with this module's `old-tp` mode (see `_construction_worker`).
+- Memory: a ~1B-parameter Llama built at TP=2 and at PP=2 (2 gloo processes, `torchrun -m
+  tests.support.model_construction`): each rank's peak RSS grows by less than (1/2 + 0.1) x the full model's FP32
+  bytes, and no tensor produced during construction (recorded by a TorchDispatchMode) is larger than the rank's
+  largest parameter piece. The recorder's negative control is the old path (build whole, then cut) on a tiny
+  model; the RSS check was seen to fail by hand with the worker's `old-tp` mode (tests/support/model_construction.py).
 """
 from __future__ import annotations
 
 import json
 import math
 import os
-import resource
-import subprocess
-import sys
-import time
 from typing import Any
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from megatron.arguments import parse_config
 from megatron.config import ModelConfig
@@ -33,29 +27,9 @@ from megatron.model.init import InitKind, Piece, fill_initial_values_, init_rule
 from megatron.model.transformer import output_layer_std
 from megatron.parallel.layout import TP_SHARD_DIM, ShardSpec, shard_indices, shard_spec, shard_tensor
 from megatron.parallel_state import ParallelState
-from tests.support.config import REPO, tiny_argv
-
-SEED = 1234
-
-
-class LargestTensor(TorchDispatchMode):
-    """While active: the bytes (and the op) of the largest non-meta tensor any op returns."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.largest, self.op = 0, ""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in (out,) if isinstance(out, torch.Tensor) else tree_leaves(out):
-            if isinstance(t, torch.Tensor) and not t.is_meta and t.numel() * t.element_size() > self.largest:
-                self.largest, self.op = t.numel() * t.element_size(), str(func)
-        return out
-
-
-def _largest_parameter(model: torch.nn.Module) -> int:
-    return max(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
-
+from tests.support.config import tiny_argv
+from tests.support.launch import run_checked, torchrun_command
+from tests.support.model_construction import SEED, LargestTensor, largest_parameter as _largest_parameter
 
 ROPE, UNTIED, SWIGLU, NO_BIAS = ("--use-rotary-position-embeddings", "--untie-embeddings-and-output-weights",
                                  "--swiglu", "--disable-bias-linear")
@@ -217,60 +191,9 @@ def test_construction_allocates_no_tensor_larger_than_a_piece():
 
 
 # ------------------------------------------------------------------------------------- ~1B parameters
-def llama_1b() -> ModelConfig:
-    """Llama-style, 1.03e9 parameters: 20 x 45.09e6 per layer + 2 x 65.5e6 (untied embedding and head)."""
-    return ModelConfig(num_layers=20, hidden_size=2048, num_attention_heads=16, num_key_value_heads=4,
-                       ffn_hidden_size=5632, seq_length=2048, max_position_embeddings=2048,
-                       padded_vocab_size=32000, kv_channels=128)
-
-
-def _max_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-
-
-def _construction_worker(mode: str) -> dict[str, Any]:
-    """One rank of `torchrun -m tests.test_model_construction MODE`: build the 1B model, measure.
-
-    MODE "tp" / "pp": this rank's model at TP=2 / PP=2 (the pipeline wrapped by `build_pipeline_module`).
-    "old-tp": the path before build_model (whole model, then cut): its RSS growth is ~1.0 x the full bytes,
-    failing the test's bound; kept to show by hand that the check can fail.
-    """
-    from megatron.accelerator import get_accelerator
-    from megatron.config import ParallelConfig
-    from megatron.parallel import parallelize_tensor
-    from megatron.parallel_state import initialize_parallel_state
-
-    torch.set_num_threads(1)
-    cfg = llama_1b()
-    pp = 2 if mode == "pp" else 1
-    parallel = initialize_parallel_state(ParallelConfig(tensor_model_parallel_size=3 - pp,
-                                                        pipeline_model_parallel_size=pp), get_accelerator("cpu"))
-    if pp > 1:
-        from megatron.training.pipeline_engine import build_pipeline_module, pipeline_stage
-    full_bytes = 4 * GPTModel(cfg, device="meta").num_parameters()
-    before, start = _max_rss_bytes(), time.perf_counter()
-    with LargestTensor() as recorder:
-        if mode == "old-tp":
-            model = parallelize_tensor(GPTModel(cfg, seed=SEED), parallel)
-        else:
-            stage = pipeline_stage(cfg.num_layers, parallel) if pp > 1 else None
-            model = build_model(cfg, "cpu", SEED, parallel, stage=stage)
-            if pp > 1:
-                build_pipeline_module(model, parallel)
-    return {"rank": parallel.rank, "seconds": time.perf_counter() - start, "rss_growth": _max_rss_bytes() - before,
-            "full_bytes": full_bytes, "largest_tensor": recorder.largest, "largest_op": recorder.op,
-            "largest_piece": _largest_parameter(model),
-            "local_bytes": sum(p.numel() * 4 for p in model.parameters() if not p.is_meta)}
-
-
 def _run_workers(mode: str) -> list[dict[str, Any]]:
-    from tests.test_deepspeed import free_port
-
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           "-m", "tests.test_model_construction", mode]
-    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    out = run_checked(torchrun_command(2, "-m", "tests.support.model_construction", mode), timeout=600,
+                      env=dict(os.environ, OMP_NUM_THREADS="1"))
     return [json.loads(line[len("RESULT "):]) for line in out.stdout.splitlines() if line.startswith("RESULT ")]
 
 
@@ -285,9 +208,3 @@ def test_1b_model_construction_stays_within_this_ranks_share(mode):
         assert r["rss_growth"] < (1 / 2 + 0.1) * r["full_bytes"], r
         assert r["largest_tensor"] <= r["largest_piece"], r
 
-
-if __name__ == "__main__":  # a torchrun worker of the 1B test
-    # One write of the whole line (a pipe takes writes under 4 KiB whole): print() writes the text and its newline
-    # separately, and with unbuffered output the other rank's line could land between them (seen once in CI).
-    sys.stdout.write("RESULT " + json.dumps(_construction_worker(sys.argv[1])) + "\n")
-    sys.stdout.flush()

@@ -15,19 +15,15 @@ import pytest
 
 from megatron.arguments import parse_config
 from tests.support.config import tiny_argv
+from tests.support.launch import run
+from tests.support.logs import values
 from tests.support.run_noise import assert_losses_within_noise
-from tests.test_deepspeed import losses, run
 
 pytest.importorskip("deepspeed")
 
 PP = ("--deepspeed", "--zero-stage", "1")
 FP8 = ("--smooth-swiglu",)
 FP8_OVERRIDES = dict(fp8_format="hybrid", eval_interval=2)
-
-
-def values(log: str) -> list[float]:
-    """Training losses, then validation and test losses, in log order."""
-    return losses(log) + [float(v) for v in re.findall(r"lm loss value: (\S+) \|", log)]
 
 
 def pp1_and_control(*argv: str, **overrides) -> tuple[list[float], list[float]]:

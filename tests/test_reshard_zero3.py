@@ -15,7 +15,6 @@ at DP = 2. The ZeRO-3 runs use `stage3_param_persistence_threshold: 0`, so every
 """
 from __future__ import annotations
 
-import json
 import shutil
 
 import pytest
@@ -23,8 +22,10 @@ import torch
 
 from megatron.checkpoint_conversion.full_state import read_full_state
 from megatron.training import checkpointing as ckpt
+from tests.support.config import write_zero3_config
+from tests.support.logs import losses
+from tests.support.reshard import V256, Z1, assert_same_state, run
 from tests.support.run_noise import assert_losses_within_noise
-from tests.test_reshard import V256, Z1, assert_same_state, losses, run
 
 pytest.importorskip("deepspeed")
 
@@ -34,9 +35,7 @@ class Zero3Sources:
 
     def __init__(self, root) -> None:
         self.root, self.straight = root, {}
-        config = root / "zero3.json"
-        config.write_text(json.dumps({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}))
-        self.z3 = ("--deepspeed", "--deepspeed_config", str(config))
+        self.z3 = ("--deepspeed", "--deepspeed_config", write_zero3_config(root))
         self.switches = {"zero3_dp2": (*self.z3, *V256), "zero1_dp2": (*Z1, *V256)}
 
     def __truediv__(self, name: str):

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -22,6 +21,8 @@ from megatron.model.swiglu_outliers import (CHANNEL, PARTS, PLAIN, TOKEN, Outlie
 from megatron.model.transformer import MLP
 from megatron.training.loop import pretrain
 from tests.support.config import load_tool, tiny_argv
+from tests.support.launch import free_port
+from tests.support.processes import init_gloo
 from tests.support.training import assert_resume_is_exact
 
 BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, ffn_hidden_size=128,
@@ -254,7 +255,7 @@ def test_fp8_mlp_fc2_bf16_trains_and_smoothing_becomes_a_no_op(capfd):
 
 # ----------------------------------------------------------------------------- tensor parallel
 def _tp_worker(rank: int, port: int, out_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    init_gloo(rank, port, 2)
     try:
         torch.manual_seed(0)
         up = torch.randn(3, 5, 64) * torch.logspace(-1, 1, 64)  # the full [b, s, F] on every rank
@@ -266,10 +267,7 @@ def _tp_worker(rank: int, port: int, out_dir: str) -> None:
 
 
 def test_token_scales_max_reduced_over_tp_group_match_one_rank(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_tp_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_tp_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for r in ranks:
         assert torch.equal(r["reduced"], r["full"])

@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -35,104 +33,18 @@ import torch.nn.functional as F
 
 from megatron.arguments import parse_config
 from megatron.config import ParallelConfig
-from tests.support.config import REPO, tiny_argv
-from tests.support.run_noise import NOISE_FACTOR, assert_losses_within_noise, assert_weights_within_noise
+from tests.support.config import tiny_argv
+from tests.support.launch import free_port, pretrain_command, run_checked
+from tests.support.logs import printed_losses as _losses
+from tests.support.processes import init_gloo
+from tests.support.run_noise import (NOISE_FACTOR, assert_losses_within_noise, assert_weights_within_noise,
+                                      relative_error)
+from tests.support.tensor_parallel import batch, errors, train_side_by_side
 
 WORLD = 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp(min=1e-30))
-
-
-def _rel_all(a: dict, b: dict) -> float:
-    """Relative error of all tensors of `a` together (one vector) against those of `b`."""
-    return _rel(torch.cat([a[n].reshape(-1).double() for n in b]), torch.cat([b[n].reshape(-1).double() for n in b]))
-
-
 # ------------------------------------------------------------------------------------------------- workers
-def _make_engine(model, cfg, parallel):
-    from megatron.optimizer import build_optimizer
-    from megatron.optimizer.lr_scheduler import LrScheduler
-    from megatron.training.engine import TorchEngine
-
-    optimizer = build_optimizer(model, cfg.optimizer)
-    return TorchEngine(model, optimizer, LrScheduler(optimizer, cfg.scheduler), parallel, cfg.optimizer.clip_grad)
-
-
-def _batch(cfg, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed + 1000)
-    tokens = torch.randint(0, 128, (4, cfg.model.seq_length), generator=g)
-    labels = torch.randint(0, 128, (4, cfg.model.seq_length), generator=g)
-    return tokens, labels
-
-
-def _train_side_by_side(parallel, cfg, models: dict, sharded: set, bf16: dict, steps: int) -> dict:
-    """Train `models` (name -> model; those named in `sharded` are TP=2) on the same batches; per model: its
-    losses, grad norms, gradients of every step, weights and logits, the TP=1 ones cut to this rank's shard."""
-    from megatron.fp8 import Fp8Linear, fp8_optimizer_step
-    from megatron.parallel import shard_state_dict
-    from megatron.parallel_state import ParallelState
-
-    rank, size = parallel.tensor_parallel_rank, parallel.tensor_parallel_size
-
-    def local(name: str, tensors: dict) -> dict:
-        return dict(tensors) if name in sharded else shard_state_dict(tensors, cfg.model, rank, size)
-
-    def logits(name: str, model) -> torch.Tensor:
-        tokens, _ = _batch(cfg, 100)
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16[name]):
-            return model.eval()(tokens).detach().clone()
-
-    engines = {name: _make_engine(m, cfg, parallel if name in sharded else ParallelState())
-               for name, m in models.items()}
-    traces = {name: {"loss": [], "grad_norm": [], "grads": [], "logits_first": logits(name, m)}
-              for name, m in models.items()}
-    for step in range(steps):
-        tokens, labels = _batch(cfg, step)
-        for name, engine in engines.items():
-            model = engine.model
-            model.train()
-            engine.zero_grad()
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16[name]):
-                loss = engine.module(tokens, labels=labels).mean()
-            engine.backward(loss)
-            norm, _ = engine.step(step, True)
-            trace = traces[name]
-            trace["loss"].append(loss.detach().clone())
-            trace["grad_norm"].append(norm)
-            trace["grads"].append(local(name, {n: p.grad.clone() for n, p in model.named_parameters()}))
-            if any(isinstance(m, Fp8Linear) for m in model.modules()):
-                fp8_optimizer_step(model)
-    for name, model in models.items():
-        traces[name]["weights"] = local(name, model.state_dict())
-        traces[name]["logits"] = logits(name, model)
-    return traces
-
-
-def _errors(a: dict, b: dict) -> dict:
-    """Relative errors of trace `a` against trace `b`: per step (loss, grad norm), max over tensors and steps
-    (gradients), max over tensors (weights), and of the logits before and after training."""
-    return {
-        "loss": [_rel(x, y) for x, y in zip(a["loss"], b["loss"])],
-        "grad_norm": [abs(x - y) / y for x, y in zip(a["grad_norm"], b["grad_norm"])],
-        "grad": max(_rel(ga[n], gb[n]) for ga, gb in zip(a["grads"], b["grads"]) for n in gb),
-        "grad_all": max(_rel_all(ga, gb) for ga, gb in zip(a["grads"], b["grads"])),
-        "weights": max(_rel(a["weights"][n], b["weights"][n]) for n in b["weights"]),
-        "weights_all": _rel_all(a["weights"], b["weights"]),
-        "logits_first": _rel(a["logits_first"], b["logits_first"]),
-        "logits": _rel(a["logits"], b["logits"]),
-        "logits_shape_equal": a["logits"].shape == b["logits"].shape,
-    }
-
-
 def _compare_case(parallel, switches: tuple, overrides: dict, sequence_parallel: bool, precision: str,
                   steps: int = 3) -> dict:
     """Train a TP=1 model and its TP=2 copy side by side (plus the case's noise reference, see the module
@@ -176,20 +88,20 @@ def _compare_case(parallel, switches: tuple, overrides: dict, sequence_parallel:
         # Start the TP model from the histories of one TP=1 pass: the first delayed-scaling step has no
         # history and scales each shard by its own amax. From here on, scales agree only if amaxes are
         # reduced over the TP group.
-        tokens, labels = _batch(cfg, -1)
+        tokens, labels = batch(cfg, -1)
         ref(tokens, labels=labels).mean().backward()
         fp8_optimizer_step(ref)
         for p in ref.parameters():
             p.grad = None
         load_fp8_state_dict(tp, cfg.fp8, fp8_state_dict(ref, cfg.fp8))
         models, bf16 = {"ref": ref, "tp": tp, "control": control}, {n: False for n in ("ref", "tp", "control")}
-    traces = _train_side_by_side(parallel, cfg, models, {"tp"} | ({"control"} if precision == "fp8" else set()),
-                                 bf16, steps)
-    out = {"tp": _errors(traces["tp"], traces["ref"])}
+    traces = train_side_by_side(parallel, cfg, models, {"tp"} | ({"control"} if precision == "fp8" else set()),
+                                bf16, steps)
+    out = {"tp": errors(traces["tp"], traces["ref"])}
     if "exact" in traces:
-        out["noise"] = _errors(traces["ref"], traces["exact"])
+        out["noise"] = errors(traces["ref"], traces["exact"])
     if "control" in traces:
-        out["noise"] = _errors(traces["control"], traces["ref"])
+        out["noise"] = errors(traces["control"], traces["ref"])
     return out
 
 
@@ -204,7 +116,7 @@ def _fp8_scale_agreement(parallel, group) -> bool:
     torch.manual_seed(1234)
     model = parallelize_tensor(GPTModel(cfg.model), parallel)
     convert_to_fp8(model, cfg.fp8, amax_group=group)
-    tokens, labels = _batch(cfg, 0)
+    tokens, labels = batch(cfg, 0)
     model(tokens, labels=labels).mean().backward()
     fp8_optimizer_step(model)
     scales = torch.stack([m.fp8_scale[Fp8Role.WEIGHT] for m in model.modules() if isinstance(m, Fp8Linear)])
@@ -227,7 +139,8 @@ def _cross_entropy_case(parallel) -> dict:
     local = logits[:, rank * 128:(rank + 1) * 128].clone().requires_grad_()
     loss = vocab_parallel_cross_entropy(local, target, parallel.tensor_parallel_group)
     (loss * weight).sum().backward()
-    return {"loss": _rel(loss, ref), "grad": _rel(local.grad, full.grad[:, rank * 128:(rank + 1) * 128])}
+    return {"loss": relative_error(loss, ref),
+            "grad": relative_error(local.grad, full.grad[:, rank * 128:(rank + 1) * 128])}
 
 
 CASES = {
@@ -251,7 +164,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     from megatron.parallel_state import initialize_parallel_state
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    init_gloo(rank, port, WORLD)
     parallel = initialize_parallel_state(ParallelConfig(tensor_model_parallel_size=2), get_accelerator("cpu"))
     results = {name: _compare_case(parallel, sw, dict(ov), sp, precision)
                for name, (sw, ov, sp, precision) in CASES.items()}
@@ -266,7 +179,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def tp_results(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("tp")
-    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(free_port(), str(out)), nprocs=WORLD, join=True)
     return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
 
 
@@ -342,19 +255,8 @@ def test_vocab_parallel_cross_entropy_equals_f_cross_entropy(tp_results):
 def _pretrain(nproc: int, *extra: str) -> subprocess.CompletedProcess:
     argv = tiny_argv(*extra, micro_batch_size=2, global_batch_size=4, train_iters=4, eval_iters=1,
                      eval_interval=4, lr_warmup_iters=0, log_interval=1)
-    if nproc == 1:
-        cmd = [sys.executable, "pretrain_gpt.py", *argv]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_port", str(_free_port()), "pretrain_gpt.py", *argv]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out
-
-
-def _losses(log: str) -> list[str]:
-    return [line.split("lm loss: ")[1].split(" ")[0] for line in log.splitlines() if "lm loss: " in line]
+    return run_checked(pretrain_command(nproc, argv), env=dict(os.environ, OMP_NUM_THREADS="1"), stdout_tail=0,
+                       stderr_tail=3000)
 
 
 @pytest.mark.isa_sensitive

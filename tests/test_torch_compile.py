@@ -20,6 +20,8 @@ from megatron.model.compile import (FUSED_MIN_ITERS, check_torch_compile_support
                                     resolve_torch_compile)
 from megatron.training.loop import pretrain
 from tests.support.config import REPO, tiny_argv
+from tests.support.launch import run_checked, torchrun_command
+from tests.support.logs import losses as _losses
 from tests.support.run_noise import assert_losses_within_noise
 
 # fp32 (no --bf16): compiled kernels reorder fp32 arithmetic, which is the kind of difference the control run
@@ -143,18 +145,9 @@ def test_cli_refuses_a_bad_value_in_one_line() -> None:
 
 
 def _launch(nproc: int, *switches: str, **overrides) -> str:
-    from tests.test_deepspeed import free_port
-
     argv = tiny_argv(*switches, **{**COMMON, "train_iters": 4, "global_batch_size": 8, **overrides})
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-           str(free_port()), "pretrain_gpt.py", *argv]
-    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    out = run_checked(torchrun_command(nproc, "pretrain_gpt.py", *argv), timeout=900)
     return out.stdout + out.stderr
-
-
-def _losses(log: str) -> list[float]:
-    return [float(m) for m in re.findall(r"\| lm loss: (\S+) \|", log)]
 
 
 @pytest.mark.slow

@@ -269,7 +269,7 @@ def test_pipeline_full_recompute_is_recompute(pp2_fp32_log):
     Without recompute: tests/conftest.py's `pp2_fp32_log` (ZeRO 0, clipping at 0.05), shared with test_pipeline."""
     pytest.importorskip("deepspeed")
     from tests.support.launch import run
-    from tests.test_pipeline import values
+    from tests.support.logs import values
 
     switches = ["--deepspeed", "--zero-stage", "0", "--pipeline-model-parallel-size", "2"]
     plain = pp2_fp32_log("0")

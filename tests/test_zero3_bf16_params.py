@@ -18,7 +18,6 @@ third order (its gradients are reduced and partitioned as backward produces them
 """
 from __future__ import annotations
 
-import json
 import math
 import re
 import shutil
@@ -27,12 +26,11 @@ import pytest
 import torch
 
 from megatron.arguments import parse_config
-from megatron.checkpoint_conversion.checkpoint_io import read_checkpoint, resolve_checkpoint_dir
 from megatron.checkpoint_conversion.layouts import load_file
 from megatron.training import checkpointing as ckpt
 from megatron.training.deepspeed_config import build_deepspeed_config
-from tests.support.config import tiny_argv
-from tests.support.launch import BASE, run
+from tests.support.config import tiny_argv, write_zero3_config
+from tests.support.launch import BASE, base_run_weights as _weights, run
 from tests.support.logs import losses
 from tests.support.run_noise import assert_losses_within_noise, assert_weights_within_noise
 
@@ -47,19 +45,11 @@ COMMON = dict(eval_iters=0, save_interval=2)
 def runs(tmp_path_factory):
     """ZeRO-3 (saving at 2 and 4), the same layout at ZeRO-1 and at ZeRO-2 (the control); logs and folders."""
     root = tmp_path_factory.mktemp("zero3_bf16")
-    config = root / "zero3.json"
-    config.write_text(json.dumps({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}))
-    zero3 = ("--deepspeed", "--deepspeed_config", str(config), *LAYOUT)
+    zero3 = ("--deepspeed", "--deepspeed_config", write_zero3_config(root), *LAYOUT)
     log3 = run(2, *zero3, save=root / "z3", **COMMON)
     log1 = run(2, "--deepspeed", "--zero-stage", "1", *LAYOUT, save=root / "z1", **COMMON)
     log2 = run(2, "--deepspeed", "--zero-stage", "2", *LAYOUT, save=root / "z2", **COMMON)
     return dict(root=root, zero3=zero3, z3=log3, z1=log1, z2=log2)
-
-
-def _weights(save) -> dict:
-    payload, _, train_state = read_checkpoint(resolve_checkpoint_dir(save))
-    assert train_state["iteration"] == BASE["train_iters"]
-    return {key: value.detach() for key, value in payload["model"].items()}
 
 
 def test_deepspeed_config_at_zero3_is_bf16_mode_with_fp32_accumulation() -> None:

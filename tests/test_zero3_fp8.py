@@ -16,7 +16,6 @@ torch engine in one process (4 micro-batches accumulated, per-tensor scale block
 """
 from __future__ import annotations
 
-import json
 import math
 import re
 import shutil
@@ -25,12 +24,12 @@ import pytest
 import torch
 
 from megatron.arguments import parse_config
-from megatron.checkpoint_conversion.checkpoint_io import read_checkpoint, resolve_checkpoint_dir
+from megatron.checkpoint_conversion.checkpoint_io import read_checkpoint
 from megatron.checkpoint_conversion.layouts import load_file
 from megatron.training import checkpointing as ckpt
 from megatron.training.deepspeed_config import DeepSpeedConfigError, build_deepspeed_config
-from tests.support.config import tiny_argv
-from tests.support.launch import BASE, run
+from tests.support.config import tiny_argv, write_zero3_config
+from tests.support.launch import BASE, base_run_weights as _weights, run
 from tests.support.logs import losses
 from tests.support.run_noise import assert_losses_within_noise, assert_weights_within_noise
 
@@ -38,12 +37,6 @@ pytest.importorskip("deepspeed")
 
 FP8 = ("--fp8-format", "hybrid", "--optimizer", "fp8adam", "--fp8-optimizer-block-size", "128")
 COMMON = dict(eval_iters=0, save_interval=2)
-
-
-def _zero3_json(folder) -> str:
-    path = folder / "zero3.json"
-    path.write_text(json.dumps({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}))
-    return str(path)
 
 
 def _model_states(folder, rank: int) -> dict:
@@ -54,7 +47,7 @@ def _model_states(folder, rank: int) -> dict:
 def runs(tmp_path_factory):
     """ZeRO-3 (saving at 2 and 4), the same run at ZeRO-1 and on the torch engine (the control); logs and folders."""
     root = tmp_path_factory.mktemp("zero3_fp8")
-    zero3 = ("--deepspeed", "--deepspeed_config", _zero3_json(root), *FP8)
+    zero3 = ("--deepspeed", "--deepspeed_config", write_zero3_config(root), *FP8)
     log3 = run(2, *zero3, save=root / "z3", **COMMON)
     log1 = run(2, "--deepspeed", "--zero-stage", "1", *FP8, save=root / "z1", **COMMON)
     log0 = run(1, *FP8, save=root / "torch", **COMMON)
@@ -69,12 +62,6 @@ def _resume_from_iteration_2(runs) -> str:
     (root / "resumed" / "latest").write_text("iter_0000002")
     shutil.rmtree(root / "resumed" / "iter_0000004")
     return run(2, *runs["zero3"], load=root / "resumed", save=root / "resumed", **COMMON)
-
-
-def _weights(save) -> dict:
-    payload, _, train_state = read_checkpoint(resolve_checkpoint_dir(save))
-    assert train_state["iteration"] == BASE["train_iters"]
-    return {key: value.detach() for key, value in payload["model"].items()}
 
 
 @pytest.mark.isa_sensitive

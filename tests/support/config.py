@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -36,3 +37,12 @@ def tiny_argv(*switches: str, **overrides) -> list[str]:
         if value is not None:
             argv += [flag, str(value)]
     return argv + list(switches)
+
+
+def write_zero3_config(folder: Path) -> str:
+    """`folder`/zero3.json, a DeepSpeed config of ZeRO stage 3 with `stage3_param_persistence_threshold: 0`, so that
+    every parameter is partitioned and gathered (DeepSpeed's default, 1e5 elements, keeps every tensor of the tiny
+    model whole); its path, for `--deepspeed_config`."""
+    path = Path(folder) / "zero3.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}))
+    return str(path)

@@ -67,6 +67,16 @@ def run(nproc: int, *switches, script: str = "pretrain_gpt.py", base: dict = BAS
     return run_checked(pretrain_command(nproc, argv, script)).stderr
 
 
+def base_run_weights(save) -> dict:
+    """The full model's weights (through the one checkpoint reader) of a BASE run's newest checkpoint, which must be
+    its last iteration."""
+    from megatron.checkpoint_conversion.checkpoint_io import read_checkpoint, resolve_checkpoint_dir
+
+    payload, _, train_state = read_checkpoint(resolve_checkpoint_dir(save))
+    assert train_state["iteration"] == BASE["train_iters"]
+    return {key: value.detach() for key, value in payload["model"].items()}
+
+
 def pretrain_cli(*argv: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """`pretrain_gpt.py argv` in one process, exit code unchecked; `env` adds to this process's environment."""
     return subprocess.run([sys.executable, "pretrain_gpt.py", *argv], cwd=REPO, capture_output=True, text=True,

@@ -42,17 +42,22 @@ def assert_losses_within_noise(tested: list[float], reference: list[float], cont
         assert abs(t - r) <= bound, (abs(t - r), bound, noise, tested, reference, control)
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """|a - b| / |b| (2-norms over all elements, float64; |b| floored at 1e-30)."""
+    a, b = a.detach().double(), b.detach().double()
     return float((a - b).norm() / b.norm().clamp(min=1e-30))
+
+
+def relative_error_all(a: dict, b: dict) -> float:
+    """Relative error of all tensors of `a` together (one vector) against those of `b`, in `b`'s names."""
+    return relative_error(torch.cat([a[n].reshape(-1).double() for n in b]),
+                          torch.cat([b[n].reshape(-1).double() for n in b]))
 
 
 def weight_errors(weights: dict, reference: dict) -> tuple[float, float]:
     """Relative error of all weights together (one vector), and of the worst tensor, against `reference`."""
     assert weights.keys() == reference.keys()
-    together = _rel(torch.cat([weights[k].reshape(-1).double() for k in reference]),
-                    torch.cat([reference[k].reshape(-1).double() for k in reference]))
-    return together, max(_rel(weights[k], reference[k]) for k in reference)
+    return relative_error_all(weights, reference), max(relative_error(weights[k], reference[k]) for k in reference)
 
 
 def assert_weights_within_noise(tested: dict, reference: dict, control: dict, factor: float = NOISE_FACTOR) -> None:
