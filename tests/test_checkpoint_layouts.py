@@ -20,7 +20,7 @@ from megatron.checkpoint_conversion.checkpoint_io import read_checkpoint, resolv
 from megatron.checkpoint_conversion.layouts import detect_layout
 from tests.support.config import REPO, load_tool, tiny_argv
 from tests.support.launch import free_port, pretrain_command, run_checked
-from tests.test_evaluate import VOCAB, write_indexed
+from tests.support.data import VOCAB, write_indexed
 
 pytest.importorskip("deepspeed")
 transformers = pytest.importorskip("transformers")

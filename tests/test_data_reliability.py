@@ -18,22 +18,15 @@ from megatron.arguments import parse_config
 from megatron.config import DataConfig
 from megatron.data.errors import CorruptIndexedDatasetError, DataError, TokenIdOutOfRangeError
 from megatron.data.gpt_dataset import build_train_valid_test_datasets
-from megatron.data.indexed_dataset import MMapIndexedDataset, MMapIndexedDatasetBuilder
+from megatron.data.indexed_dataset import MMapIndexedDataset
 from megatron.data.preprocess import preprocess
 from megatron.data.token_range import scan_token_range
 from megatron.tokenizer import NullTokenizer
 from megatron.training.datasets import build_datasets
 from tests.support.config import REPO, tiny_argv
+from tests.support.data import NULL, write_builder
 
-NULL = DataConfig(tokenizer_type="NullTokenizer", vocab_size=1000)
 SEQ = 16
-
-
-def write_builder(prefix, docs, dtype=np.uint16) -> None:
-    with MMapIndexedDatasetBuilder(str(prefix), dtype) as builder:
-        for doc in docs:
-            builder.add_document(doc)
-        builder.finalize()
 
 
 def write_upstream(prefix, docs, dtype=np.uint16) -> None:

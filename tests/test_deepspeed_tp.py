@@ -30,10 +30,10 @@ from megatron.parallel.layout import shard_state_dict
 from megatron.parallel_state import RankLayout
 from megatron.training.deepspeed_config import DeepSpeedConfigError, build_deepspeed_config
 from tests.support.config import load_tool, tiny_argv
+from tests.support.data import data_argv, write_indexed
 from tests.support.launch import pretrain_command, run_checked
 from tests.support.logs import values
 from tests.support.run_noise import assert_losses_within_noise, assert_weights_within_noise, printed_unit
-from tests.test_evaluate import data_argv, write_indexed
 
 pytest.importorskip("deepspeed")
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -12,7 +11,6 @@ import torch
 from torch import nn
 
 from megatron.arguments import parse_config
-from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder
 from megatron.evaluation.lm_eval_adapter import LM_EVAL_AVAILABLE, MegatronLM
 from megatron.evaluation.multiple_choice import MultipleChoiceItem, accuracy, load_task, score_items
 from megatron.evaluation.scoring import (
@@ -21,25 +19,7 @@ from megatron.evaluation.scoring import (
 from megatron.tokenizer import NullTokenizer
 from megatron.training.loop import pretrain
 from tests.support.config import load_tool, tiny_argv
-
-VOCAB = 127  # NullTokenizer ids 0..126 plus eod 127: 128 ids, no padding
-
-
-def write_indexed(prefix: Path, num_docs: int, seed: int) -> str:
-    """Documents of counting patterns (learnable), stored with an eod after each, as preprocessing does."""
-    rng = np.random.default_rng(seed)
-    with MMapIndexedDatasetBuilder(str(prefix), np.uint16) as builder:
-        for _ in range(num_docs):
-            start, step, length = rng.integers(0, VOCAB), rng.integers(1, 4), rng.integers(20, 60)
-            builder.add_document(np.append((start + step * np.arange(length)) % VOCAB, VOCAB))
-        builder.finalize()
-    return str(prefix)
-
-
-def data_argv(train: str, valid: str, **overrides) -> list[str]:
-    argv = [a for a in tiny_argv(**overrides) if a != "--mock-data"]
-    return argv + ["--train-data-path", train, "--valid-data-path", valid, "--tokenizer-type", "NullTokenizer",
-                   "--vocab-size", str(VOCAB)]
+from tests.support.data import VOCAB, data_argv, write_indexed
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megatron.fp8 import Fp8Linear, Fp8Recipe, convert_to_fp8, fp8_optimizer_step
-from test_fp8_helpers import TinyGPT
+from tests.support.fp8_reference import TinyGPT
 
 LINEARS = ["self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2"]
 

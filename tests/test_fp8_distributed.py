@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megatron.fp8 import Fp8Linear, Fp8Recipe, convert_to_fp8, fp8_optimizer_step
-from test_fp8_helpers import TinyGPT
+from tests.support.fp8_reference import TinyGPT
 from tests.support.launch import free_port
 from tests.support.processes import init_gloo
 

@@ -13,7 +13,7 @@ from megatron.fp8.backends import (CudaScaledMmBackend, EmulatedBackend, backend
                                    select_backend)
 from megatron.fp8.formats import format_spec
 from megatron.fp8.quantize import quantize
-from test_fp8_helpers import sqnr_db
+from megatron.fp8.stats import sqnr_db
 
 
 def _pair(recipe: Fp8Recipe, cls: type = Fp8Linear, in_f: int = 256, out_f: int = 512,

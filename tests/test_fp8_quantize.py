@@ -6,7 +6,7 @@ import torch
 
 from megatron.fp8.formats import format_spec
 from megatron.fp8.quantize import compute_scale, count_nonfinite, dequantize, quantize
-from test_fp8_helpers import fp8_grid, reference_quantize
+from tests.support.fp8_reference import fp8_grid, reference_quantize
 
 
 def _probe_values(fmt: str) -> torch.Tensor:

@@ -7,7 +7,7 @@ import torch.nn as nn
 
 from megatron.fp8 import Fp8Linear, Fp8Recipe, enable_fp8_stats, collect_fp8_stats, fp8_optimizer_step
 from megatron.fp8.scaling import Fp8Role, amax_from_history, roll_history
-from test_fp8_helpers import sqnr_db
+from megatron.fp8.stats import sqnr_db
 
 IN = Fp8Role.INPUT
 

@@ -8,7 +8,7 @@ import torch
 
 from megatron.fp8 import Fp8Linear, Fp8Recipe, convert_to_fp8, fp8_optimizer_step, fp8_state_dict, \
     load_fp8_state_dict
-from test_fp8_helpers import TinyGPT
+from tests.support.fp8_reference import TinyGPT
 
 
 def _trained(recipe: Fp8Recipe, steps: int = 3) -> TinyGPT:

@@ -5,7 +5,7 @@ import torch
 
 from megatron.fp8 import Fp8Recipe, collect_fp8_stats, convert_to_fp8, enable_fp8_stats, fp8_optimizer_step, \
     worst_fp8_layer
-from test_fp8_helpers import TinyGPT
+from tests.support.fp8_reference import TinyGPT
 
 FC1 = "decoder.layers.0.mlp.linear_fc1"
 QKV = "decoder.layers.1.self_attention.linear_qkv"

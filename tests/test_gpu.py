@@ -8,7 +8,7 @@ import torch
 
 from megatron.fp8 import Fp8Linear, Fp8Recipe
 from megatron.fp8.recipe import Fp8Backend
-from test_fp8_helpers import sqnr_db
+from megatron.fp8.stats import sqnr_db
 
 HAS_FP8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 pytestmark = [pytest.mark.gpu,
@@ -72,7 +72,7 @@ def test_traced_fp8_layers_equal_eager_on_gpu():
     """The FP8 layers traced into a compiled graph (megatron/fp8/traced.py) on the GPU: Triton quantization and
     torch._scaled_mm in the graph give the eager layer's bits (with inductor's precision casts emulated), with a
     Smooth-SwiGLU column scale on the second layer and the per-step weight pre-hook on the first."""
-    from test_fp8_traced import assert_traced_equals_eager
+    from tests.support.fp8_traced import assert_traced_equals_eager
 
     assert_traced_equals_eager(Fp8Recipe(backend=Fp8Backend.SCALED_MM), True, True, True, "cuda")
     assert_traced_equals_eager(Fp8Recipe(backend=Fp8Backend.SCALED_MM, scaling="tensorwise"), False, True, True,

@@ -15,34 +15,9 @@ from megatron.data.indexed_dataset import (
     MMapIndexedDatasetBuilder,
     best_fitting_dtype,
 )
+from tests.support.data import write_builder as write, write_megatron_by_hand
 
 DOCS = [[1, 2, 3], [], [65000, 7], list(range(100))]
-
-
-def write(prefix, docs, dtype=np.uint16) -> None:
-    with MMapIndexedDatasetBuilder(str(prefix), dtype) as builder:
-        for doc in docs:
-            builder.add_document(doc)
-        builder.finalize()
-
-
-def write_megatron_by_hand(prefix, docs, dtype, code) -> None:
-    """Megatron-LM's MMapIndexedDataset layout, written independently of our writer."""
-    sizes = np.array([len(d) for d in docs], dtype=np.int32)
-    pointers = np.concatenate([[0], np.cumsum(sizes[:-1].astype(np.int64) * np.dtype(dtype).itemsize)])
-    doc_idx = np.arange(len(docs) + 1, dtype=np.int64)
-    with open(f"{prefix}.bin", "wb") as f:
-        for d in docs:
-            f.write(np.array(d, dtype=dtype).tobytes())
-    with open(f"{prefix}.idx", "wb") as f:
-        f.write(b"MMIDIDX\x00\x00")
-        f.write(struct.pack("<Q", 1))
-        f.write(struct.pack("<B", code))
-        f.write(struct.pack("<Q", len(sizes)))
-        f.write(struct.pack("<Q", len(doc_idx)))
-        f.write(sizes.tobytes())
-        f.write(pointers.astype(np.int64).tobytes())
-        f.write(doc_idx.tobytes())
 
 
 @pytest.mark.parametrize("dtype", [np.uint16, np.int32])

@@ -10,15 +10,14 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from megatron.config import DataConfig
 from megatron.data import indexed_dataset, merge
 from megatron.data.errors import DataError
 from megatron.data.indexed_dataset import MMapIndexedDataset, MMapIndexedDatasetBuilder
 from megatron.data.merge import merge_datasets
 from megatron.data.preprocess import preprocess
 from tests.support.config import REPO
+from tests.support.data import NULL, write_megatron_by_hand
 
-NULL = DataConfig(tokenizer_type="NullTokenizer", vocab_size=1000)
 PARTS = [
     ["1 2 3", "", "4 5", "999"],          # a blank line (not a document)
     ["7"],
@@ -79,8 +78,6 @@ def test_cli_input_directory_sorted_by_name_and_datasets_in_order(tmp_path):
 def test_megatron_lm_pairs_merge_into_megatron_lm_bytes(tmp_path):
     """Inputs as Megatron-LM writes them (no manifest; several sequences per document): the output has the layout
     of Megatron-LM's merge (offsets recomputed, document index shifted), checked against one written by hand."""
-    from test_indexed_dataset import write_megatron_by_hand
-
     docs_a, docs_b = [[1, 2], [3]], [[4, 5, 6], [], [7]]
     write_megatron_by_hand(tmp_path / "a", docs_a, np.int32, 4)
     write_megatron_by_hand(tmp_path / "b", docs_b, np.int32, 4)

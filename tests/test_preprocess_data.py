@@ -10,13 +10,11 @@ import time
 import numpy as np
 import pytest
 
-from megatron.config import DataConfig
 from megatron.data.indexed_dataset import MMapIndexedDataset
 from megatron.data.preprocess import preprocess
 from megatron.tokenizer import NullTokenizer
 from tests.support.config import REPO
-
-NULL = DataConfig(tokenizer_type="NullTokenizer", vocab_size=1000)
+from tests.support.data import NULL
 
 
 def run_tool(*args: str, **kwargs) -> subprocess.CompletedProcess:

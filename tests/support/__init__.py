@@ -6,6 +6,9 @@
     logs               values read from a run's log (the loss regexes)
     processes          worker processes: gloo process groups over TCP, a PID that no process holds
     run_noise          bounds from the runs' own rounding noise, relative errors
+    data               data fixtures: indexed pairs (write_builder, write_indexed, by hand), data_argv, VOCAB, NULL
+    fp8_reference      an independent float64 FP8 reference, a tiny stand-in GPT
+    fp8_traced         traced FP8 layers against eager ones, bit for bit
     tensor_parallel    TP = 1 and TP = 2 models trained side by side in a worker
     model_construction the 1B construction worker (`torchrun -m tests.support.model_construction MODE`)
     reshard            the resharding runs and their state comparison
