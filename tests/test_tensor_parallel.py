@@ -267,7 +267,7 @@ def test_pretrain_gpt_tp2_matches_tp1(tmp_path):
     # The padded vocabulary is a multiple of 128 x tp: give the TP=1 run the same 256 rows.
     single = _pretrain(1, "--save", str(tmp_path / "tp1"), "--make-vocab-size-divisible-by", "256")
     tp2 = _pretrain(2, "--save", str(tmp_path / "tp2"), "--tensor-model-parallel-size", "2")
-    # Noise control (tests/support/run_noise.py): TP=1 with micro-batches of 1, the same math in another order.
+    # Noise control (tests/run_noise.py): TP=1 with micro-batches of 1, the same math in another order.
     control = _pretrain(1, "--save", str(tmp_path / "control"), "--make-vocab-size-divisible-by", "256",
                         "--micro-batch-size", "1")
     l1, l2 = [float(x) for x in _losses(single.stderr)], [float(x) for x in _losses(tp2.stderr)]

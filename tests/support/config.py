@@ -27,6 +27,14 @@ def load_tool(name: str):
     return module
 
 
+def load_bench(name: str):
+    """Import `bench/<name>.py` as the module `name` (the bench folder is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def tiny_argv(*switches: str, **overrides) -> list[str]:
     """argv for a tiny Llama-style run; overrides use underscores (train_iters=5); None drops a flag."""
     values = dict(TINY)

@@ -2,6 +2,8 @@
 of counting patterns, and the flags that train on them."""
 from __future__ import annotations
 
+import json
+import os
 import struct
 from pathlib import Path
 
@@ -13,6 +15,8 @@ from tests.support.config import tiny_argv
 
 VOCAB = 127  # NullTokenizer ids 0..126 plus eod 127: 128 ids, no padding
 NULL = DataConfig(tokenizer_type="NullTokenizer", vocab_size=1000)  # ids 0..999 as written, eod 1000
+OLD_DOCS = [[1, 2, 3, 4]] * 400  # a prefix being regenerated (test_data_reliability)
+NEW_DOCS = [list(range(10, 30))] * 200  # its new documents: a bigger .bin, the old offsets fit inside it
 
 
 def write_builder(prefix, docs, dtype=np.uint16) -> None:
@@ -22,6 +26,19 @@ def write_builder(prefix, docs, dtype=np.uint16) -> None:
         for doc in docs:
             builder.add_document(doc)
         builder.finalize()
+
+
+def write_upstream(prefix, docs, dtype=np.uint16) -> None:
+    """A pair as Megatron-LM (or any other tool) writes it: the same bytes, no manifest."""
+    write_builder(prefix, docs, dtype)
+    os.remove(f"{prefix}.manifest.json")
+
+
+def docs_with(bad_id: int, bad_doc: int, num_docs: int = 300, length: int = 50) -> list[list[int]]:
+    """`num_docs` documents of ids below 90, document `bad_doc` holding `bad_id` in its middle."""
+    docs = [[(7 * i + j) % 90 for j in range(length)] for i in range(num_docs)]
+    docs[bad_doc][length // 2] = bad_id
+    return docs
 
 
 def write_megatron_by_hand(prefix, docs, dtype, code) -> None:
@@ -59,3 +76,35 @@ def data_argv(train: str, valid: str, **overrides) -> list[str]:
     argv = [a for a in tiny_argv(**overrides) if a != "--mock-data"]
     return argv + ["--train-data-path", train, "--valid-data-path", valid, "--tokenizer-type", "NullTokenizer",
                    "--vocab-size", str(VOCAB)]
+
+
+# tools/merge_datasets.py's inputs (test_merge_datasets): three parts of plain text, one line a document.
+MERGE_PARTS = [
+    ["1 2 3", "", "4 5", "999"],          # a blank line (not a document)
+    ["7"],
+    ["8 9 10 11", "12", "0 0 0"],
+]
+
+
+def write_parts(folder) -> list[str]:
+    """Each part preprocessed on its own, and the concatenated text preprocessed whole (`whole_text_document`)."""
+    from megatron.data.preprocess import preprocess
+
+    prefixes = []
+    for k, lines in enumerate(MERGE_PARTS):
+        (folder / f"part{k}.txt").write_text("\n".join(lines) + "\n")
+        preprocess(str(folder / f"part{k}.txt"), str(folder / f"part{k}"), NULL, append_eod=True, progress=False)
+        prefixes.append(str(folder / f"part{k}_text_document"))
+    (folder / "whole.txt").write_text("".join("\n".join(lines) + "\n" for lines in MERGE_PARTS))
+    preprocess(str(folder / "whole.txt"), str(folder / "whole"), NULL, append_eod=True, progress=False)
+    return prefixes
+
+
+def assert_same_pair(a: str, b: str) -> None:
+    """Pairs `a` and `b` hold the same bytes, and their manifests the same facts."""
+    for ext in (".bin", ".idx"):
+        with open(a + ext, "rb") as fa, open(b + ext, "rb") as fb:
+            assert fa.read() == fb.read(), ext
+    ma, mb = (json.load(open(p + ".manifest.json")) for p in (a, b))
+    for key in ("state", "dtype", "sequences", "documents", "token_range", "bin", "idx"):
+        assert ma[key] == mb[key], key

@@ -68,7 +68,6 @@ def build_gpt_indices(sizes: np.ndarray, documents: np.ndarray, seq_length: int,
     return {"doc_idx": doc_idx, "sample_idx": sample_idx, "shuffle_idx": shuffle_idx}
 
 
-
 def build_blending_indices(weights: Sequence[float], size: int) -> tuple[np.ndarray, np.ndarray]:
     """(dataset_index, dataset_sample_index) for a blend of `size` samples."""
     w = np.asarray(weights, dtype=np.float64)
@@ -87,4 +86,3 @@ def build_blending_indices(weights: Sequence[float], size: int) -> tuple[np.ndar
         rank.append(j)
     order = np.argsort(np.concatenate(due), kind="stable")[:size]
     return np.concatenate(owner)[order], np.concatenate(rank)[order]
-

@@ -19,3 +19,14 @@ def assert_resume_is_exact(tmp_path, switches: tuple, stop: int, **common):
     for (k, a), (_, b) in zip(straight.model.state_dict().items(), resumed.model.state_dict().items()):
         assert torch.equal(a, b), k
     return straight, resumed
+
+
+def save_tiny_checkpoint(root, iteration: int, value: float, **kw):
+    """A checkpoint written directly (no training) at `iteration` in `root`: model {"w": four times `value`}, train
+    state {"iteration": iteration}, config {"note": "test"}; `kw` goes to `save_checkpoint`."""
+    import torch
+
+    from megatron.training import checkpointing as ckpt
+
+    return ckpt.save_checkpoint(root, iteration, {"model": {"w": torch.full((4,), float(value))}},
+                                {"iteration": iteration}, {"note": "test"}, **kw)

@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import signal
-import subprocess
 import sys
 import tracemalloc
 
@@ -23,28 +22,10 @@ from megatron.data.preprocess import preprocess
 from megatron.data.token_range import scan_token_range
 from megatron.tokenizer import NullTokenizer
 from megatron.training.datasets import build_datasets
-from tests.support.config import REPO, tiny_argv
-from tests.support.data import NULL, write_builder
+from tests.support.config import tiny_argv
+from tests.support.data import NEW_DOCS as NEW, NULL, OLD_DOCS as OLD, docs_with, write_builder, write_upstream
 
 SEQ = 16
-
-
-def write_upstream(prefix, docs, dtype=np.uint16) -> None:
-    """A pair as Megatron-LM (or any other tool) writes it: the same bytes, no manifest."""
-    write_builder(prefix, docs, dtype)
-    os.remove(f"{prefix}.manifest.json")
-
-
-def docs_with(bad_id: int, bad_doc: int, num_docs: int = 300, length: int = 50) -> list[list[int]]:
-    docs = [[(7 * i + j) % 90 for j in range(length)] for i in range(num_docs)]
-    docs[bad_doc][length // 2] = bad_id
-    return docs
-
-
-def dead_pid() -> int:
-    proc = subprocess.Popen(["true"])
-    proc.wait()
-    return proc.pid
 
 
 # ------------------------------------------------------------------------------------------- token ids (item 1)
@@ -141,9 +122,6 @@ def test_scan_memory_does_not_grow_with_the_file(tmp_path):
 
 # ------------------------------------------------------------------------------------- atomic pairs (item 2)
 
-OLD = [[1, 2, 3, 4]] * 400  # the prefix being regenerated
-NEW = [list(range(10, 30))] * 200  # a bigger .bin: the old offsets fit inside it
-
 
 def crash_at(monkeypatch, call: int):
     """Make the `call`-th os.replace of the publication fail: 1 manifest marker, 2 .bin, 3 .idx, 4 manifest."""
@@ -216,57 +194,6 @@ def test_sigterm_during_publishing_waits_for_the_manifest(tmp_path, monkeypatch)
     assert [ds[i].tolist() for i in range(len(ds))] == NEW
 
 
-def test_sigkill_between_the_renames_then_a_rerun(tmp_path):
-    """A real kill at the exact point: no cleanup runs, the marker and a temporary .idx stay behind."""
-    (tmp_path / "old.txt").write_text("1 2 3 4\n" * 400)
-    (tmp_path / "new.txt").write_text((" ".join(map(str, range(10, 30))) + "\n") * 200)
-    tool = [os.path.join(REPO, "tools", "preprocess_data.py"), "--output-prefix", str(tmp_path / "c"),
-            "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--no-progress"]
-    preprocess(str(tmp_path / "old.txt"), str(tmp_path / "c"), NULL, progress=False)
-    kill_between_renames = (
-        "import os, runpy, signal, sys\n"
-        "real = os.replace\n"
-        "def replace(src, dst):\n"
-        "    if dst.endswith('.idx'):\n"
-        "        os.kill(os.getpid(), signal.SIGKILL)\n"
-        "    return real(src, dst)\n"
-        "os.replace = replace\n"
-        "sys.argv = sys.argv[1:]\n"
-        "runpy.run_path(sys.argv[0], run_name='__main__')\n")
-    killed = subprocess.run([sys.executable, "-c", kill_between_renames, *tool, "--input", str(tmp_path / "new.txt")],
-                            capture_output=True, text=True)
-    assert killed.returncode == -signal.SIGKILL
-    left = sorted(os.listdir(tmp_path))
-    assert "c_text_document.idx.tmp-" in " ".join(left)  # the killed run's leftover
-    with pytest.raises(CorruptIndexedDatasetError, match="stopped before it finished"):
-        MMapIndexedDataset(str(tmp_path / "c_text_document"))
-    rerun = subprocess.run([sys.executable, *tool, "--input", str(tmp_path / "new.txt")], capture_output=True,
-                           text=True)
-    assert rerun.returncode == 0, rerun.stderr
-    assert "left by an interrupted run" in rerun.stderr
-    assert not [f for f in os.listdir(tmp_path) if ".tmp-" in f]
-    ds = MMapIndexedDataset(str(tmp_path / "c_text_document"))
-    assert [ds[i].tolist() for i in range(len(ds))] == NEW
-
-
-def test_stale_temporaries_are_removed_only_when_their_writer_is_gone(tmp_path):
-    dead, alive = dead_pid(), os.getppid()
-    stale = [f"c.bin.tmp-{dead}", f"c.idx.tmp-{dead}", f"c.manifest.json.tmp-{dead}"]
-    kept = [f"c.bin.tmp-{alive}", f"other.bin.tmp-{dead}", f"c.bin.tmp-{dead}x"]
-    for name in stale + kept:
-        (tmp_path / name).write_bytes(b"\0" * 100)
-    # A writer on another host of a shared filesystem: its PID means nothing here, its lock does.
-    remote = dead_pid()
-    (tmp_path / f"c.bin.tmp-{remote}").write_bytes(b"\0")
-    import fcntl
-    with open(tmp_path / f"c.bin.tmp-{remote}", "rb") as held:
-        fcntl.flock(held.fileno(), fcntl.LOCK_EX)
-        write_builder(tmp_path / "c", OLD)
-        assert (tmp_path / f"c.bin.tmp-{remote}").exists()
-    assert sorted(os.listdir(tmp_path)) == sorted(kept + [f"c.bin.tmp-{remote}", "c.bin", "c.idx",
-                                                          "c.manifest.json"])
-
-
 def test_manifest_catches_a_same_size_change_and_names_a_damaged_manifest(tmp_path):
     write_builder(tmp_path / "c", OLD)
     raw = bytearray((tmp_path / "c.bin").read_bytes())
@@ -302,38 +229,6 @@ def test_an_empty_file_is_named_instead_of_asking_for_data_path(tmp_path):
             build_train_valid_test_datasets(cfg, NullTokenizer(99), SEQ, 1, (10, 0, 0))
         assert f"{tmp_path / 'empty'}.bin/.idx hold no tokens at all" in str(err.value)
         assert "pass --data-path" not in str(err.value)
-
-
-def test_an_empty_preprocess_input_is_refused(tmp_path):
-    write_builder(tmp_path / "out_text_document", OLD)  # an existing pair is left alone
-    before = {f: (tmp_path / f).read_bytes() for f in os.listdir(tmp_path)}
-    (tmp_path / "in.jsonl").write_text("\n\n")
-    result = subprocess.run([sys.executable, os.path.join(REPO, "tools", "preprocess_data.py"), "--input",
-                             str(tmp_path / "in.jsonl"), "--output-prefix", str(tmp_path / "out"), "--tokenizer-type",
-                             "NullTokenizer", "--vocab-size", "1000", "--no-progress"],
-                            capture_output=True, text=True, timeout=60)
-    assert result.returncode == 1 and "Traceback" not in result.stderr
-    assert f"--input {tmp_path / 'in.jsonl'} holds no documents (it is empty" in result.stderr
-    assert {f: (tmp_path / f).read_bytes() for f in os.listdir(tmp_path) if f != "in.jsonl"} == before
-    (tmp_path / "bad.jsonl").write_text('{"x": 1}\n')
-    with pytest.raises(DataError, match=r"all 1 non-blank line\(s\) were bad"):
-        preprocess(str(tmp_path / "bad.jsonl"), str(tmp_path / "out2"), NULL, skip_bad_lines=True, progress=False)
-
-
-# -------------------------------------------------------------------------- one line, no traceback (item 7)
-
-def test_a_truncated_bin_stops_pretraining_with_one_line(tmp_path):
-    write_upstream(tmp_path / "c", docs_with(5, 5))
-    with open(tmp_path / "c.bin", "r+b") as f:
-        f.truncate(os.path.getsize(tmp_path / "c.bin") - 100)
-    argv = tiny_argv(train_iters=3) + ["--data-path", str(tmp_path / "c"), "--tokenizer-type", "NullTokenizer"]
-    argv.remove("--mock-data")
-    out = subprocess.run([sys.executable, "pretrain_gpt.py", *argv], cwd=REPO, capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 2, out.stderr[-2000:]
-    assert "Traceback" not in out.stderr
-    [line] = [ln for ln in out.stderr.splitlines() if ln.startswith("error:")]
-    assert f"{tmp_path / 'c'}.idx: sequence 299 ends at byte" in line and "tools/preprocess_data.py" in line
 
 
 def test_prepare_demo_data_redoes_a_pair_without_a_complete_manifest(tmp_path, monkeypatch):

@@ -41,23 +41,3 @@ def test_training_stage_flags_are_valid(name: str) -> None:
     out = subprocess.run([sys.executable, "pretrain_gpt.py", *args, "--dry-run"], cwd=REPO, capture_output=True,
                          text=True, timeout=120, env=dict(os.environ, WORLD_SIZE=str(world)))
     assert out.returncode == 0, out.stderr
-
-
-@pytest.mark.parametrize("name", ["bench_step", "bench_traced"])
-def test_bench_step_variants_exist(name: str) -> None:
-    bench = load_tool_bench()
-    stage = next(s for s in gpu_check.plan(gpus=1) if s["name"] == name)
-    variants = stage["cmd"][stage["cmd"].index("--variants") + 1].split(",")
-    assert set(variants) <= set(bench.VARIANTS) and "bf16" in variants
-    if "--torch-compile" in stage["cmd"]:
-        modes = stage["cmd"][stage["cmd"].index("--torch-compile") + 1].split(",")
-        assert set(modes) <= set(bench.MODE_LABELS)
-
-
-def load_tool_bench():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_train_step", REPO / "bench" / "bench_train_step.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module

@@ -1,15 +1,14 @@
-"""`--torch-compile`: per-block compilation composes with checkpoints, training and the engines.
+"""`--torch-compile`: per-block compilation composes with checkpoints and training; the compile plan and its
+failure paths.
 
 One compiled tiny FP8 run is shared by the default-suite tests (a module fixture: compiling costs 15-25 s on
-a 2-core CPU); the launcher-level compositions (tensor parallelism, DeepSpeed ZeRO-1, full recompute) each
-compile in their own processes and are `slow`.
+a 2-core CPU); the launcher-level compositions (tensor parallelism, DeepSpeed ZeRO-1, full recompute) are in
+tests/e2e/test_torch_compile_launch.py.
 """
 from __future__ import annotations
 
 import logging
 import re
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -19,16 +18,9 @@ from megatron.arguments import parse_config
 from megatron.model.compile import (FUSED_MIN_ITERS, check_torch_compile_supported, plan_torch_compile,
                                     resolve_torch_compile)
 from megatron.training.loop import pretrain
-from tests.support.config import REPO, tiny_argv
-from tests.support.launch import run_checked, torchrun_command
-from tests.support.logs import losses as _losses
+from tests.support.config import tiny_argv
+from tests.support.flags import COMPILE_RUN as COMMON, FP8_HYBRID as FP8
 from tests.support.run_noise import assert_losses_within_noise
-
-# fp32 (no --bf16): compiled kernels reorder fp32 arithmetic, which is the kind of difference the control run
-# (another micro-batch split) measures. One layer keeps the compilation short.
-COMMON = dict(num_layers=1, micro_batch_size=4, global_batch_size=4, train_iters=12, eval_interval=1000,
-              eval_iters=0, log_interval=1)
-FP8 = ("--fp8-format", "hybrid")
 
 
 class _Lines(logging.Handler):
@@ -136,40 +128,6 @@ def test_on_is_refused_at_parse_time_and_auto_falls_back_with_a_log_line(caplog)
         assert apply_torch_compile(config, torch.nn.Linear(2, 2), torch.device("cuda")).blocks is False
     assert any("transformer blocks eager with --pipeline-model-parallel-size > 1" in r.getMessage()
                for r in caplog.records)
-
-
-def test_cli_refuses_a_bad_value_in_one_line() -> None:
-    out = subprocess.run([sys.executable, "pretrain_gpt.py", *tiny_argv("--torch-compile", "maybe")], cwd=REPO,
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode != 0 and "--torch-compile" in out.stderr and "Traceback" not in out.stderr
-
-
-def _launch(nproc: int, *switches: str, **overrides) -> str:
-    argv = tiny_argv(*switches, **{**COMMON, "train_iters": 4, "global_batch_size": 8, **overrides})
-    out = run_checked(torchrun_command(nproc, "pretrain_gpt.py", *argv), timeout=900)
-    return out.stdout + out.stderr
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("switches", [
-    ("--tensor-model-parallel-size", "2", "--sequence-parallel"),
-    ("--deepspeed", "--zero-stage", "1"),
-    ("--recompute-granularity", "full"),
-    ("--smooth-swiglu",),  # data parallel (DDP) with fc2 column-scaled in the graph
-    ("--tensor-model-parallel-size", "2", "--smooth-swiglu"),  # fc2 eager (its amax is max-reduced over TP)
-], ids=["tp2", "zero1", "full-recompute", "ddp-smooth-swiglu", "tp2-smooth-swiglu"])
-def test_compiled_run_composes(switches) -> None:
-    """Each composition trains with compiled blocks, logs the compile line, and stays within 1e-3 of the eager
-    run's losses over 4 steps (a broken composition - a lost all-reduce, a missing shard - moves them by far
-    more; fp32 reordering moves them by ~1e-6)."""
-    nproc = 1 if "--recompute-granularity" in switches else 2
-    compiled = _launch(nproc, *FP8, *switches, "--torch-compile", "on")
-    eager = _launch(nproc, *FP8, *switches, "--torch-compile", "off")
-    assert "torch.compile: 1 transformer blocks" in compiled
-    assert "tracing the FP8 layers into the transformer blocks failed" not in compiled  # traced, no fallback
-    a, b = _losses(compiled), _losses(eager)
-    assert len(a) == len(b) == 4
-    assert max(abs(x - y) / abs(y) for x, y in zip(a, b)) < 1e-3, (a, b)
 
 
 def test_a_failed_quantization_compile_is_reported_not_claimed(monkeypatch, caplog) -> None:
