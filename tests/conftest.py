@@ -59,7 +59,7 @@ def torch_control(tmp_path_factory) -> tuple[list[float], dict]:
 @pytest.fixture(scope="session")
 def deepspeed_zero1(tmp_path_factory) -> tuple[str, Path]:
     """DeepSpeed ZeRO-1, 2 processes under torchrun, tests/support/launch.py's BASE (2 micro-batches of 2 per rank
-    per step): its log and save folder. Compared with the torch engine (test_deepspeed) and with the same
+    per step): its log and save folder. Compared with the torch engine (test_deepspeed_launch) and with the same
     run started by the deepspeed launcher (test_launchers)."""
     pytest.importorskip("deepspeed")
     from tests.support.launch import run
@@ -72,7 +72,7 @@ def deepspeed_zero1(tmp_path_factory) -> tuple[str, Path]:
 def pp2_fp32_log():
     """log(stage): the log of `pretrain_gpt.py` at PP = 2 under DeepSpeed ZeRO `stage` ("0" or "1"), FP32, tests/
     support/launch.py's BASE with validation at 2 and 4 and clipping at 0.05 (active); one run per stage per
-    session. test_pipeline compares it with PP = 1, test_upstream_scripts with the same run under
+    session. test_pipeline_launch compares it with PP = 1, test_upstream_scripts_launch with the same run under
     full recompute."""
     pytest.importorskip("deepspeed")
     from tests.support.launch import run

@@ -11,11 +11,11 @@ Two kinds of checks:
   state, LR schedule and data position bit for bit; Fp8AdamW's FP8 moments within one rounding of their format
   under the new pieces' scales (`requantization_bound`, derived from the format, not fitted).
 - Loss: the next step at the new layout computes the loss of a same-layout resume within the runs' own noise (a
-  control resumes at the same layout with half the micro-batch size, tests/support/run_noise.py). A same-layout resume
-  repeats the uninterrupted run bit for bit (tests/test_tensor_parallel.py, test_deepspeed.py, test_pipeline.py
-  assert it per engine), so the reference is the source run's own third step: each source trains 3 iterations,
-  saving at 2, and is then pointed back at iteration 2 (the learning rate decays over 3 iterations in every run,
-  so the schedule saved at 2 is the one every later run uses).
+  control resumes at the same layout with half the micro-batch size, tests/support/run_noise.py). A same-layout
+  resume repeats the uninterrupted run bit for bit (tests/e2e/test_tensor_parallel_launch.py,
+  test_deepspeed_launch.py, test_pipeline_launch.py assert it per engine), so the reference is the source run's
+  own third step: each source trains 3 iterations, saving at 2, and is then pointed back at iteration 2 (the
+  learning rate decays over 3 iterations in every run, so the schedule saved at 2 is the one every later run uses).
 """
 from __future__ import annotations
 

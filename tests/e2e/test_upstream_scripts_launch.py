@@ -6,7 +6,8 @@ import pytest
 def test_pipeline_full_recompute_is_recompute(pp2_fp32_log):
     """Microsoft's activation-checkpointing command runs full recompute at PP=2: DeepSpeed checkpoints the
     stage's transformer layers; recomputing is exact (same ops again, no dropout), so the losses are equal.
-    Without recompute: tests/conftest.py's `pp2_fp32_log` (ZeRO 0, clipping at 0.05), shared with test_pipeline."""
+    Without recompute: tests/conftest.py's `pp2_fp32_log` (ZeRO 0, clipping at 0.05), shared with
+    test_pipeline_launch."""
     pytest.importorskip("deepspeed")
     from tests.support.launch import run
     from tests.support.logs import values

@@ -1,7 +1,9 @@
-"""What the tests share; no tests live here. Import from the modules:
+"""What the tests share (tests/unit: in-process; tests/e2e: launches processes); no tests live here. Import from
+the modules:
 
-    config             REPO, the tiny configuration (TINY, tiny_argv), load_tool, the ZeRO-3 JSON of the tests
-    training           in-process helpers: the exact-resume check
+    config             REPO, the tiny configuration (TINY, tiny_argv), load_tool, load_bench, the tests' ZeRO-3 JSON
+    flags              flag sets and run sizes that a unit module and its e2e counterpart both use
+    training           in-process helpers: the exact-resume check, a checkpoint written directly
     launch             free ports, torchrun / deepspeed launcher commands, running `pretrain_gpt.py` (BASE, run)
     logs               values read from a run's log (the loss regexes)
     processes          worker processes: gloo process groups over TCP, a PID that no process holds

@@ -1,5 +1,5 @@
-"""FP8 linears traced into a compiled graph against the eager layers, bit for bit (tests/test_fp8_traced.py on the
-CPU, tests/test_gpu.py on a GPU)."""
+"""FP8 linears traced into a compiled graph against the eager layers, bit for bit (tests/unit/test_fp8_traced.py on
+the CPU, tests/unit/test_gpu.py on a GPU)."""
 from __future__ import annotations
 
 import copy
@@ -62,7 +62,7 @@ def assert_bias_grad_close(got: torch.Tensor, want: torch.Tensor, tokens: int) -
 def assert_traced_equals_eager(recipe: Fp8Recipe, column: bool, bf16: bool, step_weights: bool, device: str) -> None:
     """`step_weights`: the compiled module has the pre-hook compiled blocks get (the FP8 weight made once per
     step, outside the graph, and the cast counter then equals the eager layer's); else W is cast per call.
-    Run on the CPU by tests/test_fp8_traced.py, on a GPU by tests/test_gpu.py."""
+    Run on the CPU by tests/unit/test_fp8_traced.py, on a GPU by tests/unit/test_gpu.py."""
     torch.manual_seed(0)
     eager = Chain(recipe, column).to(device)
     set_fused_quantization(eager, True)

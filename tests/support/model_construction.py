@@ -2,9 +2,9 @@
 
 `python -m torch.distributed.run --nproc_per_node 2 -m tests.support.model_construction MODE` runs
 `construction_worker(MODE)` on each rank and prints its measurements as one `RESULT {json}` line
-(tests/test_model_construction.py). MODE "tp" / "pp": this rank's model at TP=2 / PP=2 (the pipeline wrapped by
-`build_pipeline_module`). "old-tp": the path before build_model (whole model, then cut): its RSS growth is ~1.0 x
-the full bytes, failing the test's bound; kept to show by hand that the check can fail.
+(tests/e2e/test_model_construction_launch.py). MODE "tp" / "pp": this rank's model at TP=2 / PP=2 (the pipeline
+wrapped by `build_pipeline_module`). "old-tp": the path before build_model (whole model, then cut): its RSS growth
+is ~1.0 x the full bytes, failing the test's bound; kept to show by hand that the check can fail.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The runs of the resharding tests (tests/test_reshard.py, tests/test_reshard_zero3.py) and the comparison of a
-resharded checkpoint's state with its source's."""
+"""The runs of the resharding tests (tests/e2e/test_reshard.py, tests/e2e/test_reshard_zero3_launch.py) and the
+comparison of a resharded checkpoint's state with its source's."""
 from __future__ import annotations
 
 import torch
@@ -8,8 +8,8 @@ from megatron.optimizer.fp8_state_quant import moment_format
 from tests.support import launch
 
 # Fp8AdamW eager: this module tests its state across layouts, which the kernel (compiled or eager) does not shape;
-# compiling costs seconds per process. The compiled kernel runs under each engine in test_deepspeed.py,
-# test_deepspeed_tp.py and test_pipeline.py, and against eager in test_fp8_adam_compiled.py.
+# compiling costs seconds per process. The compiled kernel runs under each engine in test_deepspeed_launch.py,
+# test_deepspeed_tp_launch.py and test_pipeline_launch.py, and against eager in test_fp8_adam_compiled.py.
 FP8 = ("--fp8-format", "hybrid", "--optimizer", "fp8adam", "--fp8-optimizer-block-size", "24",
        "--no-fp8-optimizer-compile")
 BASE = dict(micro_batch_size=2, global_batch_size=8, train_iters=2, eval_iters=1, eval_interval=100,

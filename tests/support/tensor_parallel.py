@@ -1,6 +1,6 @@
-"""TP = 1 and TP = 2 models trained side by side in a tensor-parallel worker (tests/test_tensor_parallel.py,
-tests/test_fp8_recipes.py): every rank trains the full models and its shards on the same batches and compares
-its shards with the same slices of the full tensors."""
+"""TP = 1 and TP = 2 models trained side by side in a tensor-parallel worker (tests/e2e/test_tensor_parallel_launch.py,
+tests/e2e/test_fp8_recipes_launch.py): every rank trains the full models and its shards on the same batches and
+compares its shards with the same slices of the full tensors."""
 from __future__ import annotations
 
 import torch

@@ -5,7 +5,7 @@ Inductor, by default, keeps a fused op's input in fp32 where eager rounds it to 
 output feeding the next layer's amax); `emulate_precision_casts` makes it round as eager does, so the traced
 layers can be compared bit for bit: outputs, dx, dW, db and every scaling buffer over three steps (delayed
 scaling's history becomes valid at the second). In a real block that option is off, and the traced and eager
-blocks then agree within rounding noise (tests/test_torch_compile.py).
+blocks then agree within rounding noise (tests/unit/test_torch_compile.py).
 """
 from __future__ import annotations
 

@@ -82,7 +82,7 @@ def test_traced_fp8_layers_equal_eager_on_gpu():
 def test_fp8_layer_and_optimizer_steps_do_not_synchronise_on_gpu():
     """Under `torch.cuda.set_sync_debug_mode("error")` every host-device synchronisation raises: an FP8 layer's
     forward and backward (power-of-two scales, eager and fused), Fp8AdamW's step with stochastic rounding and the
-    delayed-scaling update queue their kernels without waiting for the device (tests/test_host_sync.py counts
+    delayed-scaling update queue their kernels without waiting for the device (tests/unit/test_host_sync.py counts
     the host-to-device copies on CPU)."""
     from megatron.fp8 import fp8_optimizer_step, set_fused_quantization
     from megatron.optimizer.fp8_adam import Fp8AdamW

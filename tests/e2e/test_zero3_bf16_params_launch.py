@@ -9,7 +9,7 @@ all-reduce of its FP32 buffer also is) and each rank adds its piece into an FP32
 The masters are FP32 partitions made from the BF16 partitions when the optimizer is wrapped, as ZeRO-1's
 BF16_Optimizer makes them from the cast module: both start at the initial values rounded once to BF16, which is
 why the first losses print equal. The ZeRO-3 runs use `stage3_param_persistence_threshold: 0` (every parameter
-partitioned and gathered: tests/test_zero3_fp8.py says why).
+partitioned and gathered: tests/e2e/test_zero3_fp8_launch.py says why).
 
 Why a noise bound against ZeRO-1 and not bitwise: ZeRO-3 reduces every micro-batch's gradient and accumulates the
 pieces, ZeRO-1 accumulates and then reduces; Fp8AdamW's blocks of 128 lie on differently cut flat partitions.
@@ -28,16 +28,14 @@ import torch
 from megatron.arguments import parse_config
 from megatron.checkpoint_conversion.layouts import load_file
 from megatron.training import checkpointing as ckpt
-from megatron.training.deepspeed_config import build_deepspeed_config
 from tests.support.config import tiny_argv, write_zero3_config
+from tests.support.flags import ZERO3_BF16_PARAMS as LAYOUT
 from tests.support.launch import BASE, base_run_weights as _weights, run
 from tests.support.logs import losses
 from tests.support.run_noise import assert_losses_within_noise, assert_weights_within_noise
 
 pytest.importorskip("deepspeed")
 
-LAYOUT = ("--bf16", "--params-dtype", "bf16", "--fp8-format", "hybrid", "--optimizer", "fp8adam",
-          "--fp8-optimizer-block-size", "128")
 COMMON = dict(eval_iters=0, save_interval=2)
 
 
@@ -50,13 +48,6 @@ def runs(tmp_path_factory):
     log1 = run(2, "--deepspeed", "--zero-stage", "1", *LAYOUT, save=root / "z1", **COMMON)
     log2 = run(2, "--deepspeed", "--zero-stage", "2", *LAYOUT, save=root / "z2", **COMMON)
     return dict(root=root, zero3=zero3, z3=log3, z1=log1, z2=log2)
-
-
-def test_deepspeed_config_at_zero3_is_bf16_mode_with_fp32_accumulation() -> None:
-    ds = build_deepspeed_config(parse_config(tiny_argv("--deepspeed", "--zero-stage", "3", *LAYOUT)),
-                                num_parameters=10**6)
-    assert ds["bf16"]["enabled"] is True and ds["data_types"] == {"grad_accum_dtype": "fp32"}
-    assert ds["zero_optimization"]["stage"] == 3
 
 
 @pytest.mark.isa_sensitive

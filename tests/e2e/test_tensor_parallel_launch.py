@@ -305,31 +305,9 @@ def test_tp2_fp8_sequence_parallel_resume_is_exact(tmp_path):
         for name, entry in a["fp8"]["layers"].items():
             assert torch.equal(entry["weight"]["scale"], c["fp8"]["layers"][name]["weight"]["scale"]), name
 
-    # At another tensor-parallel size it is resharded (tests/test_reshard.py), but the padded vocabulary (a multiple
+    # At another tensor-parallel size it is resharded (tests/e2e/test_reshard.py), but the padded vocabulary (a multiple
     # of 128 x TP) must stay: the error names the flag that keeps it.
     from megatron.training.loop import Trainer
 
     with pytest.raises(ckpt.CheckpointError, match="--make-vocab-size-divisible-by 256"):
         Trainer(parse_config(tiny_argv("--load", str(tmp_path / "c"), "--fp8-format", "hybrid"), world_size=1))
-
-
-@pytest.mark.parametrize("overrides, switches, message", [
-    (dict(num_key_value_heads=1), [], "--num-key-value-heads 1 must be divisible by --tensor-model-parallel-size 2"),
-    (dict(seq_length=31, max_position_embeddings=32), ["--sequence-parallel"],
-     "--sequence-parallel needs --seq-length"),
-    (dict(ffn_hidden_size=171), [], "--ffn-hidden-size 171 must be divisible"),
-])
-def test_tensor_parallel_validation(overrides, switches, message):
-    import re
-
-    with pytest.raises(ValueError, match=re.escape(message)):
-        parse_config(tiny_argv(*switches, tensor_model_parallel_size=2, **overrides), world_size=2)
-
-
-def test_bias_and_world_size_validation():
-    argv = [a for a in tiny_argv(tensor_model_parallel_size=2) if a != "--disable-bias-linear"]
-    with pytest.raises(ValueError, match="--disable-bias-linear"):
-        parse_config(argv, world_size=2)
-    with pytest.raises(ValueError, match="world size 3 is not divisible"):
-        parse_config(tiny_argv(tensor_model_parallel_size=2), world_size=3)
-    assert not parse_config(tiny_argv("--sequence-parallel"), world_size=1).parallel.sequence_parallel

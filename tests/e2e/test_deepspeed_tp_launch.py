@@ -17,36 +17,28 @@ included.
 """
 from __future__ import annotations
 
-import re
 import shutil
 
 import pytest
 import torch
 
-from megatron.arguments import parse_config
 from megatron.checkpoint_conversion.checkpoint_io import (model_config_from_dict, read_checkpoint,
                                                          resolve_checkpoint_dir)
 from megatron.parallel.layout import shard_state_dict
-from megatron.parallel_state import RankLayout
-from megatron.training.deepspeed_config import DeepSpeedConfigError, build_deepspeed_config
-from tests.support.config import load_tool, tiny_argv
+from tests.support.config import load_tool
 from tests.support.data import data_argv, write_indexed
+from tests.support.flags import DEEPSPEED_TP_RUN as BASE, PP2, SP, TP2
 from tests.support.launch import pretrain_command, run_checked
 from tests.support.logs import values
 from tests.support.run_noise import assert_losses_within_noise, assert_weights_within_noise, printed_unit
 
 pytest.importorskip("deepspeed")
 
-BASE = dict(micro_batch_size=2, global_batch_size=8, train_iters=4, eval_iters=1, eval_interval=2, lr_warmup_iters=0,
-            log_interval=1)
-TP2 = ("--tensor-model-parallel-size", "2")
-SP = ("--sequence-parallel",)
 ZERO1 = ("--deepspeed", "--zero-stage", "1")
-PP2 = ("--pipeline-model-parallel-size", "2")
 # FP8 linears and Fp8AdamW with deterministic moment rounding: stochastic rounding draws from one stream per
 # tensor on the torch engine and per flattened ZeRO partition under DeepSpeed, a difference of another kind.
 # Fp8AdamW eager (compiling costs seconds per process, ~40% of this test's time): its compiled kernel runs under
-# TP here in test_zero0_tp2_fp8_fp8adam_is_the_torch_engine_bit_for_bit, under ZeRO-1 in test_deepspeed.py.
+# TP here in test_zero0_tp2_fp8_fp8adam_is_the_torch_engine_bit_for_bit, under ZeRO-1 in test_deepspeed_launch.py.
 FP8 = ("--fp8-format", "hybrid", "--optimizer", "fp8adam", "--fp8-optimizer-block-size", "128",
        "--no-fp8-optimizer-stochastic-rounding", "--no-fp8-optimizer-compile")
 
@@ -245,49 +237,3 @@ def test_reader_merges_tp_shards_that_evaluate_to_the_runs_validation_loss(which
     noise, _ = deviation(reference[1], reference[0])
     tested, unit = deviation(run[1], run[0])
     assert tested <= 4 * (noise + unit) + unit, (tested, noise)
-
-
-# -------------------------------------------------------------------------------------------- validation
-def test_rank_layout_is_deepspeeds_topology():
-    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
-
-    for pp, dp, tp in [(1, 2, 2), (2, 1, 2), (2, 2, 2), (3, 2, 4), (2, 4, 1), (1, 4, 1)]:
-        ours, theirs = RankLayout(tp=tp, pp=pp, dp=dp), PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
-        world = pp * dp * tp
-        for r in range(world):
-            c = theirs.get_coord(r)
-            assert ours.coordinates(r) == (c.pipe, c.data, c.model)
-            assert ours.rank(c.pipe, c.data, c.model) == r
-        singles = [[r] for r in range(world)]
-        assert sorted(ours.tensor_parallel_groups()) == sorted(theirs.get_axis_comm_lists("model") or singles)
-        assert sorted(ours.data_parallel_groups()) == sorted(theirs.get_axis_comm_lists("data") or singles)
-        stages = [sorted(r for r in range(world) if theirs.get_coord(r).pipe == s) for s in range(pp)]
-        assert ours.stage_groups() == stages
-    # Without a pipeline, Megatron's layout: TP ranks consecutive.
-    assert RankLayout(tp=2, pp=1, dp=2).tensor_parallel_groups() == [[0, 1], [2, 3]]
-
-
-def _tp_config(*switches, world_size=2, **overrides):
-    return parse_config(tiny_argv("--deepspeed", *TP2, *switches, **{**BASE, **overrides}), world_size=world_size)
-
-
-def test_tensor_parallel_is_accepted_with_deepspeed_and_the_pipeline():
-    assert _tp_config("--zero-stage", "1").parallel.tensor_model_parallel_size == 2
-    cfg = _tp_config("--zero-stage", "1", *PP2, *SP, world_size=4)
-    assert cfg.parallel.sequence_parallel and cfg.parallel.pipeline_model_parallel_size == 2
-    # Sequence parallel between stages: DeepSpeed must send every TP rank's own activations whole.
-    ds = build_deepspeed_config(cfg)
-    assert ds["pipeline"] == {"pipe_partitioned": False, "grad_partitioned": False}
-    assert "pipeline" not in build_deepspeed_config(_tp_config("--zero-stage", "1", *PP2, world_size=4))
-
-
-@pytest.mark.parametrize("switches, user, message", [
-    (("--zero-stage", "3"), None, "is not supported with --tensor-model-parallel-size 2"),
-    ((), {"zero_optimization": {"stage": 3}}, "is not supported with --tensor-model-parallel-size 2"),
-    (("--zero-stage", "1", *PP2, *SP), {"pipeline": {"pipe_partitioned": True}},
-     "`pipeline.pipe_partitioned` must be false with --sequence-parallel"),
-])
-def test_unsupported_tensor_parallel_deepspeed_combinations_are_refused(switches, user, message):
-    world = 4 if "--pipeline-model-parallel-size" in switches else 2
-    with pytest.raises(DeepSpeedConfigError, match=re.escape(message)):
-        build_deepspeed_config(_tp_config(*switches, world_size=world), user_json=user)

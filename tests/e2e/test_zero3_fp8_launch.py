@@ -27,15 +27,14 @@ from megatron.arguments import parse_config
 from megatron.checkpoint_conversion.checkpoint_io import read_checkpoint
 from megatron.checkpoint_conversion.layouts import load_file
 from megatron.training import checkpointing as ckpt
-from megatron.training.deepspeed_config import DeepSpeedConfigError, build_deepspeed_config
 from tests.support.config import tiny_argv, write_zero3_config
+from tests.support.flags import ZERO3_FP8 as FP8
 from tests.support.launch import BASE, base_run_weights as _weights, run
 from tests.support.logs import losses
 from tests.support.run_noise import assert_losses_within_noise, assert_weights_within_noise
 
 pytest.importorskip("deepspeed")
 
-FP8 = ("--fp8-format", "hybrid", "--optimizer", "fp8adam", "--fp8-optimizer-block-size", "128")
 COMMON = dict(eval_iters=0, save_interval=2)
 
 
@@ -116,7 +115,7 @@ def test_zero3_builds_the_model_partitioned(runs) -> None:
     """Right after build (before `deepspeed.initialize`) each rank holds only its slices: DeepSpeed cuts every
     tensor into DP parts of ceil(numel / DP) elements (the last one padded), here exactly half of the FP32 model.
     Building whole first would print 1.000. The model is the unpartitioned one: the first loss (the initial weights'
-    forward) prints as ZeRO-1's, and tests/test_checkpoint_layouts.py reads the ZeRO-3 layout back bitwise."""
+    forward) prints as ZeRO-1's, and tests/e2e/test_checkpoint_layouts.py reads the ZeRO-3 layout back bitwise."""
     from megatron.model.gpt import GPTModel
 
     config = parse_config(tiny_argv(*FP8, micro_batch_size=2, global_batch_size=8))
@@ -126,15 +125,3 @@ def test_zero3_builds_the_model_partitioned(runs) -> None:
             f"{full:,}") in runs["z3"], runs["z3"][-3000:]
     assert held / full == 0.5
     assert losses(runs["z3"])[0] == losses(runs["z1"])[0]
-
-
-def test_zero3_fp8adam_keeps_one_sub_group_per_param_group() -> None:
-    """DeepSpeed steps each sub-group in a call of its own, where Fp8AdamW would number it as its first tensor."""
-    config = parse_config(tiny_argv("--deepspeed", "--zero-stage", "3", *FP8, micro_batch_size=2,
-                                    global_batch_size=8))
-    assert build_deepspeed_config(config, num_parameters=10**6)["zero_optimization"]["sub_group_size"] >= 10**6
-    kept = build_deepspeed_config(config, {"zero_optimization": {"sub_group_size": 10**6}}, num_parameters=10**6)
-    assert kept["zero_optimization"]["sub_group_size"] == 10**6
-    with pytest.raises(DeepSpeedConfigError, match=r"`zero_optimization.sub_group_size` 1000 splits the model's "
-                                                   r"1000000 parameters"):
-        build_deepspeed_config(config, {"zero_optimization": {"sub_group_size": 1000}}, num_parameters=10**6)

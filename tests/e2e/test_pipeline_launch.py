@@ -9,12 +9,8 @@ Smooth-SwiGLU scales) with the gradients summed in yet another order. With BF16 
 ZeRO-1 partition, hence Fp8AdamW's per-partition moment scale, is per stage under PP and per rank in the
 control: differences of the same kind again. Resuming at the same layout repeats the same operations: exact.
 """
-import re
-
 import pytest
 
-from megatron.arguments import parse_config
-from tests.support.config import tiny_argv
 from tests.support.launch import run
 from tests.support.logs import values
 from tests.support.run_noise import assert_losses_within_noise
@@ -47,7 +43,7 @@ def fp8_pp2(tmp_path_factory):
 @pytest.mark.parametrize("stage", ["0", "1"])
 def test_pp2_equals_pp1_fp32(stage, pp2_fp32_log):
     """ZeRO 0: our step guard clips and checks (clip 0.05 is active); ZeRO 1: DeepSpeed's optimizer does.
-    The PP = 2 run is tests/conftest.py's `pp2_fp32_log`, shared with test_upstream_scripts."""
+    The PP = 2 run is tests/conftest.py's `pp2_fp32_log`, shared with test_upstream_scripts_launch."""
     zero = ("--deepspeed", "--zero-stage", stage)
     one, control = pp1_and_control(*zero, eval_interval=2, clip_grad=0.05)
     two = values(pp2_fp32_log(stage))
@@ -85,40 +81,12 @@ def test_pp2_resume_at_the_same_layout_continues_the_run(tmp_path, fp8_pp2):
 @pytest.mark.isa_sensitive
 def test_pp2_bf16_fp8adam_tracks_pp1():
     # Fp8AdamW eager (compiling costs seconds per process): each stage steps through the same DeepSpeed ZeRO-1
-    # optimizer as test_deepspeed.py's test_fp8adam_and_fp8_linears_under_zero1_track_the_torch_engine, which runs
-    # the compiled kernel.
+    # optimizer as test_deepspeed_launch.py's test_fp8adam_and_fp8_linears_under_zero1_track_the_torch_engine, which
+    # runs the compiled kernel.
     argv = (*PP, *FP8, "--bf16", "--optimizer", "fp8adam", "--no-fp8-optimizer-compile")
     one, control = pp1_and_control(*argv, **FP8_OVERRIDES)
     two = values(run(2, *argv, "--pipeline-model-parallel-size", "2", **FP8_OVERRIDES))
     assert_losses_within_noise(two, one, control)
-
-
-@pytest.mark.parametrize("switches, overrides, message", [
-    ((), {}, "needs --deepspeed"),
-    (("--deepspeed",), dict(zero_stage=2), "needs --zero-stage 0 or 1 (got 2)"),
-    (("--deepspeed",), dict(zero_stage=3), "needs --zero-stage 0 or 1 (got 3)"),
-    (("--deepspeed", "--reset-position-ids"), {}, "--reset-position-ids / --reset-attention-mask"),
-    (("--deepspeed",), dict(recompute_granularity="full", recompute_method="block"),
-     "--recompute-granularity full needs --recompute-method uniform"),
-    (("--deepspeed",), dict(num_layers=3), "needs --num-layers (3) divisible by it"),
-])
-def test_unsupported_pipeline_combinations_are_rejected(switches, overrides, message):
-    argv = tiny_argv(*switches, pipeline_model_parallel_size=2, **overrides)
-    with pytest.raises(ValueError, match=re.escape(message)):
-        parse_config(argv, world_size=4)
-
-
-@pytest.mark.parametrize("flag", ["tensor_model_parallel_size", "pipeline_model_parallel_size"])
-def test_parallel_sizes_below_one_are_rejected(flag):
-    with pytest.raises(ValueError, match=f"--{flag.replace('_', '-')} must be >= 1, got 0"):
-        parse_config(tiny_argv(**{flag: 0}))
-
-
-def test_pipeline_needs_untied_embeddings():
-    argv = [a for a in tiny_argv("--deepspeed", pipeline_model_parallel_size=2)
-            if a != "--untie-embeddings-and-output-weights"]
-    with pytest.raises(ValueError, match="needs --untie-embeddings-and-output-weights"):
-        parse_config(argv, world_size=2)
 
 
 PP_NAN_SCRIPT = r'''

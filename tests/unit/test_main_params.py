@@ -1,7 +1,7 @@
 """--params-dtype bf16 (Megatron's layout): BF16 weights, FP32 main gradients, FP32 masters with the optimizer.
 
-Torch engine in-process (fast); the DeepSpeed ZeRO-1 run (2 gloo processes) is `slow`. The dry-run estimate
-is checked against issue 17's targets.
+Torch engine in-process (fast); the DeepSpeed ZeRO-1 run (2 gloo processes, `slow`) is in
+tests/e2e/test_main_params_launch.py. The dry-run estimate is checked against issue 17's targets.
 """
 from __future__ import annotations
 
@@ -15,11 +15,7 @@ from megatron.training import checkpointing as ckpt
 from megatron.training.flops import memory_estimate_bytes
 from megatron.training.loop import pretrain
 from tests.support.config import tiny_argv
-
-# Fp8AdamW eager here: the compiled kernel is tested in test_fp8_adam_compiled.py, and compiling costs seconds.
-FP8 = ("--bf16", "--fp8-format", "hybrid", "--optimizer", "fp8adam", "--fp8-optimizer-block-size", "128",
-       "--no-fp8-optimizer-compile")
-MAIN = ("--params-dtype", "bf16")
+from tests.support.flags import MAIN_PARAMS_FP8 as FP8, PARAMS_BF16 as MAIN
 
 
 def test_main_gradients_accumulate_in_fp32_and_masters_round_into_bf16_weights():
@@ -135,26 +131,3 @@ def test_deepspeed_config_is_its_bf16_mode_with_fp32_accumulation():
                           ({"zero_optimization": {"stage": 0}}, "needs ZeRO stage 1, 2 or 3")):
         with pytest.raises(DeepSpeedConfigError, match=message):
             build_deepspeed_config(_ds_cfg(), user_json=user)
-
-
-@pytest.mark.slow
-def test_deepspeed_zero1_bf16_params_resume_exactly_and_checkpoints_hold_fp32_masters(tmp_path):
-    """2 gloo processes, ZeRO-1 (DeepSpeed's BF16_Optimizer around Fp8AdamW): the module states are BF16, the
-    layout-free reader returns the FP32 masters of the partitions, and resuming continues bit for bit."""
-    from megatron.checkpoint_conversion.full_state import read_full_state
-    from tests.support.launch import run
-    from tests.support.logs import losses
-
-    flags = ("--deepspeed", "--zero-stage", "1", *FP8, *MAIN)
-    straight = losses(run(2, *flags, train_iters=8, eval_iters=0))
-    run(2, *flags, train_iters=8, eval_iters=0, save=tmp_path / "c", exit_interval=4)
-    resumed = losses(run(2, *flags, train_iters=8, eval_iters=0, load=tmp_path / "c"))
-    assert straight[4:] == resumed
-    folder = ckpt.iteration_dir(tmp_path / "c", 4)
-    module = torch.load(folder / "mp_rank_00_model_states.pt", weights_only=True)["module"]
-    full = read_full_state(folder)
-    for name, weight in module.items():
-        if weight.is_floating_point() and not name.startswith("rotary") and "fp8" not in name:
-            assert weight.dtype == torch.bfloat16, name
-            assert full.model[name].dtype == torch.float32, name
-            assert torch.equal(full.model[name].bfloat16(), weight), name  # BF16 weights = rounded masters

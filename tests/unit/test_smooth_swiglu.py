@@ -1,12 +1,9 @@
-"""Smooth-SwiGLU: exact re-parametrisation in FP32, FP8 accuracy with an outlier, training, TP scales, export."""
+"""Smooth-SwiGLU: exact re-parametrisation in FP32, FP8 accuracy with an outlier, training, export. The TP scales
+(2 spawned processes) are in tests/e2e/test_smooth_swiglu_launch.py."""
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from megatron.arguments import parse_config
@@ -15,14 +12,12 @@ from megatron.fp8 import Fp8Linear, Fp8Recipe, Fp8Scaling
 from megatron.model import GPTModel
 from megatron.model.smooth_swiglu import (ChannelSplit, calibrate_smooth_swiglu_scales, channel_maxima,
                                           channel_split_scales, fold_smooth_swiglu_scales, pow2_scales,
-                                          swiglu_product, token_maxima)
+                                          swiglu_product)
 from megatron.model.swiglu_outliers import (CHANNEL, PARTS, PLAIN, TOKEN, OutlierSetup, outlier_mlp, part_sqnr,
                                             sudden_outlier_sqnr)
 from megatron.model.transformer import MLP
 from megatron.training.loop import pretrain
 from tests.support.config import load_tool, tiny_argv
-from tests.support.launch import free_port
-from tests.support.processes import init_gloo
 from tests.support.training import assert_resume_is_exact
 
 BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, ffn_hidden_size=128,
@@ -251,28 +246,6 @@ def test_fp8_mlp_fc2_bf16_trains_and_smoothing_becomes_a_no_op(capfd):
         assert not layer.mlp.smooth_swiglu.enabled
     assert "smooth-swiglu: off in layers [0, 1], whose fc2 is not FP8" in capfd.readouterr().err
     assert _final(run) < run.losses[0] - 1.0
-
-
-# ----------------------------------------------------------------------------- tensor parallel
-def _tp_worker(rank: int, port: int, out_dir: str) -> None:
-    init_gloo(rank, port, 2)
-    try:
-        torch.manual_seed(0)
-        up = torch.randn(3, 5, 64) * torch.logspace(-1, 1, 64)  # the full [b, s, F] on every rank
-        shard = up.chunk(2, dim=-1)[rank]  # this rank's FFN channels (column-parallel fc1)
-        torch.save({"local": token_maxima(shard), "reduced": token_maxima(shard, dist.group.WORLD),
-                    "full": token_maxima(up)}, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
-def test_token_scales_max_reduced_over_tp_group_match_one_rank(tmp_path):
-    mp.spawn(_tp_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
-    for r in ranks:
-        assert torch.equal(r["reduced"], r["full"])
-        assert torch.equal(pow2_scales(r["reduced"])[0], pow2_scales(r["full"])[0])
-    assert not torch.equal(ranks[0]["local"], ranks[1]["local"])  # without the reduction ranks disagree
 
 
 # ------------------------------------------------------------------------------------------ export

@@ -1,11 +1,11 @@
 """Resharding on resume into and out of DeepSpeed ZeRO-3 (megatron/training/reshard.py, full_state.py).
 
-Two source runs (3 iterations saving at 2, then pointed back at 2, as in tests/test_reshard.py; FP8 linears +
+Two source runs (3 iterations saving at 2, then pointed back at 2, as in tests/e2e/test_reshard.py; FP8 linears +
 Fp8AdamW with blocks of 24, which straddle the ZeRO-3 pieces of every parameter): ZeRO-3 at DP = 2 and ZeRO-1
 at DP = 2. The ZeRO-3 runs use `stage3_param_persistence_threshold: 0`, so every parameter is really partitioned
 (DeepSpeed's default keeps all of the tiny model's tensors whole).
 
-- State (as tests/test_reshard.py): ZeRO-3 DP 2 -> ZeRO-3 DP 1 and -> the torch engine (ZeRO-3's partitioned
+- State (as tests/e2e/test_reshard.py): ZeRO-3 DP 2 -> ZeRO-3 DP 1 and -> the torch engine (ZeRO-3's partitioned
   moments read out), ZeRO-1 DP 2 -> ZeRO-3 DP 2 (into ZeRO-3's partitions): the target saves at once, and its
   checkpoint read back without its layout equals the source's (weights, FP32 moments, steps, FP8 scaling state,
   LR schedule, data position bit for bit; Fp8AdamW's FP8 moments within `requantization_bound`).
@@ -85,7 +85,7 @@ LOSS = [pytest.param("zero3_dp2", 1, "ZeRO-3 DP 2 -> 1", id="ZeRO-3 DP 2 -> 1"),
 @pytest.mark.isa_sensitive
 @pytest.mark.parametrize("source, nproc, what", LOSS)
 def test_next_step_loss_equals_a_same_layout_resume(sources, source, nproc, what):
-    """The step after loading computes its loss from the restored weights and FP8 scales (tests/test_reshard.py
+    """The step after loading computes its loss from the restored weights and FP8 scales (tests/e2e/test_reshard.py
     says why this step, and not later ones, is the reference)."""
     folder = sources / source
     control = losses(run(2, *sources.switches[source], load=folder, train_iters=3, micro_batch_size=1))
@@ -121,18 +121,3 @@ def test_zero3_moments_read_out_match_zero1s(sources):
         for moment, (dtype, ulps) in fp8.items():
             bound = 2 * ulps * torch.finfo(dtype).eps + 4 * noise
             assert rel(name, moment) <= bound, (name, moment, rel(name, moment), bound)
-
-
-@pytest.mark.parametrize("offload", ["offload_param", "swap_optimizer"])
-def test_resharding_into_offloaded_zero3_is_refused(offload):
-    """Second line of defence (parse_config refuses ZeRO offload, tests/test_deepspeed.py): a ZeRO-3 engine with
-    offloaded parameters or an NVMe-swapped optimizer keeps its partitions off the device, where the loader does
-    not write; resharding into it is one CheckpointError, before any state is touched."""
-    import types
-
-    from megatron.training.reshard import _load_zero3_optimizer
-
-    zero = types.SimpleNamespace(offload_param=False, swap_optimizer=False, fp32_partitioned_groups_flat=None)
-    setattr(zero, offload, True)
-    with pytest.raises(ckpt.CheckpointError, match="offload_param or an NVMe-swapped optimizer is not supported"):
-        _load_zero3_optimizer(zero, [], {}, None, None, 0, 1, True)
