@@ -9,10 +9,10 @@
 # FP8 = delayed hybrid scaling (E4M3 forward, E5M2 gradients, per-tensor, power-of-two scales, amax over
 # all micro-batches of a step) + Smooth-SwiGLU + Fp8AdamW (m E4M3, v E5M2); FP8_SPEC.md section 5.
 # DRY_RUN=1 resolves and validates the whole configuration for the real world size without launching
-# anything (synthetic data, so no corpus or tokenizer is needed): tests/test_examples.py runs it.
+# anything (synthetic data, so no corpus or tokenizer is needed): tests/e2e/test_examples.py runs it.
 # SMOKE=1 (PLATFORM=cuda) runs these very flags for 2 iterations on a model shrunk to 2 layers, with synthetic
 # data, on 2 local CPU processes (the scaled_mm FP8 backend runs there too), and saves a checkpoint:
-# tests/test_checkpoint_layouts.py exports it to Hugging Face.
+# tests/e2e/test_checkpoint_layouts.py exports it to Hugging Face.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source examples/llama2_7b_model.sh

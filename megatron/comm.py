@@ -16,7 +16,7 @@ all-reduces it works on every CPU test and stops the first multi-GPU run. Here e
   run that exercises NCCL; the tests' one-process runs of the collective path).
 
 MEGATRON_COLLECTIVE_GUARD=1 (the test suite sets it, spawned workers inherit it) makes torch.distributed's
-collectives raise when called directly from megatron/ code other than this file; `tests/test_comm.py` also
+collectives raise when called directly from megatron/ code other than this file; `tests/unit/test_comm.py` also
 scans megatron/ for such calls. DeepSpeed's and torch's own collectives (DDP's reducer, ZeRO) are theirs.
 
 Process-group setup (init_process_group, new_group, get_rank, get_world_size) is not a collective and stays
@@ -93,7 +93,7 @@ def _to_wire(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def _from_wire(wire: torch.Tensor, device: torch.device, one_rank_result: torch.Tensor) -> torch.Tensor:
     if wire.device.type == "meta":
-        # A stand-in communication device (tests/test_comm.py records which device each tensor was put on):
+        # A stand-in communication device (tests/unit/test_comm.py records which device each tensor was put on):
         # it holds no data. Stand-ins are used with one-rank groups only, whose result is the input.
         return one_rank_result
     if wire.device == device:

@@ -60,8 +60,8 @@ def plan(gpus: int) -> list[dict]:
     """The stages: name, command, environment additions and time limit (seconds)."""
     stages = [
         {"name": "gpu_tests", "limit": 60, "env": {},
-         "cmd": [PY, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", str(REPO / "tests" / "test_gpu.py"),
-                 str(REPO / "tests" / "test_fp8_recipes.py")]},
+         "cmd": [PY, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+                 str(REPO / "tests" / "unit" / "test_gpu.py"), str(REPO / "tests" / "unit" / "test_fp8_recipes.py")]},
         {"name": "train_1gpu", "limit": 60, "env": {"MEGATRON_FORCE_COLLECTIVES": "1"}, "cmd": _torchrun(1, "")},
     ]
     if gpus >= 2:

@@ -1,70 +1,17 @@
-"""Shared helpers for the test suite: tiny configurations (2 layers, hidden 64, vocab 128, seq 32)."""
+"""Fixtures and hooks of the whole suite (tests/unit: in-process, tests/e2e: launches processes); the helpers they
+use live in tests/support."""
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-# torch.compile's on-disk cache does not tell kernels built under ATEN_CPU_CAPABILITY=avx2 from native ones:
-# a cache filled by one setting and read by the other gave NaNs (compiled Fp8AdamW) or a segfault. CI runs
-# the suite under both settings (scripts/test.sh), so each setting gets its own cache folder.
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(
-    Path(os.environ.get("TMPDIR", "/tmp")) / f"torchinductor-megatron-{os.environ.get('ATEN_CPU_CAPABILITY', 'native')}"))
-
-TINY = {
-    "--num-layers": 2, "--hidden-size": 64, "--num-attention-heads": 4, "--num-key-value-heads": 2,
-    "--seq-length": 32, "--micro-batch-size": 4, "--global-batch-size": 8, "--train-iters": 20,
-    "--lr": 3e-3, "--min-lr": 3e-4, "--lr-decay-style": "cosine", "--lr-warmup-iters": 2,
-    "--vocab-size": 128, "--normalization": "RMSNorm", "--log-interval": 5, "--eval-interval": 10,
-    "--eval-iters": 2, "--hidden-dropout": 0.0, "--attention-dropout": 0.0, "--seed": 1234,
-    "--weight-decay": 0.1,
-}
-TINY_SWITCHES = ["--mock-data", "--swiglu", "--use-rotary-position-embeddings",
-                 "--untie-embeddings-and-output-weights", "--disable-bias-linear"]
-
-
-def load_tool(name: str):
-    """Import `tools/<name>.py` as a module (the tools folder is not a package)."""
-    spec = importlib.util.spec_from_file_location(f"tool_{name}", REPO / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def tiny_argv(*switches: str, **overrides) -> list[str]:
-    """argv for a tiny Llama-style run; overrides use underscores (train_iters=5); None drops a flag."""
-    values = dict(TINY)
-    for key, value in overrides.items():
-        values["--" + key.replace("_", "-")] = value
-    argv = list(TINY_SWITCHES)
-    for flag, value in values.items():
-        if value is not None:
-            argv += [flag, str(value)]
-    return argv + list(switches)
-
-
-def assert_resume_is_exact(tmp_path, switches: tuple, stop: int, **common):
-    """Train straight through; train again saving at iteration `stop` (`--exit-interval`), then resume in a new
-    run: the losses after `stop` and the final weights equal the straight run's bit for bit. Returns both runs."""
-    import torch
-
-    from megatron.arguments import parse_config
-    from megatron.training.loop import pretrain
-
-    straight = pretrain(parse_config(tiny_argv(*switches, **common)))
-    pretrain(parse_config(tiny_argv(*switches, save=tmp_path / "c", exit_interval=stop, **common)))
-    resumed = pretrain(parse_config(tiny_argv(*switches, load=tmp_path / "c", **common)))
-    assert straight.losses[stop:] == resumed.losses
-    for (k, a), (_, b) in zip(straight.model.state_dict().items(), resumed.model.state_dict().items()):
-        assert torch.equal(a, b), k
-    return straight, resumed
+# The repository root on sys.path: `tests.support`, `megatron` and `pretrain_gpt` importable from every test module.
+_ROOT = str(Path(__file__).resolve().parents[1])
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
 
 
 @pytest.fixture(autouse=True)
@@ -78,7 +25,7 @@ def _single_process_env(monkeypatch):
 @pytest.fixture(scope="session")
 def torch_reference_save(tmp_path_factory) -> Path:
     """The checkpoint folder of `torch_reference` (iteration 4); read it, never write into it."""
-    from tests.launch import run
+    from tests.support.launch import run
 
     save = tmp_path_factory.mktemp("torch_reference")
     (save / "log.txt").write_text(run(1, save=save))
@@ -87,10 +34,11 @@ def torch_reference_save(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def torch_reference(torch_reference_save) -> tuple[list[float], dict]:
-    """`pretrain_gpt.py` on the torch engine, one process, tests/launch.py's BASE (4 micro-batches of 2 per step):
-    its training losses and final weights. The reference of the DDP, DeepSpeed ZeRO 0-2 and ZeRO-3 comparisons."""
+    """`pretrain_gpt.py` on the torch engine, one process, tests/support/launch.py's BASE (4 micro-batches of 2 per
+    step): its training losses and final weights. The reference of the DDP, DeepSpeed ZeRO 0-2 and ZeRO-3
+    comparisons."""
     from megatron.training import checkpointing as ckpt
-    from tests.launch import losses
+    from tests.support.logs import losses
 
     log = (torch_reference_save / "log.txt").read_text()
     return losses(log), ckpt.load_checkpoint_files(torch_reference_save)["payload"]["model"]
@@ -98,10 +46,11 @@ def torch_reference(torch_reference_save) -> tuple[list[float], dict]:
 
 @pytest.fixture(scope="session")
 def torch_control(tmp_path_factory) -> tuple[list[float], dict]:
-    """`torch_reference`'s noise (tests/run_noise.py): the same run with micro-batches of 1 and 8 accumulation
-    steps, the same math in another summation order."""
+    """`torch_reference`'s noise (tests/support/run_noise.py): the same run with micro-batches of 1 and 8
+    accumulation steps, the same math in another summation order."""
     from megatron.training import checkpointing as ckpt
-    from tests.launch import losses, run
+    from tests.support.launch import run
+    from tests.support.logs import losses
 
     save = tmp_path_factory.mktemp("torch_control")
     return losses(run(1, save=save, micro_batch_size=1)), ckpt.load_checkpoint_files(save)["payload"]["model"]
@@ -109,11 +58,11 @@ def torch_control(tmp_path_factory) -> tuple[list[float], dict]:
 
 @pytest.fixture(scope="session")
 def deepspeed_zero1(tmp_path_factory) -> tuple[str, Path]:
-    """DeepSpeed ZeRO-1, 2 processes under torchrun, tests/launch.py's BASE (2 micro-batches of 2 per rank per
-    step): its log and save folder. Compared with the torch engine (test_deepspeed) and with the same run started
-    by the deepspeed launcher (test_launchers)."""
+    """DeepSpeed ZeRO-1, 2 processes under torchrun, tests/support/launch.py's BASE (2 micro-batches of 2 per rank
+    per step): its log and save folder. Compared with the torch engine (test_deepspeed_launch) and with the same
+    run started by the deepspeed launcher (test_launchers)."""
     pytest.importorskip("deepspeed")
-    from tests.launch import run
+    from tests.support.launch import run
 
     save = tmp_path_factory.mktemp("deepspeed_zero1")
     return run(2, "--deepspeed", "--zero-stage", "1", save=save), save
@@ -122,10 +71,11 @@ def deepspeed_zero1(tmp_path_factory) -> tuple[str, Path]:
 @pytest.fixture(scope="session")
 def pp2_fp32_log():
     """log(stage): the log of `pretrain_gpt.py` at PP = 2 under DeepSpeed ZeRO `stage` ("0" or "1"), FP32, tests/
-    launch.py's BASE with validation at 2 and 4 and clipping at 0.05 (active); one run per stage per session.
-    test_pipeline compares it with PP = 1, test_upstream_scripts with the same run under full recompute."""
+    support/launch.py's BASE with validation at 2 and 4 and clipping at 0.05 (active); one run per stage per
+    session. test_pipeline_launch compares it with PP = 1, test_upstream_scripts_launch with the same run under
+    full recompute."""
     pytest.importorskip("deepspeed")
-    from tests.launch import run
+    from tests.support.launch import run
 
     logs = {}
 
@@ -144,7 +94,13 @@ def venv_python() -> str:
 
 def pytest_configure(config):
     os.environ.setdefault("OMP_NUM_THREADS", "2")
-    import collective_guard  # every collective of megatron/ must go through megatron.comm
+    # torch.compile's on-disk cache does not tell kernels built under ATEN_CPU_CAPABILITY=avx2 from native ones:
+    # a cache filled by one setting and read by the other gave NaNs (compiled Fp8AdamW) or a segfault. CI runs
+    # the suite under both settings (scripts/test.sh), so each setting gets its own cache folder.
+    isa = os.environ.get("ATEN_CPU_CAPABILITY", "native")
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
+                          str(Path(os.environ.get("TMPDIR", "/tmp")) / f"torchinductor-megatron-{isa}"))
+    from tests.support import collective_guard  # every collective of megatron/ must go through megatron.comm
 
     collective_guard.enable()
 

@@ -26,7 +26,7 @@ the chunk buffers (~40 bytes x CHUNK). bench/bench_index_build.py measures it; d
 
 The values are those of the former whole-array construction: the generator is called in the same order with
 the same sizes (shuffling an int32 `arange` draws what `permutation` and `permuted` draw; `random` draws the
-same stream in chunks), and a chunked cumulative sum is the same sum. tests/test_index_memory.py compares
+same stream in chunks), and a chunked cumulative sum is the same sum. tests/unit/test_index_memory.py compares
 both on random size tables, several epochs and empty documents included.
 """
 from __future__ import annotations

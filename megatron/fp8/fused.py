@@ -12,7 +12,7 @@ here is the layer's choice (`Fp8Linear.fused_quantization`, set for a whole mode
 from `--torch-compile`, see megatron/model/compile.py); nothing here is process-global. The wrappers call the
 eager reference for inputs the compiled path does not take (empty tensors) and, with one warning, forever after
 a compilation failure. Results are bitwise those of the eager path (the
-same fp32 operations, see tests/test_fp8_fused.py).
+same fp32 operations, see tests/unit/test_fp8_fused.py).
 
 Recompilation: every function is compiled with `dynamic=False` (a linear's shapes do not change between
 steps) and takes step-dependent values (scales, validity flags) as 0-d tensors, never as Python numbers;

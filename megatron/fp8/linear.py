@@ -365,7 +365,7 @@ class Fp8Linear(nn.Linear):
     def _requantized_weight(self, backend: Backend, spec: Fp8FormatSpec, scale: torch.Tensor, amax: torch.Tensor,
                             column_scale: torch.Tensor | None) -> _QuantizedWeight:
         """The forward's FP8 weight (or W diag(c)) made again with its scale: the same values and scale give the
-        same bits (the fused and eager casts are bitwise equal, tests/test_fp8_fused.py). Records nothing."""
+        same bits (the fused and eager casts are bitwise equal, tests/unit/test_fp8_fused.py). Records nothing."""
         with torch.no_grad():
             q, values = self._cast_weight(backend, spec, scale, self._weight_values_dtype(backend), column_scale)
         return _QuantizedWeight(None, q, scale, amax, values=values)

@@ -21,7 +21,7 @@ contraction axis, and the FP8 copy made for one GEMM does not serve the other:
   requantization of the fprop layout: requantizing dequantized values rounds twice. The cost is the
   activation memory of one FP8 copy (1 byte per element plus scales; bf16's 2 bytes is no more than two FP8
   copies; MXFP8's tile scales are saved as E8M0 bytes). The error of both choices against dW from the unquantized x is measured in
-  tests/test_fp8_recipes.py and docs/fp8.md ("Fine-grained recipes").
+  tests/unit/test_fp8_recipes.py and docs/fp8.md ("Fine-grained recipes").
 
 Scaling state: fine-grained scales are recomputed at every use and never kept; the module still accumulates
 each role's whole-tensor amax into `fp8_step_amax` (non-finite step counting and statistics behave as under

@@ -12,7 +12,7 @@ and backward take tensors and Python constants only, runs the three GEMMs; its b
 updates the grad role's scaling buffers in place (AOTAutograd keeps a backward graph's mutation of a forward
 input). The arithmetic is the eager path's, operation for operation (the same fused.py functions, the same
 `gemm_nt`); inductor may fuse the output's rounding to bf16 into the next op (as in any compiled block), so a
-traced block agrees with an eager one within rounding noise, and per operation bitwise (tests/test_fp8_traced.py).
+traced block agrees with an eager one within rounding noise, and per operation bitwise (tests/unit/test_fp8_traced.py).
 
 The FP8 weight: a cache keyed on the weight's storage and version cannot live in a graph, so the compiled
 block's pre-hook (`register_fp8_weight_refresh` in megatron/model/compile.py, run eagerly before the graph)
@@ -30,7 +30,7 @@ column scale reduced over a TP group (a collective in the block), the Gaudi back
 `traceable` is the list.
 
 Where it has run: the torch engine (DDP), DeepSpeed ZeRO 0-2, tensor parallelism with sequence parallelism,
-full activation recompute, Smooth-SwiGLU (tests/test_torch_compile.py, slow). Not with pipeline parallelism or
+full activation recompute, Smooth-SwiGLU (tests/e2e/test_torch_compile_launch.py, slow). Not with pipeline parallelism or
 ZeRO-3, whose blocks stay eager (megatron/model/compile.py): a pipeline schedule runs several micro-batches'
 forwards before their backwards, and `_Gemms` saves the layer's scaling buffers for its backward, which autograd's
 in-place checks have not been tried against.

@@ -8,7 +8,7 @@
 A rank therefore allocates its own pieces and nothing else: at TP=t about 1/t of the model, on a pipeline
 stage its own layers, where building the full model first cost every rank all of it (8 ranks x 280 GB of
 FP32 for a 70B model). The values do not depend on the layout: a TP=2 shard equals the slice of the TP=1
-tensor, a stage's layers equal the PP=1 model's (tests/test_model_construction.py checks both bitwise).
+tensor, a stage's layers equal the PP=1 model's (tests/unit/test_model_construction.py checks both bitwise).
 
 ZeRO-3 (`partition`, from `deepspeed_engine.zero3_partitioner`): TP is 1 there, so the piece of every parameter is the
 whole tensor. Instead of materializing all of them and letting `deepspeed.initialize` partition them (every rank

@@ -1,7 +1,7 @@
 """SwiGLU outlier experiments: an aligned outlier channel, and the FP8 accuracy of each part of the MLP.
 
 The functions behind `tools/fp8_outlier_demo.py`, `bench/bench_smooth_swiglu.py --parts` and the accuracy
-tests of Smooth-SwiGLU (tests/test_smooth_swiglu.py). All CPU, emulated FP8, seconds.
+tests of Smooth-SwiGLU (tests/unit/test_smooth_swiglu.py). All CPU, emulated FP8, seconds.
 
 Setup (the paper's mechanism in miniature): a SwiGLU MLP with unit-RMS inputs (as after RMSNorm); channel
 `OUTLIER_CHANNEL`'s up row w1 is set to its gate row w2 and both are scaled until, on the measured batch,

@@ -154,7 +154,7 @@ _CHUNK_ACCELERATOR = 1 << 26
 def _chunk_elements(device: torch.device, block_size: int) -> int:
     """Elements per update chunk on `device`: a whole number of scale blocks. The result of a step does not
     depend on it (blocks never straddle chunks; per-tensor scales take the amax over all chunks first;
-    stochastic rounding's noise is keyed on the element's position), tests/test_fp8_adam.py checks it."""
+    stochastic rounding's noise is keyed on the element's position), tests/unit/test_fp8_adam.py checks it."""
     target = _CHUNK if device.type == "cpu" else _CHUNK_ACCELERATOR
     return max(target // max(block_size, 1), 1) * max(block_size, 1)
 
@@ -306,7 +306,7 @@ class Fp8AdamW(torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         lr = group["lr"]
         # Device scalars by fills (torch.full): torch.tensor(x, device=cuda) would copy from the host and
-        # synchronise the stream once per tensor (tests/test_host_sync.py).
+        # synchronise the stream once per tensor (tests/unit/test_host_sync.py).
         scalars = [torch.full((), x, dtype=torch.float32, device=p.device) for x in (
             1.0 - lr * group["weight_decay"], lr / (1.0 - beta1**step), math.sqrt(1.0 - beta2**step))]
         fixed = (beta1, beta2, group["eps"], m_fmt, v_fmt, self.stochastic_rounding)

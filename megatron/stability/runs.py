@@ -6,7 +6,7 @@ the run's stdout/stderr in `<run>/train.log`. A run that fails (an FP8 run may d
 recorded with its exit code, not raised: a failure is one of the outcomes the lab measures.
 
 The divergence guard is off (`--no-divergence-guard`) in every lab run: it would stop exactly the blow-ups
-the lab is there to watch (tests/test_stability_lab.py checks the flag is in every recorded command).
+the lab is there to watch (tests/e2e/test_stability_lab_launch.py checks the flag is in every recorded command).
 """
 from __future__ import annotations
 

@@ -43,7 +43,7 @@ would keep the FP8 copy (and, on the emulated backend, its exact FP32 values: 5 
 layer on every rank: the whole model again. The cache also mostly misses there (each gather makes new storage).
 So `fp8_weights_per_call` sets `Fp8Linear.fp8_weight_per_call`: each forward quantizes the gathered weight and
 keeps nothing; backward requantizes the re-gathered weight with the forward's scale, which gives the same bits
-(tests/test_fp8_linear.py checks outputs and gradients bitwise against the cached path).
+(tests/unit/test_fp8_linear.py checks outputs and gradients bitwise against the cached path).
 
 Fp8AdamW: ZeRO 1-3 hand the optimizer one flattened 1-D FP32 partition per param group, which defeats
 its "matrices get FP8 states" rule, so every group is tagged with `"fp8_states"` before wrapping: our

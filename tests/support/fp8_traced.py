@@ -1,0 +1,95 @@
+"""FP8 linears traced into a compiled graph against the eager layers, bit for bit (tests/unit/test_fp8_traced.py on
+the CPU, tests/unit/test_gpu.py on a GPU)."""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch._dynamo
+import torch._inductor.config as inductor_config
+
+from megatron.fp8 import fp8_optimizer_step, set_fused_quantization
+from megatron.fp8.linear import Fp8Linear
+from megatron.fp8.recipe import Fp8Recipe
+from megatron.model.compile import register_fp8_weight_refresh
+
+
+class Chain(torch.nn.Module):
+    """Two FP8 linears back to back (the second's input is the first's bf16 output); with `column`, the second
+    gets a Smooth-SwiGLU-style column scale and its input's exact amax, as fc2 does (named as in the MLP, whose
+    `fc2_weight_column_scaled` the compiled blocks' pre-hook reads)."""
+
+    def __init__(self, recipe: Fp8Recipe, column: bool = False) -> None:
+        super().__init__()
+        self.linear_fc1 = Fp8Linear(64, 96, bias=False, recipe=recipe)
+        self.linear_fc2 = Fp8Linear(96, 48, bias=True, recipe=recipe)
+        self.fc2_weight_column_scaled = column
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.linear_fc1(x)
+        if not self.fc2_weight_column_scaled:
+            return self.linear_fc2(h)
+        c = torch.exp2(torch.arange(96, device=x.device, dtype=torch.float32) % 5 - 2)
+        return self.linear_fc2(h * (1 / c).to(h.dtype), weight_column_scale=c,
+                               input_amax=h.abs().amax().float() / 4)
+
+
+def steps(m: torch.nn.Module, xs: list[torch.Tensor], bf16: bool, first: int = 0) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of the output, dx, every gradient and every buffer after each of the steps."""
+    out = []
+    for step, x in enumerate(xs, start=first):
+        x = x.clone().requires_grad_()
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=bf16):
+            y = m(x)
+        (y.float() * torch.linspace(-1, 1, y.shape[-1], device=x.device)).sum().backward()
+        out += [(f"{step}: y", y.detach()), (f"{step}: dx", x.grad)]
+        out += [(f"{step}: grad {n}", p.grad.clone()) for n, p in m.named_parameters()]
+        out += [(f"{step}: {n}", b.clone()) for n, b in m.named_buffers()]
+        out += [(f"{step}: {n} casts", torch.tensor(c.fp8_weight_quantizations)) for n, c in m.named_children()]
+        fp8_optimizer_step(m)  # the delayed scaling update of a training step
+        m.zero_grad()
+    return out
+
+
+def assert_bias_grad_close(got: torch.Tensor, want: torch.Tensor, tokens: int) -> None:
+    """db sums dy over the tokens in fp32 (inductor and eager sum in different orders): each is within
+    (tokens - 1) 2^-24 sum|dy| of the exact sum, so they differ by at most twice that. dy is the same for every
+    token here (the loss weights), so sum|dy| = |db|."""
+    bound = 2 * (tokens - 1) * 2.0**-24 * want.double().abs()
+    assert ((got.double() - want.double()).abs() <= bound).all()
+
+
+def assert_traced_equals_eager(recipe: Fp8Recipe, column: bool, bf16: bool, step_weights: bool, device: str) -> None:
+    """`step_weights`: the compiled module has the pre-hook compiled blocks get (the FP8 weight made once per
+    step, outside the graph, and the cast counter then equals the eager layer's); else W is cast per call.
+    Run on the CPU by tests/unit/test_fp8_traced.py, on a GPU by tests/unit/test_gpu.py."""
+    torch.manual_seed(0)
+    eager = Chain(recipe, column).to(device)
+    set_fused_quantization(eager, True)
+    traced = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    if step_weights:
+        register_fp8_weight_refresh(traced)
+    traced.compile(fullgraph=True, dynamic=False)  # fullgraph: a graph break would raise
+    xs = [torch.randn(3, 8, 64, device=device) * s for s in (1.0, 3.0, 0.5)]
+    with inductor_config.patch(emulate_precision_casts=True):
+        got = steps(traced, xs[:1], bf16)
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        got += steps(traced, xs[1:], bf16, first=1)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # later steps compile nothing new
+    want = steps(eager, xs, bf16)
+    # The cast counter counts casts outside a graph: the per-step ones the pre-hook makes (as many as the eager
+    # layer's), none for a layer casting per call inside the graph (no pre-hook, or a column-scaled fc2).
+    per_call = {"linear_fc1": not step_weights, "linear_fc2": column or not step_weights}
+    for (name, g), (_, w) in zip(got, want):
+        if name.endswith(" casts"):
+            layer = name.split(": ")[1].split(" ")[0]
+            assert int(g) == (0 if per_call[layer] else int(w)) and int(w) > 0, name
+    got = [(n, w if n.endswith(" casts") else g) for (n, g), (_, w) in zip(got, want)]
+    assert [n for n, _ in got] == [n for n, _ in want]
+    for (name, g), (_, w) in zip(got, want):
+        assert g.dtype == w.dtype, name
+        if name.endswith("grad linear_fc2.bias"):
+            assert_bias_grad_close(g, w, tokens=24)
+        else:
+            assert torch.equal(g, w), f"{name} differs"

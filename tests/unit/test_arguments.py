@@ -1,0 +1,154 @@
+"""Flag validation: every error names the flag and the fix; unsupported flags are refused."""
+import re
+
+import pytest
+
+from megatron.arguments import parse_config
+from megatron.config import LrDecayStyle, Normalization, PositionEmbedding
+from megatron.model import GPTModel
+from megatron.training.flops import count_parameters
+from tests.support.config import tiny_argv
+
+
+def test_tiny_config_resolves():
+    cfg = parse_config(tiny_argv())
+    assert cfg.model.padded_vocab_size == 128
+    assert cfg.model.kv_channels == 16 and cfg.model.num_key_value_heads == 2
+    assert cfg.model.normalization is Normalization.RMSNORM
+    assert cfg.model.position_embedding_type is PositionEmbedding.ROPE
+    assert cfg.training.num_micro_batches == 2
+    assert cfg.scheduler.decay_style is LrDecayStyle.COSINE and cfg.scheduler.decay_iters == 20
+    assert cfg.fp8 is None
+
+
+@pytest.mark.parametrize("overrides, switches, message", [
+    (dict(global_batch_size=6), [], "--global-batch-size 6 must be divisible by --micro-batch-size 4"),
+    (dict(lr=None), [], "--lr is required"),
+    (dict(train_samples=100), [], "exactly one of --train-iters and --train-samples"),
+    (dict(num_key_value_heads=3), [], "--num-key-value-heads 3"),
+    (dict(hidden_size=66), [], "--hidden-size 66 must be divisible by --num-attention-heads"),
+    (dict(max_position_embeddings=16), [], "--seq-length 32 exceeds --max-position-embeddings 16"),
+    (dict(vocab_size=None), [], "--vocab-size is required"),
+    (dict(lr_warmup_iters=50), [], "warm-up (50 iterations) is longer than the decay"),
+    (dict(min_lr=1.0), [], "--min-lr 1.0 is larger than --lr"),
+    ({}, ["--fp16"], "--fp16 is not supported: use --bf16"),
+    (dict(zero_stage=1), [], "--deepspeed_config and --zero-stage need --deepspeed"),
+    (dict(pipeline_model_parallel_size=2), [], "world size 1 is not divisible by tensor x pipeline parallel size 2"),
+    (dict(tensor_model_parallel_size=2), [], "world size 1 is not divisible by tensor x pipeline parallel size 2"),
+    (dict(fp8_optimizer_block_size=128), [], "--fp8-optimizer-* flags need --optimizer fp8adam"),
+    ({}, ["--no-fp8-wgrad"], "only apply to FP8 training: add --fp8-format"),
+    (dict(fp8_format="hybrid", fp8_first_last_layers_bf16=1), [], "keeps every one of the 2 layers"),
+])
+def test_validation_errors_name_the_flag(overrides, switches, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_config(tiny_argv(*switches, **overrides))
+
+
+def test_no_data_source_is_an_error():
+    argv = [a for a in tiny_argv() if a != "--mock-data"]
+    with pytest.raises(ValueError, match="--data-path"):
+        parse_config(argv)
+
+
+def test_train_samples_and_warmup_fraction():
+    cfg = parse_config(tiny_argv(train_iters=None, train_samples=81, lr_warmup_iters=None, lr_warmup_fraction=0.25))
+    assert cfg.training.train_iters == 11  # ceil(81 / 8)
+    assert cfg.scheduler.warmup_iters == 2  # int(0.25 * 11)
+
+
+def test_analytic_parameter_count_matches_model():
+    for switches in ([], ["--normalization", "LayerNorm"]):
+        cfg = parse_config(tiny_argv(*switches))
+        assert count_parameters(cfg.model) == GPTModel(cfg.model).num_parameters()
+    argv = [a for a in tiny_argv() if a not in ("--untie-embeddings-and-output-weights", "--disable-bias-linear")]
+    cfg = parse_config(argv)
+    assert count_parameters(cfg.model) == GPTModel(cfg.model).num_parameters()
+
+
+def test_fp8_weight_copies_are_those_of_the_converted_model():
+    """2 bytes (FP8 and its transpose) per weight of every layer `convert_to_fp8` swaps; one linear at ZeRO-3."""
+    from megatron.fp8 import Fp8Linear, convert_to_fp8
+    from megatron.model import GPTModel
+    from megatron.training.flops import memory_estimate_bytes
+
+    for extra in ((), ("--fp8-mlp-fc2-bf16",), ("--fp8-first-last-layers-bf16", "1")):
+        config = parse_config(tiny_argv("--bf16", "--fp8-format", "hybrid", *extra, num_layers=4))
+        model = GPTModel(config.model, device="meta")
+        convert_to_fp8(model, config.fp8)
+        sizes = [m.weight.numel() for m in model.modules() if isinstance(m, Fp8Linear)]
+        got = memory_estimate_bytes(config)["fp8_weights_in_step_GiB"] * 2**30
+        assert got == pytest.approx(2.0 * sum(sizes), rel=1e-12), extra
+    zero3 = parse_config(tiny_argv("--bf16", "--fp8-format", "hybrid", "--deepspeed", "--zero-stage", "3",
+                                   num_layers=4), world_size=2)
+    assert memory_estimate_bytes(zero3)["fp8_weights_in_step_GiB"] * 2**30 == pytest.approx(2.0 * max(sizes))
+    assert memory_estimate_bytes(parse_config(tiny_argv("--bf16")))["fp8_weights_in_step_GiB"] == 0.0
+
+
+def test_memory_estimate_counts_fp8_saved_activations():
+    """FP8 linears keep the inputs of QKV, proj, fc1 (h wide) and fc2 (ffn wide) in 1 byte instead of 2."""
+    from megatron.training.flops import memory_estimate_bytes
+
+    shape = dict(num_layers=4, seq_length=32, micro_batch_size=4)
+    bf16 = memory_estimate_bytes(parse_config(tiny_argv("--bf16", **shape)))
+    fp8 = memory_estimate_bytes(parse_config(tiny_argv("--bf16", "--fp8-format", "hybrid", **shape)))
+    cfg = parse_config(tiny_argv(**shape)).model
+    per_layer = 32 * 4 * (3 * cfg.hidden_size + cfg.ffn_hidden_size)
+    assert (bf16["activations_GiB"] - fp8["activations_GiB"]) * 2**30 == pytest.approx(4 * per_layer, rel=1e-12)
+    edges = memory_estimate_bytes(parse_config(tiny_argv("--bf16", "--fp8-format", "hybrid",
+                                                         "--fp8-first-last-layers-bf16", "1", **shape)))
+    assert (bf16["activations_GiB"] - edges["activations_GiB"]) * 2**30 == pytest.approx(2 * per_layer, rel=1e-12)
+    full = dict(shape, recompute_granularity="full")
+    fp8_full = memory_estimate_bytes(parse_config(tiny_argv("--bf16", "--fp8-format", "hybrid", **full)))
+    bf16_full = memory_estimate_bytes(parse_config(tiny_argv("--bf16", **full)))
+    assert fp8_full.pop("fp8_weights_in_step_GiB") > 0 and bf16_full.pop("fp8_weights_in_step_GiB") == 0
+    assert fp8_full == bf16_full  # only BF16 layer inputs are kept
+
+
+def test_distributed_timeout_minutes_reaches_the_process_group(monkeypatch):
+    """Megatron's --distributed-timeout-minutes (a hung rank used to be waited for 10 minutes, hard-coded)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from megatron.accelerator import get_accelerator
+    from megatron.parallel_state import initialize_parallel_state
+
+    config = parse_config(tiny_argv("--distributed-timeout-minutes", "3"), world_size=1)
+    assert config.parallel.distributed_timeout_minutes == 3.0
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_init(**kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    monkeypatch.setenv("MEGATRON_FORCE_COLLECTIVES", "1")  # a one-process group, so that init_process_group is called
+    monkeypatch.setattr(dist, "init_process_group", fake_init)
+    with pytest.raises(Stop):
+        initialize_parallel_state(config.parallel, get_accelerator("cpu"))
+    assert seen["timeout"] == datetime.timedelta(minutes=3)
+    with pytest.raises(ValueError, match="--distributed-timeout-minutes must be > 0"):
+        parse_config(tiny_argv("--distributed-timeout-minutes", "0"), world_size=1)
+
+
+def test_zero_stage_from_the_json_counts_as_the_flag(tmp_path):
+    """A stage given only in --deepspeed_config is resolved at parse time: the torch.compile refusal, the memory
+    estimate and the compile plan see it (a ZeRO-3 JSON run used to warm up compiled code on partitioned weights)."""
+    import json
+
+    from megatron.model.compile import plan_torch_compile
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    argv = tiny_argv("--deepspeed", "--deepspeed_config", str(path), train_iters=100)
+    config = parse_config(argv, world_size=2)
+    assert config.parallel.zero_stage == 3
+    assert plan_torch_compile(config, "cuda").blocks is False  # ZeRO-3: blocks stay eager under auto
+    with pytest.raises(ValueError, match="--torch-compile on is not supported with --zero-stage 3"):
+        parse_config(argv + ["--torch-compile", "on"], world_size=2)
+    assert not parse_config(tiny_argv("--deepspeed"), world_size=2).parallel.zero_stage  # DeepSpeed's default 0
+    path.write_text(json.dumps({"zero_optimization": {"stage": "three"}}))
+    with pytest.raises(ValueError, match="zero_optimization.stage"):
+        parse_config(argv, world_size=2)

@@ -1,0 +1,69 @@
+"""FP8 statistics: off by default, clipped / flushed fractions, inf/NaN counts, reset, worst layer."""
+from __future__ import annotations
+
+import torch
+
+from megatron.fp8 import Fp8Recipe, collect_fp8_stats, convert_to_fp8, enable_fp8_stats, fp8_optimizer_step, \
+    worst_fp8_layer
+from tests.support.fp8_reference import TinyGPT
+
+FC1 = "decoder.layers.0.mlp.linear_fc1"
+QKV = "decoder.layers.1.self_attention.linear_qkv"
+
+
+def _model() -> TinyGPT:
+    torch.manual_seed(0)
+    model = TinyGPT()
+    convert_to_fp8(model, Fp8Recipe())
+    return model
+
+
+def test_disabled_by_default_and_no_buffers() -> None:
+    model = _model()
+    model(torch.randint(0, 128, (2, 16))).sum().backward()
+    assert collect_fp8_stats(model) == {}
+    assert not hasattr(model.decoder.layers[0].mlp.linear_fc1, "fp8_stats_counts")
+
+
+def test_clipping_flushing_and_nonfinite_counts() -> None:
+    model = _model()
+    fc1 = model.decoder.layers[0].mlp.linear_fc1
+    enable_fp8_stats(model)
+    x = torch.randn(4, 64)
+    fc1(x)
+    fp8_optimizer_step(model)  # the delayed input scale now fits |x| <= amax(x)
+    stats = collect_fp8_stats(model)
+    assert stats[f"fp8/{FC1}/input/clipped_frac"] == 0.0
+    assert stats[f"fp8/{FC1}/weight/amax"] == fc1.weight.abs().max().item()
+    # 1 huge outlier (clips), 1e-9-scale values (flush to zero), one inf, one NaN.
+    y = x.clone()
+    y[0, 0] = 1e4
+    y[1] = 1e-9
+    y[2, 0] = float("inf")
+    y[3, 0] = float("nan")
+    fc1(y)
+    stats = collect_fp8_stats(model)
+    n = y.numel()
+    assert stats[f"fp8/{FC1}/input/clipped_frac"] == 2 / n  # the outlier and the inf
+    assert stats[f"fp8/{FC1}/input/flushed_frac"] == 64 / n
+    assert stats[f"fp8/{FC1}/input/inf_count"] == 1 and stats[f"fp8/{FC1}/input/nan_count"] == 1
+    assert stats[f"fp8/{FC1}/input/scale"] == fc1.fp8_scale[0].item()
+    # Reset on read; layers that did not run are absent.
+    assert collect_fp8_stats(model) == {}
+
+
+def test_every_role_of_every_layer_and_worst_layer() -> None:
+    model = _model()
+    enable_fp8_stats(model)
+    model(torch.randint(0, 128, (2, 16))).square().mean().backward()
+    stats = collect_fp8_stats(model, reset=False)
+    roles = {k.split("/")[2] for k in stats}
+    assert roles == {"input", "weight", "grad_output"}
+    assert len({k.split("/")[1] for k in stats}) == 8
+    assert worst_fp8_layer(stats) is not None and worst_fp8_layer({}) is None
+    stats[f"fp8/{QKV}/grad_output/clipped_frac"] = 0.25
+    assert worst_fp8_layer(stats) == (f"{QKV}/grad_output", 0.25)
+    enable_fp8_stats(model, False)
+    collect_fp8_stats(model)
+    model(torch.randint(0, 128, (2, 16)))
+    assert collect_fp8_stats(model) == {}

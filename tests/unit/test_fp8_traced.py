@@ -1,0 +1,112 @@
+"""`Fp8Linear` traced into a compiled graph (megatron/fp8/traced.py): no graph break, the eager layer's bits.
+
+The reference is the eager layer with fused quantization (itself bitwise the eager reference, test_fp8_fused.py).
+Inductor, by default, keeps a fused op's input in fp32 where eager rounds it to bf16 first (e.g. a bf16 GEMM
+output feeding the next layer's amax); `emulate_precision_casts` makes it round as eager does, so the traced
+layers can be compared bit for bit: outputs, dx, dW, db and every scaling buffer over three steps (delayed
+scaling's history becomes valid at the second). In a real block that option is off, and the traced and eager
+blocks then agree within rounding noise (tests/unit/test_torch_compile.py).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+
+from megatron.config import ModelConfig
+from megatron.fp8 import enable_fp8_stats, set_fused_quantization
+from megatron.fp8.linear import Fp8Linear
+from megatron.fp8.recipe import Fp8Recipe
+from megatron.model.compile import register_fp8_weight_refresh
+from megatron.model.smooth_swiglu import SmoothSwiGLUGranularity
+from megatron.model.transformer import TransformerLayer
+from tests.support.fp8_traced import assert_traced_equals_eager
+
+RECIPES = {
+    "delayed-hybrid": Fp8Recipe(),
+    "tensorwise-e4m3-pow2-margin": Fp8Recipe(scaling="tensorwise", format="e4m3", power_of_two_scales=True, margin=1),
+    "delayed-history4-scaled_mm": Fp8Recipe(amax_history_len=4, amax_compute_algo="max", backend="scaled_mm"),
+    "bf16-wgrad": Fp8Recipe(fp8_wgrad=False),
+}
+
+
+@pytest.mark.isa_sensitive  # compiled vs eager bit for bit: generated kernels follow the ISA, CI reruns with AVX2
+@pytest.mark.parametrize("name,column,bf16,step_weights", [
+    ("delayed-hybrid", False, True, True), ("delayed-hybrid", True, True, False),
+    ("tensorwise-e4m3-pow2-margin", False, True, True), ("delayed-history4-scaled_mm", True, False, True),
+    ("bf16-wgrad", False, True, False)])
+def test_traced_layers_equal_eager_bitwise(name, column, bf16, step_weights):
+    assert_traced_equals_eager(RECIPES[name], column, bf16, step_weights, "cpu")
+
+
+def test_nonfinite_input_reaches_the_output_when_traced():
+    """The NaN-scale guard survives tracing: an inf in x makes the traced output NaN (the step is skipped)."""
+    layer = Fp8Linear(16, 8, bias=False, recipe=Fp8Recipe())
+    set_fused_quantization(layer, True)
+    torch._dynamo.reset()
+    layer.compile(fullgraph=True, dynamic=False)
+    x = torch.randn(4, 16)
+    assert torch.isfinite(layer(x)).all()
+    x[1, 3] = float("inf")
+    assert torch.isnan(layer(x)).all()
+
+
+def _block(recipe: Fp8Recipe) -> TransformerLayer:
+    config = ModelConfig(num_layers=1, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                         ffn_hidden_size=128, seq_length=16, max_position_embeddings=16, padded_vocab_size=128,
+                         kv_channels=16, smooth_swiglu=SmoothSwiGLUGranularity.CHANNEL)
+    block = TransformerLayer(config, 1)
+    for parent in (block.self_attention, block.mlp):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, torch.nn.Linear):
+                setattr(parent, name, Fp8Linear.from_linear(child, recipe))
+    set_fused_quantization(block, True)
+    register_fp8_weight_refresh(block)  # as compile_blocks does
+    return block
+
+
+def _graph_breaks(fn) -> int:
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    fn()
+    return sum(torch._dynamo.utils.counters["graph_break"].values())
+
+
+def test_compiled_transformer_block_has_no_graph_break():
+    """A Llama block with FP8 linears and Smooth-SwiGLU's fc2 (column scale, input amax) traces as one graph
+    (fullgraph raises on any break), forward and backward; a statistics iteration falls back to the eager layer
+    (graph breaks, same call)."""
+    torch.manual_seed(0)
+    block = _block(Fp8Recipe())
+    block.compile(fullgraph=True, dynamic=False)
+    x = torch.randn(2, 16, 64, requires_grad=True)
+
+    def run() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = block(x, None, None)
+        out.float().sum().backward()
+
+    assert _graph_breaks(run) == 0
+    assert block.mlp.linear_fc2.weight.grad is not None and torch.isfinite(block.mlp.linear_fc2.weight.grad).all()
+    # qkv, proj and fc1 from the per-step cache (made by the pre-hook); fc2 casts W diag(c) in the graph
+    assert [block.self_attention.linear_qkv.fp8_weight_quantizations, block.self_attention.linear_proj.
+            fp8_weight_quantizations, block.mlp.linear_fc1.fp8_weight_quantizations,
+            block.mlp.linear_fc2.fp8_weight_quantizations] == [1, 1, 1, 0]
+    stats_block = _block(Fp8Recipe())
+    stats_block.compile(dynamic=False)
+    enable_fp8_stats(stats_block, True)
+    block = stats_block
+    assert _graph_breaks(run) > 0
+
+
+def test_untraceable_configurations_keep_the_eager_layer():
+    """Stochastic rounding of gradients draws eager noise: such a layer stays a graph break (and still works)."""
+    layer = Fp8Linear(16, 8, bias=False, recipe=Fp8Recipe(grad_stochastic_rounding=True))
+    set_fused_quantization(layer, True)
+    compiled = torch.compile(layer, dynamic=False)
+    x = torch.randn(4, 16, requires_grad=True)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled(x).sum().backward()
+    assert sum(torch._dynamo.utils.counters["graph_break"].values()) > 0
+    assert x.grad is not None

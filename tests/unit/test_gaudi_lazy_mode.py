@@ -1,0 +1,57 @@
+"""Gaudi lazy mode: `Accelerator.mark_step` cuts the graph where Habana's Megatron-DeepSpeed does (after each
+backward, after the optimizer step, after each evaluation forward), only on HPU in lazy mode."""
+from __future__ import annotations
+
+import importlib.machinery
+import sys
+import types
+
+import pytest
+
+from megatron.accelerator import Accelerator
+from megatron.arguments import parse_config
+from megatron.training.loop import Trainer
+from tests.support.config import tiny_argv
+
+
+def _fake_htcore(monkeypatch) -> list[str]:
+    calls: list[str] = []
+    names = ("habana_frameworks", "habana_frameworks.torch", "habana_frameworks.torch.core")
+    modules = [types.ModuleType(n) for n in names]
+    for module in modules:
+        module.__spec__ = importlib.machinery.ModuleSpec(module.__name__, None, is_package=True)
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+    modules[0].torch, modules[1].core = modules[1], modules[2]
+    modules[2].mark_step = lambda: calls.append("mark_step")
+    return calls
+
+
+@pytest.mark.parametrize("device,env,expected", [("hpu", None, True), ("hpu", "1", True), ("hpu", "0", False),
+                                                 ("cpu", None, False), ("cuda", "1", False)])
+def test_mark_step_only_in_hpu_lazy_mode(monkeypatch, device, env, expected) -> None:
+    calls = _fake_htcore(monkeypatch)
+    if env is None:
+        monkeypatch.delenv("PT_HPU_LAZY_MODE", raising=False)
+    else:
+        monkeypatch.setenv("PT_HPU_LAZY_MODE", env)
+    accel = Accelerator(device)
+    assert accel.lazy_mode is expected
+    accel.mark_step()
+    assert calls == (["mark_step"] if expected else [])
+
+
+def test_training_loop_marks_steps_after_backward_optimizer_step_and_eval_forward(monkeypatch) -> None:
+    cfg = parse_config(tiny_argv(train_iters=2, eval_interval=2, eval_iters=1, lr_warmup_iters=0))
+    trainer = Trainer(cfg)
+    events: list[str] = []
+    monkeypatch.setattr(Accelerator, "mark_step", lambda self: events.append("mark_step"))
+    real_backward, real_step = trainer.engine.backward, trainer.engine.step
+    monkeypatch.setattr(trainer.engine, "backward", lambda loss: (events.append("backward"), real_backward(loss)))
+    monkeypatch.setattr(trainer.engine, "step", lambda *a: (events.append("step"), real_step(*a))[1])
+    real_forward = trainer._forward_loss
+    monkeypatch.setattr(trainer, "_forward_loss", lambda m, b: (events.append("forward"), real_forward(m, b))[1])
+    trainer.train()
+    n = cfg.training.num_micro_batches
+    one_iteration = ["forward", "backward", "mark_step"] * n + ["step", "mark_step"]
+    evaluation = ["forward", "mark_step"] * (cfg.training.eval_iters * n)
+    assert events == one_iteration * 2 + evaluation * 2  # validation at iteration 2, then the test split

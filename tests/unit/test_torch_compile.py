@@ -1,0 +1,219 @@
+"""`--torch-compile`: per-block compilation composes with checkpoints and training; the compile plan and its
+failure paths.
+
+One compiled tiny FP8 run is shared by the default-suite tests (a module fixture: compiling costs 15-25 s on
+a 2-core CPU); the launcher-level compositions (tensor parallelism, DeepSpeed ZeRO-1, full recompute) are in
+tests/e2e/test_torch_compile_launch.py.
+"""
+from __future__ import annotations
+
+import logging
+import re
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron.arguments import parse_config
+from megatron.model.compile import (FUSED_MIN_ITERS, check_torch_compile_supported, plan_torch_compile,
+                                    resolve_torch_compile)
+from megatron.training.loop import pretrain
+from tests.support.config import tiny_argv
+from tests.support.flags import COMPILE_RUN as COMMON, FP8_HYBRID as FP8
+from tests.support.run_noise import assert_losses_within_noise
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@pytest.fixture(scope="module")
+def compiled_run(tmp_path_factory):
+    save = tmp_path_factory.mktemp("compiled") / "ckpt"
+    handler = _Lines()
+    logging.getLogger("megatron").addHandler(handler)
+    try:
+        result = pretrain(parse_config(tiny_argv(*FP8, "--torch-compile", "on", save=save, save_interval=12,
+                                                 **COMMON)))
+    finally:
+        logging.getLogger("megatron").removeHandler(handler)
+    return SimpleNamespace(result=result, lines=handler.lines, save=save)
+
+
+def test_compile_time_logged_once(compiled_run) -> None:
+    lines = [line for line in compiled_run.lines if "torch.compile:" in line]
+    assert len(lines) == 1 and re.search(r"1 transformer blocks .* compiled in [\d.]+ s", lines[0]), lines
+
+
+def test_state_dict_keys_unchanged(compiled_run) -> None:
+    keys = list(compiled_run.result.model.state_dict())
+    eager = pretrain(parse_config(tiny_argv(*FP8, "--torch-compile", "off",
+                                            **{**COMMON, "train_iters": 2, "lr_warmup_iters": 1})))
+    assert keys == list(eager.model.state_dict())
+    assert not any("_orig_mod" in k for k in keys)
+
+
+def test_losses_within_rounding_noise_of_eager(compiled_run) -> None:
+    reference = pretrain(parse_config(tiny_argv(*FP8, "--torch-compile", "off", **COMMON))).losses
+    control = pretrain(parse_config(tiny_argv(*FP8, "--torch-compile", "off",
+                                              **{**COMMON, "micro_batch_size": 2}))).losses
+    assert_losses_within_noise(compiled_run.result.losses, reference, control)
+
+
+def test_compiled_checkpoint_resumes_eagerly(compiled_run) -> None:
+    resumed = pretrain(parse_config(tiny_argv(*FP8, "--torch-compile", "off", load=compiled_run.save,
+                                              **{**COMMON, "train_iters": 14})))
+    assert resumed.state.iteration == 14 and len(resumed.losses) == 2
+    assert all(torch.isfinite(torch.tensor(resumed.losses)))
+
+
+def test_auto_is_on_for_cuda_only() -> None:
+    assert resolve_torch_compile("auto", "cuda") and not resolve_torch_compile("auto", "cpu")
+    assert resolve_torch_compile("on", "cpu") and not resolve_torch_compile("off", "cuda")
+    with pytest.raises(ValueError, match="--torch-compile"):
+        resolve_torch_compile("yes", "cpu")
+
+
+def _plan_config(mode: str, iters: int, pp: int = 1, zero=None):
+    return SimpleNamespace(training=SimpleNamespace(torch_compile=mode, train_iters=iters),
+                           parallel=SimpleNamespace(pipeline_model_parallel_size=pp, deepspeed=zero is not None,
+                                                    zero_stage=zero))
+
+
+@pytest.mark.parametrize("mode,device,iters,pp,zero,blocks,quant", [
+    ("on", "cpu", 2, 1, None, True, True),
+    ("off", "cuda", 10**5, 1, None, False, False),
+    ("auto", "cuda", 2, 1, None, True, True),
+    ("auto", "cuda", 2, 2, None, False, True),  # PP: blocks eager, quantization still compiled
+    ("auto", "cuda", 2, 1, 3, False, True),  # ZeRO-3 likewise
+    ("auto", "cpu", FUSED_MIN_ITERS - 1, 1, None, False, False),  # short CPU runs start at once
+    ("auto", "cpu", FUSED_MIN_ITERS, 1, None, False, True),
+    ("auto", "cpu", FUSED_MIN_ITERS, 2, None, False, True),
+    ("auto", "hpu", 10**5, 1, None, False, False),  # Gaudi casts in its own kernels
+])
+def test_compile_plan_table(mode, device, iters, pp, zero, blocks, quant) -> None:
+    """The table of megatron/model/compile.py's docstring, row by row."""
+    plan = plan_torch_compile(_plan_config(mode, iters, pp, zero), device)
+    assert (plan.blocks, plan.fp8_quantization) == (blocks, quant)
+    if mode == "auto" and device == "cpu":
+        assert str(iters) in plan.why_fp8  # the log line names the rule it applied
+
+
+@pytest.mark.parametrize("pp,deepspeed,zero,needle", [(2, False, None, "--pipeline-model-parallel-size"),
+                                                       (1, True, 3, "--zero-stage 3")])
+def test_unsupported_combinations_are_refused(pp, deepspeed, zero, needle) -> None:
+    config = SimpleNamespace(parallel=SimpleNamespace(pipeline_model_parallel_size=pp, deepspeed=deepspeed,
+                                                      zero_stage=zero))
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        check_torch_compile_supported(config)
+
+
+def test_on_is_refused_at_parse_time_and_auto_falls_back_with_a_log_line(caplog) -> None:
+    """`on` + pipeline parallelism fails in parse_config (before any process group); `auto` on a device where
+    it would compile turns itself off and says why."""
+    from megatron.model.compile import apply_torch_compile
+
+    argv = tiny_argv("--pipeline-model-parallel-size", "2", "--deepspeed", "--torch-compile", "on")
+    with pytest.raises(ValueError, match=re.escape("--torch-compile on is not supported with "
+                                                   "--pipeline-model-parallel-size > 1")):
+        parse_config(argv, world_size=2)
+    argv = tiny_argv("--pipeline-model-parallel-size", "2", "--deepspeed", "--torch-compile", "auto")
+    config = parse_config(argv, world_size=2)
+    with caplog.at_level(logging.INFO, logger="megatron"):
+        assert apply_torch_compile(config, torch.nn.Linear(2, 2), torch.device("cuda")).blocks is False
+    assert any("transformer blocks eager with --pipeline-model-parallel-size > 1" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_a_failed_quantization_compile_is_reported_not_claimed(monkeypatch, caplog) -> None:
+    """Where torch.compile cannot build the FP8 quantization (no C++ compiler on the node, an unsupported torch),
+    the run trains on the eager reference and its startup line says so instead of 'compiled'."""
+    from megatron.fp8 import convert_to_fp8, fused as fp8_fused
+    from megatron.model import GPTModel
+    from megatron.model.compile import apply_torch_compile
+
+    def broken_compile(fn, **kwargs):
+        def run(*args):
+            raise RuntimeError("no C++ compiler")
+        return run
+
+    for wrapper in fp8_fused._ALL:  # a fresh process: nothing compiled or failed yet (restored afterwards)
+        monkeypatch.setattr(wrapper, "compiled", None)
+        monkeypatch.setattr(wrapper, "failed", False)
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    caplog.set_level(logging.INFO, logger="megatron")  # as a training run's setup_logging leaves it
+    config = parse_config(tiny_argv(*FP8, "--torch-compile", "auto", **{**COMMON, "train_iters": 100}))
+    model = GPTModel(config.model)
+    convert_to_fp8(model, config.fp8)
+    handler = _Lines()
+    logging.getLogger("megatron").addHandler(handler)
+    try:
+        plan = apply_torch_compile(config, model, torch.device("cpu"))
+    finally:
+        logging.getLogger("megatron").removeHandler(handler)
+    assert plan.fp8_quantization and not plan.blocks
+    assert fp8_fused.failed_functions()
+    lines = [line for line in handler.lines if "torch.compile:" in line]
+    assert any("runs eagerly" in line for line in lines) and not any("compiled in" in line for line in lines), lines
+
+
+def test_a_failed_block_compile_is_one_error_naming_the_flag(monkeypatch) -> None:
+    from megatron.model import GPTModel
+    from megatron.model.compile import apply_torch_compile
+
+    def broken_compile(fn, **kwargs):
+        def run(*args, **kw):
+            raise RuntimeError("no C++ compiler\nmore lines")
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    config = parse_config(tiny_argv("--torch-compile", "on", **COMMON))
+    with pytest.raises(ValueError, match=r"compiling the transformer blocks failed \(RuntimeError: no C\+\+ compiler\)"
+                                         r"; pass --torch-compile off"):
+        apply_torch_compile(config, GPTModel(config.model), torch.device("cpu"))
+
+
+def test_a_failed_fp8_trace_falls_back_to_graph_breaks(monkeypatch) -> None:
+    """A torch whose dynamo cannot trace the FP8 layers into a block: the blocks are compiled again with those
+    layers as graph breaks (the eager FP8 path), with one warning; the run's startup line still follows."""
+    from megatron.fp8 import Fp8Linear, convert_to_fp8
+    from megatron.model import GPTModel
+    from megatron.model import compile as compile_mod
+
+    real_warm_up = compile_mod.warm_up
+    calls = []
+
+    def warm_up(model, run):
+        traced = [m.trace_in_compiled_graph for m in model.modules() if isinstance(m, Fp8Linear)]
+        calls.append(all(traced))
+        if all(traced):
+            def failing() -> None:  # fails part-way, as a compilation does: the eager parts ran already
+                run()
+                raise RuntimeError("dynamo cannot trace this\nmore")
+            return real_warm_up(model, failing)
+        return real_warm_up(model, run)
+
+    monkeypatch.setattr(compile_mod, "warm_up", warm_up)
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)  # the blocks' compile itself: not under test
+    config = parse_config(tiny_argv(*FP8, "--torch-compile", "on", **COMMON))
+    model = GPTModel(config.model)
+    convert_to_fp8(model, config.fp8)
+    before = {n: b.clone() for n, b in model.named_buffers()}
+    handler = _Lines()
+    logging.getLogger("megatron").addHandler(handler)
+    try:
+        plan = compile_mod.apply_torch_compile(config, model, torch.device("cpu"))
+    finally:
+        logging.getLogger("megatron").removeHandler(handler)
+    assert plan.blocks and calls == [True, False]
+    assert not any(m.trace_in_compiled_graph for m in model.modules() if isinstance(m, Fp8Linear))
+    warned = [line for line in handler.lines if "tracing the FP8 layers" in line]
+    assert len(warned) == 1 and "RuntimeError: dynamo cannot trace this" in warned[0], handler.lines
+    assert any("compiled in" in line for line in handler.lines)
+    for name, b in model.named_buffers():  # the failed attempt's amaxes were rolled back
+        assert torch.equal(b, before[name]), name
