@@ -93,8 +93,7 @@ def child(table: str, seq_length: int, mode: str, cache_dir: str, rlimit_as: flo
                       lambda sinks: gpt_index.write_gpt_indices(sizes, (0, len(sizes)), seq_length, num_samples, SEED,
                                                                 sinks))
     else:
-        sys.path.insert(0, os.path.join(REPO, "tests"))
-        from index_reference import build_gpt_indices
+        from tests.support.index_reference import build_gpt_indices
 
         build_gpt_indices(sizes, np.arange(len(sizes)), seq_length, num_samples, SEED)
     seconds = time.perf_counter() - start
