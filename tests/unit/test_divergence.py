@@ -1,5 +1,6 @@
 """The divergence guard (megatron/training/divergence.py): runs that explode without a NaN stop before saving."""
 import math
+import statistics
 
 import pytest
 import torch
@@ -42,6 +43,29 @@ def test_a_short_3x_spike_pauses_saving_and_a_sustained_one_stops():
     assert guard.reason is None
     _feed(guard, [9.5], start=86)
     assert guard.reason is not None and "--divergence-patience 20" in guard.reason and "iteration 86" in guard.reason
+
+
+def test_spike_losses_stay_out_of_the_running_median():
+    """The median is taken over healthy losses only: losses above the threshold must not enter the history, or a
+    sustained spike raises its own reference level until it no longer counts as a spike. With a window of 10
+    healthy losses of 3.0 and spikes of 8.0 (> 2.5 x 3.0 = 7.5), a history that took in the spikes would hold five
+    of them after five iterations, its median would become (3 + 8) / 2 = 5.5, the threshold 13.75, and the sixth
+    spike would count as healthy."""
+    guard = DivergenceGuard(DivergenceConfig(window=10, patience=10), WARMUP)
+    _feed(guard, [3.0] * 20)
+    for i in range(21, 30):  # nine spikes: one short of the patience
+        guard.observe(i, 8.0, 1.0)
+        assert guard.reason is None and not guard.healthy, f"iteration {i}: the spike no longer counts as one"
+        assert statistics.median(guard.history) == 3.0
+    guard.observe(30, 8.0, 1.0)
+    assert guard.reason is not None and "running median (3.0000)" in guard.reason and "iteration 30" in guard.reason
+    guard = DivergenceGuard(DivergenceConfig(window=10, patience=20), WARMUP)
+    _feed(guard, [3.0] * 20)
+    _feed(guard, [8.0] * 5, start=21)  # a spike that recovers
+    _feed(guard, [3.1], start=26)
+    assert guard.healthy
+    guard.observe(27, 8.0, 1.0)  # the reference is still 3.0: the next 8.0 is still a spike
+    assert not guard.healthy
 
 
 def test_the_loss_rule_waits_for_warm_up_and_a_history():
