@@ -57,6 +57,20 @@ def test_a_bad_id_anywhere_fails_before_training(tmp_path, bad_id, writer):
     assert "has 100 ids (0..99)" in message and "--vocab-size" in message and "--tokenizer-model" in message
 
 
+@pytest.mark.parametrize("writer", [write_builder, write_upstream])  # range from the manifest / from a scan
+def test_an_id_equal_to_the_vocabulary_size_fails_and_the_last_id_passes(tmp_path, writer):
+    """NullTokenizer(99) has 100 ids, 0..99: id 100 is the first one outside the vocabulary and must be refused,
+    id 99 (the eod) accepted. A `>` instead of `>=` in the range check would accept id == vocab_size."""
+    tokenizer = NullTokenizer(99)
+    assert tokenizer.vocab_size == 100
+    cfg = DataConfig(data_path=(str(tmp_path / "c"),), data_cache_path=str(tmp_path / "cache"))
+    writer(tmp_path / "c", docs_with(tokenizer.vocab_size - 1, bad_doc=42))
+    build_train_valid_test_datasets(cfg, tokenizer, SEQ, 1, (10, 0, 0))
+    writer(tmp_path / "c", docs_with(tokenizer.vocab_size, bad_doc=42))
+    with pytest.raises(TokenIdOutOfRangeError, match="document 42 holds token id 100, .* has 100 ids \\(0..99\\)"):
+        build_train_valid_test_datasets(cfg, tokenizer, SEQ, 1, (10, 0, 0))
+
+
 def test_negative_ids_fail_too(tmp_path):
     docs = docs_with(0, 0, num_docs=20)
     docs[13][3] = -4
