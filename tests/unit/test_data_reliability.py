@@ -18,6 +18,7 @@ from megatron.config import DataConfig
 from megatron.data.errors import CorruptIndexedDatasetError, DataError, TokenIdOutOfRangeError
 from megatron.data.gpt_dataset import build_train_valid_test_datasets
 from megatron.data.indexed_dataset import MMapIndexedDataset
+from megatron.data.manifest import HEAD_TAIL_BYTES, pair_is_complete
 from megatron.data.preprocess import preprocess
 from megatron.data.token_range import scan_token_range
 from megatron.tokenizer import NullTokenizer
@@ -218,6 +219,26 @@ def test_manifest_catches_a_same_size_change_and_names_a_damaged_manifest(tmp_pa
     (tmp_path / "c.manifest.json").write_text('{"format": "megatron-indexed-dataset-manifest", "vers')
     with pytest.raises(CorruptIndexedDatasetError, match="c.manifest.json is unreadable"):
         MMapIndexedDataset(str(tmp_path / "c"))
+
+
+def test_manifest_catches_a_change_in_the_tail_of_a_bin_larger_than_the_head(tmp_path):
+    """A .bin of 2.4 MB: its last MiB shares no byte with its first, so a change to its last token is seen only
+    through the tail hash. (The .bin of the test above is under 1 MiB: there the head hash covers every byte and
+    a manifest check that never compares the tail hash would pass it.)"""
+    tokens_per_doc, num_docs = 400_000, 3  # uint16: 2.4e6 bytes > 2 MiB
+    docs = [np.arange(k, k + tokens_per_doc, dtype=np.int64) % 1000 for k in range(num_docs)]
+    write_builder(tmp_path / "c", docs)
+    size = (tmp_path / "c.bin").stat().st_size
+    assert size == 2 * tokens_per_doc * num_docs and size > 2 * HEAD_TAIL_BYTES
+    assert len(MMapIndexedDataset(str(tmp_path / "c"))) == num_docs  # the untouched pair loads
+    with open(tmp_path / "c.bin", "r+b") as f:  # same size, the last token different
+        f.seek(size - 2)
+        last = np.frombuffer(f.read(2), dtype=np.uint16)[0]
+        f.seek(size - 2)
+        f.write(np.array([last ^ 1], dtype=np.uint16).tobytes())
+    with pytest.raises(CorruptIndexedDatasetError, match="the last MiB of .*c.bin differs"):
+        MMapIndexedDataset(str(tmp_path / "c"))
+    assert not pair_is_complete(str(tmp_path / "c"))
 
 
 # ------------------------------------------------------------------------------- empty data (item 6)
