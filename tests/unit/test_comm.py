@@ -132,6 +132,39 @@ def test_guard_refuses_collectives_from_megatron_but_not_through_comm(one_rank_g
     assert torch.isnan(y).all()
 
 
+# torch.distributed's collectives, written out here rather than read from comm.COLLECTIVES: a name dropped from
+# that tuple would otherwise drop out of this check too.
+GUARDED_COLLECTIVES = (
+    "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor", "all_gather_object",
+    "all_gather_coalesced", "reduce_scatter", "reduce_scatter_tensor", "broadcast", "broadcast_object_list",
+    "barrier", "monitored_barrier", "reduce", "gather", "gather_object", "scatter", "scatter_object_list",
+    "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv", "batch_isend_irecv")
+
+
+def test_guard_claims_every_collective():
+    assert set(GUARDED_COLLECTIVES) <= set(comm.COLLECTIVES)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # torch deprecates some of them when called
+@pytest.mark.parametrize("name", GUARDED_COLLECTIVES)
+def test_guard_refuses_every_collective_called_from_megatron(name):
+    """Each collective, not only all_reduce and barrier: a guard that wraps (or checks) some of them would let
+    megatron/ call the others directly. The call has no arguments: the guard refuses it before torch sees it,
+    and a caller outside megatron/ gets torch's own answer (a TypeError, or no default group), not the guard's."""
+    fn = getattr(dist, name, None)
+    if fn is None:
+        pytest.skip(f"torch {torch.__version__} has no torch.distributed.{name}")
+    assert not dist.is_initialized()  # nothing can communicate or block if the guard lets a call through
+    assert getattr(fn, "megatron_collective_guard", False), f"torch.distributed.{name} is not guarded"
+    inside = compile(f"dist.{name}()", str(REPO / "megatron" / "training" / "somewhere.py"), "exec")
+    with pytest.raises(RuntimeError, match=f"torch.distributed.{name} called from .*must go through megatron.comm"):
+        exec(inside, {"dist": dist})
+    outside = compile(f"dist.{name}()", str(REPO / "tools" / "somewhere.py"), "exec")
+    with pytest.raises(Exception) as err:
+        exec(outside, {"dist": dist})
+    assert "must go through megatron.comm" not in str(err.value)
+
+
 def test_float64_over_hccl_travels_as_a_float32_pair(one_rank_group, monkeypatch):
     """Gaudi has no float64: the evaluation's float64 sums go as (hi, lo) float32 pairs over HCCL (faked here by
     the backend name, the wire staying on the CPU), and come back to within a few float64 ulps."""
