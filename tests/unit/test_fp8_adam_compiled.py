@@ -6,6 +6,8 @@ as a large model's are, and the compiled kernel's dynamic-shape graph is exercis
 """
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -41,14 +43,50 @@ def _train(compile: bool, steps: int = STEPS, model: nn.Module | None = None, op
     return model, opt, losses
 
 
+_ORIGINAL_UPDATE = fp8_adam._chunk_step
+_EAGER_UPDATES = [0]
+
+
+def _update_counting_eager_calls(*args):
+    """Fp8AdamW's per-chunk update, counting the calls executed as Python. Traced by torch.compile, the branch is
+    dropped (`is_compiling()` is True while tracing), so calls of the compiled kernel are not counted."""
+    if not torch.compiler.is_compiling():
+        _EAGER_UPDATES[0] += 1
+    return _ORIGINAL_UPDATE(*args)
+
+
+@contextlib.contextmanager
+def _counting_eager_updates():
+    """Within: Fp8AdamW's update (taken from the module when an optimizer is built, and called through the module
+    when it has no kernel) counts its eager calls; yields a function returning the count so far. Every compiled
+    optimizer of this module is built in here, so that they share one compiled kernel."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fp8_adam, "_chunk_step", _update_counting_eager_calls)
+        start = _EAGER_UPDATES[0]
+        yield lambda: _EAGER_UPDATES[0] - start
+
+
+def _assert_the_compiled_kernel_ran(opt: Fp8AdamW, eager_updates: int) -> None:
+    """After the steps: the compiled optimizer never ran its update eagerly (no fallback after a compile failure,
+    no call that bypassed the kernel), else a compiled-vs-eager comparison is eager against eager. Skips only where
+    torch.compile cannot compile anything at all."""
+    if opt.runs_eager:
+        try:
+            torch.compile(lambda t: t * 2.0 + 1.0, fullgraph=True)(torch.ones(4))
+        except Exception as exc:  # noqa: BLE001 - no working compiler here
+            pytest.skip(f"torch.compile is unavailable here ({type(exc).__name__}); Fp8AdamW fell back to eager")
+    assert opt.compiled and not opt.runs_eager, "Fp8AdamW's compiled update fell back to eager"
+    assert eager_updates == 0, f"{eager_updates} of the compiled optimizer's updates ran eagerly"
+
+
 @pytest.fixture(scope="module")
 def runs():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(fp8_adam, "_CHUNK", CHUNK)
         eager = _train(compile=False)
-        compiled = _train(compile=True)
-        if compiled[1].runs_eager:
-            pytest.skip("torch.compile is unavailable here (Fp8AdamW fell back to eager)")
+        with _counting_eager_updates() as eager_updates:
+            compiled = _train(compile=True)
+        _assert_the_compiled_kernel_ran(compiled[1], eager_updates())
         yield eager, compiled
 
 
@@ -85,18 +123,17 @@ def test_compiled_update_matches_eager_at_every_step_over_50_steps():
     state, steps, and is compared with the eager step. FP8 moments: every element within one FP8 grid step
     (a flipped rounding), few flipped at all; weights: within 4 fp32 ulps of the old weight and of the step,
     except where a moment flipped."""
-    with pytest.MonkeyPatch.context() as mp:
+    with pytest.MonkeyPatch.context() as mp, _counting_eager_updates() as eager_updates:
         mp.setattr(fp8_adam, "_CHUNK", CHUNK)
         model = _model()
         twin = _model()
         opt_e = Fp8AdamW(model.parameters(), lr=LR, compile=False)
-        opt_c = Fp8AdamW(twin.parameters(), lr=LR, compile=True)
-        if opt_c.runs_eager:
-            pytest.skip("torch.compile is unavailable here (Fp8AdamW fell back to eager)")
+        opt_c = Fp8AdamW(twin.parameters(), lr=LR, compile=True)  # whether it ran compiled is checked after the steps
         g = torch.Generator().manual_seed(1)
         x, w = torch.randn(512, 24, generator=g), torch.randn(24, 8, generator=g)
         y = torch.tanh(x @ w / 24**0.5)
         flipped = total = 0
+        compiled_eager_updates = 0
         for i in range(STEPS):
             idx = torch.arange(64) + 64 * (i % 8)
             opt_e.zero_grad()
@@ -109,7 +146,9 @@ def test_compiled_update_matches_eager_at_every_step_over_50_steps():
                         opt_c.state[b][key] = value.clone() if torch.is_tensor(value) else value
             before = [a.detach().clone() for a in model.parameters()]
             opt_e.step()
+            before_compiled = eager_updates()
             opt_c.step()
+            compiled_eager_updates += eager_updates() - before_compiled
             for a, b, old in zip(model.parameters(), twin.parameters(), before):
                 se, sc = opt_e.state[a], opt_c.state[b]
                 moved = torch.zeros(a.numel(), dtype=torch.bool)
@@ -130,13 +169,14 @@ def test_compiled_update_matches_eager_at_every_step_over_50_steps():
                 close = (a - b).abs().flatten() <= ulps
                 assert (close | moved).all(), i
         assert flipped <= 0.01 * total, (flipped, total)  # rounding flips are rare; another noise stream is not
+    _assert_the_compiled_kernel_ran(opt_c, compiled_eager_updates)  # the comparison was compiled against eager
 
 
 def test_compiled_resume_is_exact(runs):
     """Save after 30 compiled steps, load into a fresh compiled optimizer, run 20 more: bit for bit the
     uninterrupted 50 (the noise is a function of step and element, not a generator's position)."""
     _, (m_full, _, loss_full) = runs
-    with pytest.MonkeyPatch.context() as mp:
+    with pytest.MonkeyPatch.context() as mp, _counting_eager_updates():  # the fixture's compiled kernel
         mp.setattr(fp8_adam, "_CHUNK", CHUNK)
         model, opt, first = _train(compile=True, steps=30)
         saved_model, saved_opt = model.state_dict(), opt.state_dict()
