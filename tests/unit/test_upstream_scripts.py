@@ -115,14 +115,15 @@ def test_refusals_name_the_flag_and_the_reason(switches, message):
 
 
 def test_use_torch_compile_maps_onto_our_flag():
-    """Habana's --use-torch-compile true/false is our --torch-compile on/off (issue 17's flag); in a tree without
-    that flag, true is refused as not available yet."""
+    """Habana's --use-torch-compile true/false is our --torch-compile on/off (issue 17's flag). The flag is part of
+    the command line: a parser without it (dropped or misspelt) must fail here, not pass as a tree from before
+    the flag existed."""
     from megatron.arguments import build_parser
 
-    if not any("--torch-compile" in a.option_strings for a in build_parser()._actions):
-        with pytest.raises(ValueError, match="--use-torch-compile true is not supported yet"):
-            parse_config(tiny_argv("--use-torch-compile=true"), env={})
-        return
+    actions = [a for a in build_parser()._actions if "--torch-compile" in a.option_strings]
+    assert len(actions) == 1, "pretrain_gpt.py's parser has no --torch-compile"
+    action = actions[0]
+    assert action.dest == "torch_compile" and set(action.choices) == {"auto", "on", "off"} and action.default == "auto"
     assert parse_config(tiny_argv("--use-torch-compile=true"), env={}).training.torch_compile == "on"
     cfg = parse_config(tiny_argv("--use-torch-compile=0"), env={})
     assert cfg.training.torch_compile == "off" and "--use-torch-compile false: --torch-compile off" in cfg.compat.notes
