@@ -172,7 +172,8 @@ def barrier(group: Optional[Any]) -> None:
 COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor", "all_gather_object",
                "all_gather_coalesced", "reduce_scatter", "reduce_scatter_tensor", "broadcast", "broadcast_object_list",
                "barrier", "monitored_barrier", "reduce", "gather", "gather_object", "scatter", "scatter_object_list",
-               "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv", "batch_isend_irecv")
+               "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv", "batch_isend_irecv",
+               "all_gather_single", "reduce_scatter_single", "send_object_list", "recv_object_list")
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _THIS_FILE = os.path.abspath(__file__)
 

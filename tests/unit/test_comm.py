@@ -138,7 +138,8 @@ GUARDED_COLLECTIVES = (
     "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor", "all_gather_object",
     "all_gather_coalesced", "reduce_scatter", "reduce_scatter_tensor", "broadcast", "broadcast_object_list",
     "barrier", "monitored_barrier", "reduce", "gather", "gather_object", "scatter", "scatter_object_list",
-    "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv", "batch_isend_irecv")
+    "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv", "batch_isend_irecv",
+    "all_gather_single", "reduce_scatter_single", "send_object_list", "recv_object_list")
 
 
 def test_guard_claims_every_collective():
