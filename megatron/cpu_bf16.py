@@ -146,6 +146,17 @@ def _autocast_kernel(op):
     return kernel
 
 
+def _keep_precision_casts(on: bool) -> bool:
+    """Make inductor keep the BF16 round trip `x.to(bf16).float()` inside fused kernels (it drops it by default,
+    and a compiled emulated GEMM would then multiply unrounded operands); returns the previous setting."""
+    import torch._inductor.config as inductor_config
+
+    previous = bool(getattr(inductor_config, "emulate_precision_casts", False))
+    if hasattr(inductor_config, "emulate_precision_casts"):
+        inductor_config.emulate_precision_casts = on
+    return previous
+
+
 def _register() -> None:
     global _library
     if _library is None:
@@ -174,6 +185,7 @@ def install() -> str:
     mode = cpu_bf16_gemm_mode()
     if mode == "fp32":
         _register()
+        _keep_precision_casts(True)
     if not _logged:
         _logged = True
         if mode == "fp32":
@@ -195,7 +207,10 @@ def use_mode(mode: str) -> Iterator[None]:
         raise ValueError(f"mode must be native or fp32, got {mode!r}")
     _register()
     previous, _forced = _forced, mode
+    casts = _keep_precision_casts(True) if mode == "fp32" else None
     try:
         yield
     finally:
         _forced = previous
+        if casts is not None:
+            _keep_precision_casts(casts)

@@ -124,6 +124,22 @@ def test_compiled_graph_uses_the_emulation(emulated):
     assert mms and all(x.meta["val"].dtype == torch.float32 for n in mms for x in n.args[:2])
 
 
+def test_inductor_keeps_the_operand_rounding(emulated):
+    """Compiled with inductor, the emulated GEMM equals the eager one bit for bit: inductor drops a BF16 round
+    trip inside a fused kernel unless it emulates precision casts, and the GEMM then multiplies unrounded operands
+    (here the product x * 1.0001 is fused with its rounding)."""
+    def f(x, w):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return (x * 1.0001) @ w
+
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(16, 64, generator=g), torch.randn(64, 32, generator=g)
+    torch._dynamo.reset()
+    compiled = torch.compile(f)(x, w)
+    assert torch.equal(compiled, f(x, w))
+    assert within_bound(compiled, x * 1.0001, w).max() <= 0
+
+
 @pytest.mark.parametrize("env, isa, fast, expected", [
     ("native", None, False, "native"), ("fp32", None, True, "fp32"), ("", None, True, "native"),
     ("auto", "AVX2", True, "fp32"), ("auto", "AVX2_VNNI", True, "fp32"), ("auto", "AVX10_1_512", True, "native"), ("auto", "avx512_core_bf16", True, "native"), (None, None, False, "fp32"),
