@@ -40,7 +40,7 @@ _OPS = ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "scaled_dot_product
 _ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)  # what autocast casts (float64 stays)
 
 _library: torch.library.Library | None = None  # the registration; it stays in force while referenced
-_logged = False
+_installed: str | None = None  # the mode install() settled, once it ran
 _forced: str | None = None  # use_mode()
 
 
@@ -118,15 +118,11 @@ def emulates_bf16_gemms() -> bool:
     return (_forced or _MODE) == "fp32"
 
 
-def _round_to_bf16(value):
+def _to_bf16(value, emulate: bool):
+    """What autocast casts (floating tensors but float64) as BF16; kept in FP32 (BF16-rounded) to emulate."""
     if isinstance(value, torch.Tensor) and value.dtype in _ELIGIBLE:
-        return value.to(torch.bfloat16).float()
-    return value
-
-
-def _cast_to_bf16(value):
-    if isinstance(value, torch.Tensor) and value.dtype in _ELIGIBLE:
-        return value.to(torch.bfloat16)
+        value = value.to(torch.bfloat16)
+        return value.float() if emulate else value
     return value
 
 
@@ -136,9 +132,9 @@ def _autocast_kernel(op):
     def kernel(*args, **kwargs):
         # torch's own autocast kernel casts to BF16 and runs the op below autocast; only use_mode() reaches
         # that branch here (on CPUs with fast BF16 kernels nothing is registered).
-        convert = _round_to_bf16 if emulates_bf16_gemms() else _cast_to_bf16
-        args = [convert(a) for a in args]
-        kwargs = {k: convert(v) for k, v in kwargs.items()}
+        emulate = emulates_bf16_gemms()
+        args = [_to_bf16(a, emulate) for a in args]
+        kwargs = {k: _to_bf16(v, emulate) for k, v in kwargs.items()}
         with torch._C._ExcludeDispatchKeyGuard(keys):
             out = op(*args, **kwargs)
         return out.to(torch.bfloat16)
@@ -151,9 +147,10 @@ def _keep_precision_casts(on: bool) -> bool:
     and a compiled emulated GEMM would then multiply unrounded operands); returns the previous setting."""
     import torch._inductor.config as inductor_config
 
-    previous = bool(getattr(inductor_config, "emulate_precision_casts", False))
-    if hasattr(inductor_config, "emulate_precision_casts"):
-        inductor_config.emulate_precision_casts = on
+    if not hasattr(inductor_config, "emulate_precision_casts"):  # older torch
+        return False
+    previous = bool(inductor_config.emulate_precision_casts)
+    inductor_config.emulate_precision_casts = on
     return previous
 
 
@@ -178,23 +175,23 @@ def check_unused() -> None:
 def install() -> str:
     """Decide the CPU BF16 GEMM mode once and, for "fp32", register the emulating autocast kernels.
 
-    Idempotent; returns the mode and logs it once. Called where a CPU process enters BF16 autocast (the
-    accelerator's autocast, the evaluation tools) before it does.
+    Idempotent and cheap after the first call (it runs at every entry into CPU BF16 autocast); returns the
+    mode and logs it once.
     """
-    global _logged
+    global _installed
+    if _installed is not None:
+        return _installed
     mode = cpu_bf16_gemm_mode()
     if mode == "fp32":
         _register()
         _keep_precision_casts(True)
-    if not _logged:
-        _logged = True
-        if mode == "fp32":
-            logger.info("CPU BF16: BF16 autocast GEMMs and attention run in FP32 on BF16-rounded operands, "
-                        "rounded to BF16 once (torch's BF16 matmul has no fast kernel on %s; %s=native keeps "
-                        "torch's kernels)", slow_bf16_gemm_reason() or f"request ({ENV_VAR}=fp32)", ENV_VAR)
-        else:
-            logger.info("CPU BF16: torch's BF16 kernels (CPU capability %s; %s=fp32 emulates them in FP32)",
-                        torch.backends.cpu.get_cpu_capability(), ENV_VAR)
+        logger.info("CPU BF16: BF16 autocast GEMMs and attention run in FP32 on BF16-rounded operands, "
+                    "rounded to BF16 once (torch's BF16 matmul has no fast kernel on %s; %s=native keeps "
+                    "torch's kernels)", slow_bf16_gemm_reason() or f"request ({ENV_VAR}=fp32)", ENV_VAR)
+    else:
+        logger.info("CPU BF16: torch's BF16 kernels (CPU capability %s; %s=fp32 emulates them in FP32)",
+                    torch.backends.cpu.get_cpu_capability(), ENV_VAR)
+    _installed = mode
     return mode
 
 
