@@ -105,6 +105,22 @@ def pytest_configure(config):
     collective_guard.enable()
 
 
+def pytest_terminal_summary(terminalreporter):
+    """How the session's launches went (tests/support/forkserver.py): forked, or real processes."""
+    forkserver = sys.modules.get("tests.support.forkserver")
+    if forkserver is not None:
+        c = forkserver.COUNTS
+        terminalreporter.write_line(f"launches: {c['forked']} forked from {c['servers']} preloaded server(s), "
+                                    f"{c['real']} real processes (an import-time variable differed)")
+
+
+def pytest_unconfigure(config):
+    """The fork server of the session's launches (tests/support/forkserver.py) stops with the session."""
+    forkserver = sys.modules.get("tests.support.forkserver")
+    if forkserver is not None:
+        forkserver.shutdown()
+
+
 def pytest_collection_modifyitems(config, items):
     """`slow` tests (long experiments) are skipped unless MEGATRON_SLOW_TESTS=1 (pytest.ini's marker)."""
     if os.environ.get("MEGATRON_SLOW_TESTS", "") not in ("", "0"):

@@ -1,17 +1,15 @@
 """Flag validation at the command line: `pretrain_gpt.py` in its own process (a dry run, a refused flag's exit code)."""
-import subprocess
-import sys
-
-from tests.support.config import REPO, tiny_argv
+from tests.support.config import tiny_argv
+from tests.support.launch import pretrain_cli
 
 
 def test_dry_run_llama2_7b_parameter_count():
-    out = subprocess.run([sys.executable, "pretrain_gpt.py", "--dry-run", "--num-layers", "32", "--hidden-size", "4096",
-                          "--ffn-hidden-size", "11008", "--num-attention-heads", "32", "--seq-length", "4096",
-                          "--micro-batch-size", "1", "--global-batch-size", "1024", "--train-iters", "10",
-                          "--lr", "3e-4", "--mock-data", "--vocab-size", "32000", "--swiglu", "--normalization",
-                          "RMSNorm", "--use-rotary-position-embeddings", "--untie-embeddings-and-output-weights",
-                          "--disable-bias-linear"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    out = pretrain_cli("--dry-run", "--num-layers", "32", "--hidden-size", "4096",
+                       "--ffn-hidden-size", "11008", "--num-attention-heads", "32", "--seq-length", "4096",
+                       "--micro-batch-size", "1", "--global-batch-size", "1024", "--train-iters", "10", "--lr",
+                       "3e-4", "--mock-data", "--vocab-size", "32000", "--swiglu", "--normalization", "RMSNorm",
+                       "--use-rotary-position-embeddings", "--untie-embeddings-and-output-weights",
+                       "--disable-bias-linear", timeout=120)
     assert out.returncode == 0, out.stderr
     assert "parameters: 6,738,415,616" in out.stdout  # Llama2-7B's published count
     assert "gradient accumulation steps: 1024" in out.stdout
@@ -19,7 +17,6 @@ def test_dry_run_llama2_7b_parameter_count():
 
 
 def test_cli_error_exit_code_and_message():
-    out = subprocess.run([sys.executable, "pretrain_gpt.py", *tiny_argv(global_batch_size=6)], cwd=REPO,
-                         capture_output=True, text=True, timeout=120)
+    out = pretrain_cli(*tiny_argv(global_batch_size=6), timeout=120)
     assert out.returncode == 2
     assert "--global-batch-size 6" in out.stderr

@@ -19,7 +19,7 @@ from megatron.checkpoint_conversion import export_to_hf, load_gpt_checkpoint
 from megatron.checkpoint_conversion.checkpoint_io import read_checkpoint, resolve_checkpoint_dir
 from megatron.checkpoint_conversion.layouts import detect_layout
 from tests.support.config import REPO, load_tool, tiny_argv
-from tests.support.launch import free_port, pretrain_command, run_checked
+from tests.support.launch import free_port, launch_checked
 from tests.support.data import VOCAB, write_indexed
 
 pytest.importorskip("deepspeed")
@@ -40,7 +40,7 @@ LAYOUTS = {  # name: (processes, switches)
 
 def _train(nproc: int, switches: tuple, save) -> None:
     argv = tiny_argv(*switches, save=save, **FROZEN)
-    run_checked(pretrain_command(nproc, argv), stdout_tail=0, stderr_tail=3000)
+    launch_checked(nproc, argv, stdout_tail=0, stderr_tail=3000)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import torch
 
 from megatron.training import checkpointing as ckpt
 from tests.support.config import REPO, tiny_argv
-from tests.support.launch import pretrain_cli as _pretrain_cli
+from tests.support.launch import launch as _launch, pretrain_cli as _pretrain_cli
 from tests.support.training import save_tiny_checkpoint as _save
 
 
@@ -69,6 +69,5 @@ def test_user_errors_print_one_line_without_a_traceback(tmp_path):
     assert "error: " in out.stderr and "train_state.json is damaged" in out.stderr
     shown = _pretrain_cli(*argv, env={"MEGATRON_TRACEBACK": "1"})  # for debugging: the traceback is there
     assert shown.returncode != 0 and "Traceback" in shown.stderr
-    tool = subprocess.run([sys.executable, "tools/evaluate.py", "--load", str(tmp_path / "nowhere"), "--text-file",
-                           "x"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    tool = _launch(1, ["--load", str(tmp_path / "nowhere"), "--text-file", "x"], "tools/evaluate.py")
     assert tool.returncode == 2 and "Traceback" not in tool.stderr and "nowhere" in tool.stderr

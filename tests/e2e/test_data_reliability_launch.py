@@ -13,6 +13,7 @@ from megatron.data.indexed_dataset import MMapIndexedDataset
 from megatron.data.preprocess import preprocess
 from tests.support.config import REPO, tiny_argv
 from tests.support.data import NEW_DOCS as NEW, NULL, OLD_DOCS as OLD, docs_with, write_builder, write_upstream
+from tests.support.launch import pretrain_cli
 from tests.support.processes import dead_pid
 
 
@@ -93,8 +94,7 @@ def test_a_truncated_bin_stops_pretraining_with_one_line(tmp_path):
         f.truncate(os.path.getsize(tmp_path / "c.bin") - 100)
     argv = tiny_argv(train_iters=3) + ["--data-path", str(tmp_path / "c"), "--tokenizer-type", "NullTokenizer"]
     argv.remove("--mock-data")
-    out = subprocess.run([sys.executable, "pretrain_gpt.py", *argv], cwd=REPO, capture_output=True, text=True,
-                         timeout=300)
+    out = pretrain_cli(*argv)
     assert out.returncode == 2, out.stderr[-2000:]
     assert "Traceback" not in out.stderr
     [line] = [ln for ln in out.stderr.splitlines() if ln.startswith("error:")]

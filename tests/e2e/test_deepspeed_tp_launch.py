@@ -28,7 +28,7 @@ from megatron.parallel.layout import shard_state_dict
 from tests.support.config import load_tool
 from tests.support.data import data_argv, write_indexed
 from tests.support.flags import DEEPSPEED_TP_RUN as BASE, PP2, SP, TP2
-from tests.support.launch import pretrain_command, run_checked
+from tests.support.launch import launch_checked
 from tests.support.logs import values
 from tests.support.run_noise import assert_losses_within_noise, assert_weights_within_noise, printed_unit
 
@@ -58,7 +58,7 @@ class Runs:
     def __call__(self, name: str, nproc: int, *switches: str, **overrides):
         save = self.root / name
         argv = data_argv(*self.data, **{**BASE, "save": str(save), **overrides}) + list(switches)
-        out = run_checked(pretrain_command(nproc, argv))
+        out = launch_checked(nproc, argv)
         return values(out.stderr), save, out.stderr
 
 

@@ -5,9 +5,9 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from megatron.fp8 import Fp8Linear, Fp8Recipe, convert_to_fp8, fp8_optimizer_step
+from tests.support import forkserver
 from tests.support.fp8_reference import TinyGPT
 from tests.support.launch import free_port
 from tests.support.processes import init_gloo
@@ -52,7 +52,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 
 def test_one_batched_all_reduce_gives_every_rank_the_max(tmp_path: os.PathLike) -> None:
-    mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    forkserver.spawn(_worker, (free_port(), str(tmp_path)), WORLD)
     r0, r1 = (torch.load(os.path.join(tmp_path, f"rank{r}.pt")) for r in range(WORLD))
     assert r0["calls"] == [(8, 3)] and r1["calls"] == [(8, 3)]  # ONE all-reduce of [n_modules, 3 roles]
     assert not torch.equal(r0["local"], r1["local"])  # the ranks really saw different amaxes

@@ -7,10 +7,10 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from megatron.arguments import parse_config
 from megatron.config import ParallelConfig
+from tests.support import forkserver
 from tests.support.config import tiny_argv
 from tests.support.flags import FINE_RECIPES as FINE
 from tests.support.launch import free_port
@@ -61,7 +61,7 @@ def test_tp2_tracks_tp1_per_recipe(tmp_path):
     elements at TP=2 (validated sizes), so TP changes only fp32 summation orders, which move FP8 roundings
     where a value sits at a rounding boundary (and, with fp32 scales, a tile's scale by an ulp); rowwise scales
     of the row-parallel GEMMs cover the local half of K (no collective), a real but smaller change than FP8."""
-    mp.spawn(_tp_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    forkserver.spawn(_tp_worker, (free_port(), str(tmp_path)), 2)
     for rank in range(2):
         results = torch.load(tmp_path / f"rank{rank}.pt")
         assert results.keys() == set(FINE)

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from tests.support.config import REPO
+from tests.support.launch import pretrain_cli
 
 sys.path.insert(0, str(REPO / "scripts"))
 import gpu_check  # noqa: E402
@@ -38,6 +39,5 @@ def test_training_stage_flags_are_valid(name: str) -> None:
     args = stage["cmd"][stage["cmd"].index(str(REPO / "pretrain_gpt.py")) + 1:]
     args = [("cpu" if a == "cuda" and args[i - 1] == "--device" else a) for i, a in enumerate(args)]
     world = 2 if name == "train_tp2" else 1
-    out = subprocess.run([sys.executable, "pretrain_gpt.py", *args, "--dry-run"], cwd=REPO, capture_output=True,
-                         text=True, timeout=120, env=dict(os.environ, WORLD_SIZE=str(world)))
+    out = pretrain_cli(*args, "--dry-run", env={"WORLD_SIZE": str(world)}, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -15,12 +15,12 @@ from megatron.data.indexed_dataset import MMapIndexedDataset
 from megatron.data.preprocess import preprocess
 from tests.support.config import REPO
 from tests.support.data import NULL
+from tests.support.launch import launch
 
 
-def run_tool(*args: str, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, os.path.join(REPO, "tools", "preprocess_data.py"), *args,
-                           "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--no-progress"],
-                          capture_output=True, text=True, timeout=60, **kwargs)
+def run_tool(*args: str) -> subprocess.CompletedProcess:
+    return launch(1, [*args, "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--no-progress"],
+                  os.path.join(REPO, "tools", "preprocess_data.py"), timeout=60)
 
 
 def test_plain_text_and_workers_give_identical_files(tmp_path):

@@ -6,9 +6,9 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from megatron.model.smooth_swiglu import pow2_scales, token_maxima
+from tests.support import forkserver
 from tests.support.launch import free_port
 from tests.support.processes import init_gloo
 
@@ -27,7 +27,7 @@ def _tp_worker(rank: int, port: int, out_dir: str) -> None:
 
 
 def test_token_scales_max_reduced_over_tp_group_match_one_rank(tmp_path):
-    mp.spawn(_tp_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    forkserver.spawn(_tp_worker, (free_port(), str(tmp_path)), 2)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for r in ranks:
         assert torch.equal(r["reduced"], r["full"])

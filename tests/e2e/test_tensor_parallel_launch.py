@@ -28,13 +28,13 @@ import subprocess
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from megatron.arguments import parse_config
 from megatron.config import ParallelConfig
+from tests.support import forkserver
 from tests.support.config import tiny_argv
-from tests.support.launch import free_port, pretrain_command, run_checked
+from tests.support.launch import free_port, launch_checked
 from tests.support.logs import printed_losses as _losses
 from tests.support.processes import init_gloo
 from tests.support.run_noise import printed_unit, relative_error
@@ -178,7 +178,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def tp_results(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("tp")
-    mp.spawn(_worker, args=(free_port(), str(out)), nprocs=WORLD, join=True)
+    forkserver.spawn(_worker, (free_port(), str(out)), WORLD)
     return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
 
 
@@ -254,8 +254,7 @@ def test_vocab_parallel_cross_entropy_equals_f_cross_entropy(tp_results):
 def _pretrain(nproc: int, *extra: str) -> subprocess.CompletedProcess:
     argv = tiny_argv(*extra, micro_batch_size=2, global_batch_size=4, train_iters=4, eval_iters=1,
                      eval_interval=4, lr_warmup_iters=0, log_interval=1)
-    return run_checked(pretrain_command(nproc, argv), env=dict(os.environ, OMP_NUM_THREADS="1"), stdout_tail=0,
-                       stderr_tail=3000)
+    return launch_checked(nproc, argv, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout_tail=0, stderr_tail=3000)
 
 
 def _adam_update_bound(beta1: float, beta2: float, steps: int) -> list[float]:

@@ -3,20 +3,16 @@
 own processes and are `slow`."""
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
-from tests.support.config import REPO, tiny_argv
+from tests.support.config import tiny_argv
 from tests.support.flags import COMPILE_RUN as COMMON, FP8_HYBRID as FP8
-from tests.support.launch import run_checked, torchrun_command
+from tests.support.launch import pretrain_cli, run_checked, torchrun_command
 from tests.support.logs import losses as _losses
 
 
 def test_cli_refuses_a_bad_value_in_one_line() -> None:
-    out = subprocess.run([sys.executable, "pretrain_gpt.py", *tiny_argv("--torch-compile", "maybe")], cwd=REPO,
-                         capture_output=True, text=True, timeout=120)
+    out = pretrain_cli(*tiny_argv("--torch-compile", "maybe"), timeout=120)
     assert out.returncode != 0 and "--torch-compile" in out.stderr and "Traceback" not in out.stderr
 
 

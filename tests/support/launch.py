@@ -1,5 +1,10 @@
 """Starting processes from tests: free ports, torchrun and deepspeed-launcher commands, `pretrain_gpt.py` runs.
 
+Runs of our scripts (`launch`, `launch_checked`, `run`, `pretrain_cli`) are forked from the session's preloaded
+interpreter (tests/support/forkserver.py): the processes torchrun would start, without paying the interpreter's
+start and imports per process. Tests of the launchers themselves build real commands (`torchrun_command`,
+`deepspeed_command`, `pretrain_command`) and run them with `run_checked`.
+
 BASE is the tiny run most multi-process tests compare (4 iterations of 8 samples as 2 micro-batches of 2 per rank
 at DP = 2, or 4 in one process; validation at the end). The torch engine's one-process BASE run and its noise
 control are session fixtures (tests/conftest.py: `torch_reference`, `torch_control`), so every module that compares
@@ -60,11 +65,29 @@ def run_checked(cmd: Sequence[str], *, env: dict | None = None, timeout: float =
     return out
 
 
+def launch(nproc: int, argv: Sequence[str], script: str = "pretrain_gpt.py", *, env: dict | None = None,
+           timeout: float = 300) -> subprocess.CompletedProcess:
+    """`script argv` in `nproc` processes (one gloo world on a free port when nproc > 1), environment `env` (this
+    process's unless given), forked from the session's preloaded interpreter; exit code unchecked."""
+    from tests.support import forkserver
+
+    return forkserver.launch(nproc, script, list(argv), port=free_port(), env=env, timeout=timeout)
+
+
+def launch_checked(nproc: int, argv: Sequence[str], script: str = "pretrain_gpt.py", *, env: dict | None = None,
+                   timeout: float = 300, stdout_tail: int = 2000, stderr_tail: int = 4000
+                   ) -> subprocess.CompletedProcess:
+    """`launch`, asserting exit code 0 (the message as in `run_checked`)."""
+    out = launch(nproc, argv, script, env=env, timeout=timeout)
+    assert out.returncode == 0, _tail(out.stdout, stdout_tail) + _tail(out.stderr, stderr_tail)
+    return out
+
+
 def run(nproc: int, *switches, script: str = "pretrain_gpt.py", base: dict = BASE, **overrides) -> str:
     """`script` on `base` (BASE unless given) with `overrides` (underscores: train_iters=8; None drops a flag),
     in `nproc` processes; its stderr (the log)."""
     argv = tiny_argv(*switches, **{**base, **overrides})
-    return run_checked(pretrain_command(nproc, argv, script)).stderr
+    return launch_checked(nproc, argv, script).stderr
 
 
 def base_run_weights(save) -> dict:
@@ -79,5 +102,4 @@ def base_run_weights(save) -> dict:
 
 def pretrain_cli(*argv: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """`pretrain_gpt.py argv` in one process, exit code unchecked; `env` adds to this process's environment."""
-    return subprocess.run([sys.executable, "pretrain_gpt.py", *argv], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
+    return launch(1, argv, env={**os.environ, **(env or {})}, timeout=timeout)
