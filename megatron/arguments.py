@@ -22,7 +22,7 @@ from megatron.compat import (
     CompatConfig, add_compat_arguments, env_recipe_flags, normalization_type, optimizer_type,
     parse_collecting_problems, resolve_compat,
 )
-from megatron.fp8.recipe import AmaxComputeAlgo, Fp8Backend, Fp8Format, Fp8Recipe, Fp8Scaling
+from megatron.fp8.recipe import DEFAULT_FAST_ACCUM, AmaxComputeAlgo, Fp8Backend, Fp8Format, Fp8Recipe, Fp8Scaling
 from megatron.model.compile import check_torch_compile_supported
 from megatron.parallel_state import world_size_from_env
 
@@ -141,6 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fp8-first-last-layers-bf16", type=int, default=0, help="keep N blocks at each end in BF16")
     g.add_argument("--fp8-mlp-fc2-bf16", action="store_true", help="keep only the fc2 GEMM in BF16 (ablation)")
     g.add_argument("--fp8-grad-stochastic-rounding", action="store_true")
+    g.add_argument("--fp8-fast-accum", default=None, metavar="GEMMS",
+                   help="GEMMs whose FP8 kernel accumulates in the tensor cores' fast, less precise accumulator "
+                        "(torch._scaled_mm use_fast_accum): comma-separated fprop, dgrad, wgrad, or none, all "
+                        "(default: fprop, as Transformer Engine and torchao). The emulation and Gaudi accumulate in "
+                        "FP32 either way")
     g.add_argument("--log-fp8-stats", action="store_true", help="per-layer FP8 amax/clipping statistics")
     g.add_argument("--smooth-swiglu", action="store_true",
                    help="scale the SwiGLU output per channel/token before its FP8 quantization (needs --swiglu, FP8)")
@@ -412,7 +417,8 @@ def _fp8_recipe(a: argparse.Namespace, model: ModelConfig) -> Optional[Fp8Recipe
     fp8_only = {"--fp8-mlp-fc2-bf16": a.fp8_mlp_fc2_bf16, "--log-fp8-stats": a.log_fp8_stats,
                 "--fp8-first-last-layers-bf16": a.fp8_first_last_layers_bf16 > 0,
                 "--no-fp8-wgrad": a.no_fp8_wgrad, "--fp8-power-of-two-scales": a.fp8_power_of_two_scales,
-                "--fp8-grad-stochastic-rounding": a.fp8_grad_stochastic_rounding}
+                "--fp8-grad-stochastic-rounding": a.fp8_grad_stochastic_rounding,
+                "--fp8-fast-accum": a.fp8_fast_accum is not None}
     if fmt is None:
         used = [flag for flag, on in fp8_only.items() if on]
         if used:
@@ -427,6 +433,7 @@ def _fp8_recipe(a: argparse.Namespace, model: ModelConfig) -> Optional[Fp8Recipe
         power_of_two_scales=a.fp8_power_of_two_scales, fp8_wgrad=not a.no_fp8_wgrad,
         backend=Fp8Backend(a.fp8_backend), first_last_layers_bf16=a.fp8_first_last_layers_bf16,
         mlp_fc2_bf16=a.fp8_mlp_fc2_bf16, grad_stochastic_rounding=a.fp8_grad_stochastic_rounding,
+        fast_accum=DEFAULT_FAST_ACCUM if a.fp8_fast_accum is None else a.fp8_fast_accum,
     )
     recipe.check_tensor_parallel(a.tensor_model_parallel_size, {
         "--num-attention-heads x --kv-channels (queries, attention output)":

@@ -6,7 +6,9 @@ stored [out_features, in_features]:
     gemm_nt(a, a_scale, b, b_scale, out_dtype) = (a / a_scale) @ (b / b_scale)^T,   a: [M, K], b: [N, K]
 
 with FP8 operands, quantization scales (the ones that multiplied the data, see `quantize.py`), FP32
-accumulation and an output in `out_dtype`. Callers may pass transposed *views* (for dgrad and wgrad); each
+accumulation and an output in `out_dtype`. `fast_accum` (the recipe's per-GEMM choice, `Fp8Recipe.fast_accum`)
+is `torch._scaled_mm`'s `use_fast_accum`; the emulation and Gaudi's `fp8_gemm_v2` (no such switch) accumulate in
+FP32 regardless. Callers may pass transposed *views* (for dgrad and wgrad); each
 backend decides whether it needs a copy:
 
 - `CudaScaledMmBackend`: `torch._scaled_mm(A, B)` wants A row-major [M, K] and B column-major [K, N]. With
@@ -59,7 +61,8 @@ class EmulatedBackend:
         return quantize(x, scale, spec, stochastic_rounding)
 
     def gemm_nt(self, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
-                out_dtype: torch.dtype, pow2_scales: bool = False, fused_epilogue: bool = False) -> torch.Tensor:
+                out_dtype: torch.dtype, pow2_scales: bool = False, fused_epilogue: bool = False,
+                fast_accum: bool = False) -> torch.Tensor:
         # a and b hold FP8 values (as FP8 tensors, or exactly in bf16/fp32 for the cached weight); bf16 holds
         # every FP8 value exactly and CPU bf16 GEMMs accumulate in fp32 like the tensor cores, but they *round
         # their output to bf16*. The hardware rounds once: fp32 accumulator * dequantization factors -> bf16.
@@ -76,7 +79,7 @@ class EmulatedBackend:
         # kernels scale the accumulator), so `fused_epilogue` changes nothing there.
         return fused.scale_output(out, a_scale, b_scale, out_dtype, compiled=fused_epilogue)
 
-    def gemm_tiles(self, a: TiledFp8, b: TiledFp8, out_dtype: torch.dtype) -> torch.Tensor:
+    def gemm_tiles(self, a: TiledFp8, b: TiledFp8, out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
         """`a @ b^T` of two tile-scaled operands: exact dequantization tile by tile (a division by a power of
         two under MXFP8 or power-of-two scales, else one fp32 rounding), fp32 GEMM, one rounding to out_dtype.
         The reference for the hardware's block-scaled GEMMs, which promote partial sums to fp32 per tile."""
@@ -99,7 +102,8 @@ class CudaScaledMmBackend:
         return quantize(x, scale, spec, stochastic_rounding)
 
     def gemm_nt(self, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
-                out_dtype: torch.dtype, pow2_scales: bool = False, fused_epilogue: bool = False) -> torch.Tensor:
+                out_dtype: torch.dtype, pow2_scales: bool = False, fused_epilogue: bool = False,
+                fast_accum: bool = False) -> torch.Tensor:
         # The kernel applies both scales to the fp32 accumulator and rounds once: `pow2_scales` is not needed.
         m, k = a.shape
         n = b.shape[0]
@@ -117,19 +121,20 @@ class CudaScaledMmBackend:
             scale_a=(one / a_scale.float()).reshape(()),
             scale_b=(one / b_scale.float()).reshape(()),
             out_dtype=out_dtype,
+            use_fast_accum=fast_accum,
         )
         if (mp, np_) != (m, n):
             out = out[:m, :n]
         return out
 
-    def gemm_tiles(self, a: TiledFp8, b: TiledFp8, out_dtype: torch.dtype) -> torch.Tensor:
+    def gemm_tiles(self, a: TiledFp8, b: TiledFp8, out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
         """Rowwise: `torch._scaled_mm` with one fp32 dequantization factor per row of A ([M, 1]) and per column
         of B ([1, N]). Blockwise: `torch.nn.functional.scaled_mm` (see `_blockwise_gemm`). `select_backend`
         sends what the installed torch cannot take to the emulation."""
         if a.tile.cols:
             if a.data.dtype == b.data.dtype == torch.float8_e4m3fn:
                 try:
-                    return _blockwise_gemm(a, b, out_dtype)
+                    return _blockwise_gemm(a, b, out_dtype, fast_accum)
                 except (RuntimeError, ValueError) as error:  # a torch whose kernel refuses this case
                     _log_kernel_refusal(str(error).splitlines()[0])
             # E5M2 gradients (hybrid): the sm90 blockwise kernel takes E4M3 x E4M3 only.
@@ -142,11 +147,12 @@ class CudaScaledMmBackend:
         qb = F.pad(b.data.contiguous(), (0, kp - k, 0, np_ - n))
         sa = F.pad(a.scale.float().reciprocal().reshape(m, 1), (0, 0, 0, mp - m), value=1.0)
         sb = F.pad(b.scale.float().reciprocal().reshape(1, n), (0, np_ - n), value=1.0)
-        out = torch._scaled_mm(qa, qb.t(), scale_a=sa.contiguous(), scale_b=sb.contiguous(), out_dtype=out_dtype)
+        out = torch._scaled_mm(qa, qb.t(), scale_a=sa.contiguous(), scale_b=sb.contiguous(), out_dtype=out_dtype,
+                               use_fast_accum=fast_accum)
         return out[:m, :n] if (mp, np_) != (m, n) else out
 
 
-def _blockwise_gemm(a: TiledFp8, b: TiledFp8, out_dtype: torch.dtype) -> torch.Tensor:
+def _blockwise_gemm(a: TiledFp8, b: TiledFp8, out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
     """1x128 x (1x128 or 128x128), E4M3 x E4M3, through `F.scaled_mm` (sm90; checked on an H200 with torch
     2.11 by scripts/gpu_check.py, untestable on the CPU, whose kernel takes tensorwise and rowwise scales only).
 
@@ -170,7 +176,8 @@ def _blockwise_gemm(a: TiledFp8, b: TiledFp8, out_dtype: torch.dtype) -> torch.T
         fb, kind_b = factors(b, np_).t().contiguous().t(), F.ScalingType.BlockWise1x128
     else:
         fb, kind_b = factors(b, np_ // 128).contiguous().t(), F.ScalingType.BlockWise128x128
-    out = F.scaled_mm(qa, qb.t(), fa, F.ScalingType.BlockWise1x128, fb, kind_b, output_dtype=out_dtype)
+    out = F.scaled_mm(qa, qb.t(), fa, F.ScalingType.BlockWise1x128, fb, kind_b, output_dtype=out_dtype,
+                      use_fast_accum=fast_accum)
     return out[:m, :n]
 
 
@@ -193,7 +200,8 @@ class HpuBackend:
         return q
 
     def gemm_nt(self, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
-                out_dtype: torch.dtype, pow2_scales: bool = False, fused_epilogue: bool = False) -> torch.Tensor:
+                out_dtype: torch.dtype, pow2_scales: bool = False, fused_epilogue: bool = False,
+                fast_accum: bool = False) -> torch.Tensor:
         # The kernel applies both scales to the fp32 accumulator and rounds once: `pow2_scales` is not needed.
         # Express transposed views through the flags instead of copying.
         trans_a = not a.is_contiguous() and a.t().is_contiguous()

@@ -68,7 +68,7 @@ from megatron.fp8 import stats as fp8_stats
 from megatron.fp8.backends import Backend, backend_format_spec, select_backend
 from megatron.fp8.formats import Fp8FormatSpec
 from megatron.fp8.quantize import amax_of, compute_scale
-from megatron.fp8.recipe import Fp8Recipe, Fp8Scaling
+from megatron.fp8.recipe import Fp8Gemm, Fp8Recipe, Fp8Scaling
 from megatron.fp8.scaling import Fp8Role, new_scaling_buffers, role_dtypes
 from megatron.fp8.tiled import TiledFp8LinearFunction, TiledWeight
 
@@ -154,7 +154,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
             s_x = nonfinite_guard(s_x, x_amax)
             pow2 = module.recipe.power_of_two_scales
             y = backend.gemm_nt(q_x if v_x is None else v_x, s_x, w.weight(backend, pow2),
-                                nonfinite_guard(w.scale, w.amax), out_dtype, pow2, module.fused_quantization)
+                                nonfinite_guard(w.scale, w.amax), out_dtype, pow2, module.fused_quantization,
+                                module.recipe.fast_accum_for(Fp8Gemm.FPROP))
             y = gemm_steps.add_bias(y, bias, out_dtype)
         saved_x = q_x if module.recipe.fp8_wgrad else x2d
         ctx.save_for_backward(saved_x, s_x, column_scale)
@@ -190,7 +191,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
                                                    column_scale)
                 # dx = dy W  ==  gemm_nt(dy, W^T)
                 dx = backend.gemm_nt(q_g if v_g is None else v_g, s_g, w.weight_t(backend, pow2),
-                                     nonfinite_guard(w.scale, w.amax), ctx.x_dtype, pow2, fused_epilogue)
+                                     nonfinite_guard(w.scale, w.amax), ctx.x_dtype, pow2, fused_epilogue,
+                                     module.recipe.fast_accum_for(Fp8Gemm.DGRAD))
                 dx = dx.reshape(ctx.x_shape)
             if ctx.needs_input_grad[1]:
                 if module.recipe.fp8_wgrad:
@@ -198,7 +200,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
                     if values_dtype is not False and values_dtype is not None:  # emulated: exact fp32 values
                         saved_x = fused.upcast(saved_x, values_dtype)
                     dw = backend.gemm_nt((q_g if v_g is None else v_g).t(), s_g, saved_x.t(), s_x, torch.float32, pow2,
-                                         fused_epilogue)
+                                         fused_epilogue, module.recipe.fast_accum_for(Fp8Gemm.WGRAD))
                 else:
                     dw = gemm_steps.high_precision_wgrad(dy2d, saved_x)
                 dw = gemm_steps.finish_weight_grad(ctx, dw, column_scale)

@@ -41,6 +41,35 @@ _TILES = {
 }
 
 
+class Fp8Gemm(str, enum.Enum):
+    """The three GEMMs of a linear layer y = x W^T."""
+    FPROP = "fprop"  # y = x W^T
+    DGRAD = "dgrad"  # dx = dy W
+    WGRAD = "wgrad"  # dW = dy^T x
+
+
+# Fast accumulation (`_scaled_mm(use_fast_accum=True)`): on Hopper the FP8 tensor cores then keep partial sums in
+# their own reduced-precision accumulator for the whole K loop instead of promoting them to FP32 registers at
+# intervals; faster, and less accurate as K grows. Transformer Engine and torchao use it for the forward GEMM
+# only; dgrad and wgrad (long K: the tokens of a batch for wgrad) keep the promoted ("split") accumulation.
+DEFAULT_FAST_ACCUM = (Fp8Gemm.FPROP,)
+
+
+def parse_fast_accum(value: "str | list | tuple | set") -> tuple:
+    """`--fp8-fast-accum`'s value ("fprop,dgrad", "none", "all") or a collection of GEMM names as a tuple of
+    `Fp8Gemm` in fprop, dgrad, wgrad order; ValueError naming the flag otherwise."""
+    if isinstance(value, str):
+        names = {"none": [], "all": [g.value for g in Fp8Gemm]}.get(value.strip(), value.split(","))
+    else:
+        names = list(value)
+    try:
+        chosen = {Fp8Gemm(n.strip() if isinstance(n, str) else n) for n in names}
+    except ValueError:
+        raise ValueError(f"--fp8-fast-accum {value!r}: give a comma-separated list of fprop, dgrad, wgrad, or "
+                         f"none or all (default fprop)") from None
+    return tuple(g for g in Fp8Gemm if g in chosen)
+
+
 class AmaxComputeAlgo(str, enum.Enum):
     MAX = "max"
     MOST_RECENT = "most_recent"
@@ -72,8 +101,10 @@ class Fp8Recipe:
     first_last_layers_bf16: int = 0
     mlp_fc2_bf16: bool = False
     grad_stochastic_rounding: bool = False
+    fast_accum: tuple = DEFAULT_FAST_ACCUM  # the GEMMs (Fp8Gemm) that use fast accumulation
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "fast_accum", parse_fast_accum(self.fast_accum))
         # Accept the enums' string values too (from `from_dict`, or callers passing "hybrid").
         for name, kind in (("format", Fp8Format), ("scaling", Fp8Scaling),
                            ("amax_compute_algo", AmaxComputeAlgo), ("backend", Fp8Backend)):
@@ -84,6 +115,10 @@ class Fp8Recipe:
             raise ValueError(f"--fp8-margin must be >= 0, got {self.margin}")
         if self.first_last_layers_bf16 < 0:
             raise ValueError(f"--fp8-first-last-layers-bf16 must be >= 0, got {self.first_last_layers_bf16}")
+
+    def fast_accum_for(self, gemm: Fp8Gemm) -> bool:
+        """Whether `gemm` uses fast accumulation (the GPU kernels' `use_fast_accum`)."""
+        return gemm in self.fast_accum
 
     @property
     def tiles(self) -> tuple[Tile, Tile] | None:
@@ -118,8 +153,11 @@ class Fp8Recipe:
 
     def to_dict(self) -> dict[str, object]:
         """Plain dict (enums as their string values): safe for `torch.load(weights_only=True)` and JSON."""
-        return {f.name: (v.value if isinstance(v, enum.Enum) else v)
-                for f in dataclasses.fields(self) for v in [getattr(self, f.name)]}
+        def plain(v: object) -> object:
+            if isinstance(v, tuple):
+                return [g.value for g in v]
+            return v.value if isinstance(v, enum.Enum) else v
+        return {f.name: plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
     @classmethod
     def from_dict(cls, values: dict[str, object]) -> "Fp8Recipe":

@@ -40,7 +40,7 @@ from megatron.fp8 import fused, gemm_steps
 from megatron.fp8 import stats as fp8_stats
 from megatron.fp8.formats import Fp8FormatSpec
 from megatron.fp8.quantize import Tile, TiledFp8, from_e8m0, quantize_tiles, to_e8m0
-from megatron.fp8.recipe import Fp8Scaling
+from megatron.fp8.recipe import Fp8Gemm, Fp8Scaling
 from megatron.fp8.scaling import Fp8Role
 
 if TYPE_CHECKING:
@@ -128,7 +128,8 @@ class TiledFp8LinearFunction(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False):
             q_x = quantize_tile_role(module, Fp8Role.INPUT, x2d, act_tile, specs[Fp8Role.INPUT])
             w = tiled_weight(module, backend, specs[Fp8Role.WEIGHT], column_scale)
-            y = gemm_steps.add_bias(backend.gemm_tiles(q_x, w.fprop, out_dtype), bias, out_dtype)
+            y = gemm_steps.add_bias(backend.gemm_tiles(q_x, w.fprop, out_dtype,
+                                                       module.recipe.fast_accum_for(Fp8Gemm.FPROP)), bias, out_dtype)
             wgrad_fp8 = module.recipe.fp8_wgrad and weight.requires_grad
             if wgrad_fp8:  # the wgrad layout: x^T tiled along the tokens
                 q_xt = quantize_tile_role(module, Fp8Role.INPUT, x2d.t(), act_tile, specs[Fp8Role.INPUT], False)
@@ -155,7 +156,8 @@ class TiledFp8LinearFunction(torch.autograd.Function):
                 if w is None:  # a per-call FP8 weight (ZeRO-3)
                     w = requantized_weight(module, specs[Fp8Role.WEIGHT], column_scale)
                 q_g = quantize_tile_role(module, Fp8Role.GRAD_OUTPUT, dy2d, act_tile, spec, True, rounding)
-                dx = backend.gemm_tiles(q_g, w.transposed(module, specs[Fp8Role.WEIGHT]), ctx.x_dtype)
+                dx = backend.gemm_tiles(q_g, w.transposed(module, specs[Fp8Role.WEIGHT]), ctx.x_dtype,
+                                        module.recipe.fast_accum_for(Fp8Gemm.DGRAD))
                 dx = dx.reshape(ctx.x_shape)
             if ctx.needs_input_grad[1]:
                 if ctx.wgrad_fp8:
@@ -164,7 +166,7 @@ class TiledFp8LinearFunction(torch.autograd.Function):
                     if saved_scale.dtype == torch.uint8:
                         saved_scale = from_e8m0(saved_scale)
                     q_xt = TiledFp8(saved, saved_scale, saved_scale, act_tile)  # amax is not needed here
-                    dw = backend.gemm_tiles(q_gt, q_xt, torch.float32)
+                    dw = backend.gemm_tiles(q_gt, q_xt, torch.float32, module.recipe.fast_accum_for(Fp8Gemm.WGRAD))
                 else:
                     dw = gemm_steps.high_precision_wgrad(dy2d, saved)
                 dw = gemm_steps.finish_weight_grad(ctx, dw, column_scale)

@@ -43,6 +43,7 @@ import torch
 
 from megatron.fp8 import gemm_steps
 from megatron.fp8.backends import STATELESS_BACKENDS, select_backend
+from megatron.fp8.recipe import Fp8Gemm
 from megatron.fp8.scaling import Fp8Role
 
 if TYPE_CHECKING:
@@ -108,7 +109,8 @@ def forward(module: "Fp8Linear", x: torch.Tensor, out_dtype: torch.dtype, column
     g_spec = specs[_GRAD]
     consts = (backend.name, out_dtype, x.dtype, module.weight.dtype, recipe.power_of_two_scales, recipe.fp8_wgrad,
               module.training, recipe.scaling.value == "delayed", recipe.scaling.value == "tensorwise",
-              recipe.margin, g_spec.max, g_spec.torch_dtype, values_dtype)
+              recipe.margin, g_spec.max, g_spec.torch_dtype, values_dtype,
+              tuple(recipe.fast_accum_for(g) for g in (Fp8Gemm.FPROP, Fp8Gemm.DGRAD, Fp8Gemm.WGRAD)))
     # What wgrad reads: Q(x) (1 byte per element), or x itself for a high-precision wgrad. None: the GEMM operand
     # itself (dynamo refuses one tensor passed twice).
     saved_x = (None if v_x is None else q_x) if recipe.fp8_wgrad else x2d.detach()
@@ -127,10 +129,11 @@ class _Gemms(torch.autograd.Function):
                 s_a: torch.Tensor, w: torch.Tensor, s_w: torch.Tensor, saved_x: torch.Tensor | None,
                 column_scale: torch.Tensor | None, scale_buf: torch.Tensor, valid_buf: torch.Tensor,
                 step_amax_buf: torch.Tensor, consts: tuple) -> torch.Tensor:
-        backend_name, out_dtype, pow2 = consts[0], consts[1], consts[4]
+        backend_name, out_dtype, pow2, fast_accum = consts[0], consts[1], consts[4], consts[13][0]
         backend = STATELESS_BACKENDS[backend_name]
         with torch.autocast(x2d.device.type, enabled=False):
-            y = gemm_steps.add_bias(backend.gemm_nt(a, s_a, w, s_w, out_dtype, pow2, False), bias, out_dtype)
+            y = gemm_steps.add_bias(backend.gemm_nt(a, s_a, w, s_w, out_dtype, pow2, False, fast_accum), bias,
+                                    out_dtype)
         ctx.save_for_backward(a if saved_x is None else saved_x, s_a, w, s_w, column_scale, scale_buf, valid_buf,
                               step_amax_buf)
         ctx.consts, ctx.has_bias, ctx.w_dtype = consts, bias is not None, consts[3]  # gemm_steps reads the last two
@@ -143,7 +146,7 @@ class _Gemms(torch.autograd.Function):
 
         saved_x, s_x, w, s_w, column_scale, scale_buf, valid_buf, step_amax_buf = ctx.saved_tensors
         (backend_name, _, x_dtype, _, pow2, fp8_wgrad, training, delayed, tensorwise, margin, g_max, g_dtype,
-         values_dtype) = ctx.consts
+         values_dtype, (_, dgrad_fast, wgrad_fast)) = ctx.consts
         backend = STATELESS_BACKENDS[backend_name]
         g = _GRAD
         dx = dw = None
@@ -158,11 +161,11 @@ class _Gemms(torch.autograd.Function):
             g_op = q_g if v_g is None else v_g
             if ctx.needs_input_grad[0]:
                 w_t = w.t().contiguous() if backend.wants_contiguous_operands else w.t()
-                dx = backend.gemm_nt(g_op, s_g, w_t, s_w, x_dtype, pow2, False)
+                dx = backend.gemm_nt(g_op, s_g, w_t, s_w, x_dtype, pow2, False, dgrad_fast)
             if ctx.needs_input_grad[1]:
                 if fp8_wgrad:
                     x_op = saved_x if values_dtype is None else saved_x.to(values_dtype)
-                    dw = backend.gemm_nt(g_op.t(), s_g, x_op.t(), s_x, torch.float32, pow2, False)
+                    dw = backend.gemm_nt(g_op.t(), s_g, x_op.t(), s_x, torch.float32, pow2, False, wgrad_fast)
                 else:
                     dw = gemm_steps.high_precision_wgrad(dy, saved_x)
                 dw = gemm_steps.finish_weight_grad(ctx, dw, column_scale)

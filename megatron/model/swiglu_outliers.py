@@ -143,7 +143,7 @@ class _KMaskedBackend(EmulatedBackend):
         a[:, self.k_index] = 0
         return ((a @ b.float().t()) / (a_scale.float() * b_scale.float())).to(out_dtype)
 
-    def gemm_tiles(self, a: TiledFp8, b: TiledFp8, out_dtype: torch.dtype) -> torch.Tensor:
+    def gemm_tiles(self, a: TiledFp8, b: TiledFp8, out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
         # The fine-grained recipes (--fp8-recipe rowwise/blockwise/mxfp8) multiply tile-scaled operands.
         a_values = dequantize_tiles(a).clone()
         a_values[:, self.k_index] = 0
