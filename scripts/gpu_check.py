@@ -1,27 +1,25 @@
 """One-command check of the CUDA path on a machine with NVIDIA GPUs (called by scripts/gpu_check.sh).
 
-Sized for the machine we can expect to borrow: one H200 with its preinstalled torch, no DeepSpeed, no torchao,
-no network, and minutes of machine time. Every stage has its own time limit and writes its result into
-gpu_check.json the moment it finishes (a stage that dies still leaves the earlier ones), then a markdown
-summary is written next to it. Stages:
+Sized for the machine we can expect to borrow: one H200 with its preinstalled torch, no network, minutes of
+machine time. torchao and DeepSpeed come as wheels carried from a machine with network (scripts/
+fetch_gpu_wheels.sh; scripts/gpu_check.sh installs them into .gpu_site when wheels/gpu/ holds them). The decisive
+number comes first. Every stage streams its output as it goes, has a time limit (the limits of a one-GPU machine
+sum to less than the whole check's deadline), and the results are rewritten into gpu_check.json after every
+stage, the block-stack bench's rows after every variant: a stage cut short keeps what it printed. Stages:
 
-  env          torch/CUDA versions, GPU name, compute capability, GPU count, optional packages present
+  env          torch/CUDA versions, driver, GPU name, compute capability, GPU count, optional packages present
+  block_stack  bench/bench_block_stack.py: 2 Llama blocks at Llama2-7B shapes (sequence 4096), forward + backward
+               + optimizer step, compiled BF16 vs our FP8 delayed + Smooth-SwiGLU vs our tensorwise vs torchao's
+               tensorwise, CUDA events, a profile per variant by kernel class
   gpu_tests    pytest -m gpu (scaled_mm vs emulation on the GPU, a tiny FP8 GPT trained on the GPU, the
                fine-grained recipes against their emulation)
   train_1gpu   pretrain_gpt.py under torchrun on one GPU: FP8 + Smooth-SwiGLU + Fp8AdamW, NCCL process group
                with the collective path forced on at world size 1 (MEGATRON_FORCE_COLLECTIVES=1)
-  train_tp2    the same at tensor-parallel size 2 (only with 2+ GPUs)
-  bench_linear bench/bench_fp8_linear.py at the Llama2-7B linear shapes (ours vs BF16, torchao when present)
-  bench_step   bench/bench_train_step.py on a ~1B-parameter Llama: FP8 recipe vs the faster of eager and
-               compiled BF16, 30 timed steps after warm-up
-  bench_host   bench/bench_host_overhead.py on the GPU: host time per FP8 layer call (eager, fused, traced),
-               per fp8_optimizer_step (batched vs per module) and per Fp8AdamW chunk call
-  bench_traced bench/bench_train_step.py on the demo model, compiled: FP8 layers traced into the blocks vs
-               as graph breaks (`--torch-compile on,on-break`), BF16 alongside
+  train_tp2    the same at tensor-parallel size 2 (only with 2+ GPUs, within what the deadline leaves)
 
     bash scripts/gpu_check.sh                # all stages; writes gpu_check.json and gpu_check.md
     bash scripts/gpu_check.sh --dry-run      # print the plan (commands and limits) and exit 0
-    bash scripts/gpu_check.sh --out DIR      # where the two files go (default: $OUT or the current folder)
+    bash scripts/gpu_check.sh --out DIR      # where the files go (default: $OUT, else docs/gpu/)
 
 Without an FP8-capable GPU (compute capability >= 8.9) it prints one line and exits 2.
 """
@@ -31,13 +29,15 @@ import argparse
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-DEADLINE_S = 235  # the whole check, so that a failed first try can be rerun within the machine's time
+DEADLINE_S = 235  # the whole check (< 4 minutes), so that a failed first try can be rerun within the machine's time
 PY = sys.executable
 TINY_MODEL = ("--num-layers 4 --hidden-size 512 --num-attention-heads 8 --num-key-value-heads 4 "
               "--ffn-hidden-size 1408 --seq-length 512 --micro-batch-size 8 --global-batch-size 16 "
@@ -46,9 +46,7 @@ TINY_MODEL = ("--num-layers 4 --hidden-size 512 --num-attention-heads 8 --num-ke
               "--lr 3e-4 --min-lr 3e-5 --lr-warmup-iters 5 --train-iters 40 --eval-iters 2 --eval-interval 20 "
               "--log-interval 10 --bf16 --device cuda")
 FP8_RECIPE = "--fp8-format hybrid --smooth-swiglu --optimizer fp8adam --fp8-optimizer-block-size 128"
-# ~1.06B parameters: 18 layers, hidden 2048, FFN 5632, GQA 16/8, vocab 32000, seq 2048.
-ONE_B = ("--num-layers 18 --hidden-size 2048 --num-attention-heads 16 --num-key-value-heads 8 "
-         "--ffn-hidden-size 5632 --seq-length 2048 --vocab-size 32000")
+
 
 
 def _torchrun(nproc: int, extra: str) -> list[str]:
@@ -59,32 +57,27 @@ def _torchrun(nproc: int, extra: str) -> list[str]:
 def plan(gpus: int) -> list[dict]:
     """The stages: name, command, environment additions and time limit (seconds)."""
     stages = [
+        {"name": "block_stack", "limit": 120, "env": {},
+         "cmd": [PY, str(REPO / "bench" / "bench_block_stack.py"), "--device", "cuda", "--layers", "2",
+                 "--iters", "10", "--warmup", "2", "--profile", "--json", "{out}/block_stack.json"]},
         {"name": "gpu_tests", "limit": 60, "env": {},
          "cmd": [PY, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
                  str(REPO / "tests" / "unit" / "test_gpu.py"), str(REPO / "tests" / "unit" / "test_fp8_recipes.py")]},
-        {"name": "train_1gpu", "limit": 60, "env": {"MEGATRON_FORCE_COLLECTIVES": "1"}, "cmd": _torchrun(1, "")},
+        {"name": "train_1gpu", "limit": 45, "env": {"MEGATRON_FORCE_COLLECTIVES": "1"}, "cmd": _torchrun(1, "")},
     ]
     if gpus >= 2:
-        stages.append({"name": "train_tp2", "limit": 60, "env": {},
+        stages.append({"name": "train_tp2", "limit": 45, "env": {},
                        "cmd": _torchrun(2, "--tensor-model-parallel-size 2 --sequence-parallel")})
-    stages += [
-        {"name": "bench_linear", "limit": 50, "env": {},
-         "cmd": [PY, str(REPO / "bench" / "bench_fp8_linear.py"), "--tokens", "8192", "--iters", "20"]},
-        {"name": "bench_host", "limit": 40, "env": {},
-         "cmd": [PY, str(REPO / "bench" / "bench_host_overhead.py"), "--device", "cuda", "--rounds", "10"]},
-        {"name": "bench_step", "limit": 150, "env": {},
-         "cmd": [PY, str(REPO / "bench" / "bench_train_step.py"), "--device", "cuda", "--compile-bf16",
-                 "--iters", "30", "--warmup", "3", "--micro-batch-size", "4", "--micro-batches", "1",
-                 "--variants", "bf16,fp8 linears,fp8 linears + Fp8AdamW", "--extra", ONE_B,
-                 "--json", "{out}/bench_step.json"]},
-        # Compiled blocks with the FP8 layers traced into them vs as graph breaks, on a small model where the
-        # host's per-layer overhead shows (the GPU waits for Python): the gain megatron/fp8/traced.py is for.
-        {"name": "bench_traced", "limit": 60, "env": {},
-         "cmd": [PY, str(REPO / "bench" / "bench_train_step.py"), "--device", "cuda", "--torch-compile", "on,on-break",
-                 "--iters", "20", "--warmup", "3", "--micro-batch-size", "4", "--micro-batches", "2",
-                 "--variants", "bf16,fp8 + smooth-swiglu + Fp8AdamW", "--json", "{out}/bench_traced.json"]},
-    ]
     return stages
+
+
+def _driver() -> str:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else "?"
+    except (OSError, subprocess.TimeoutExpired):
+        return "?"
 
 
 def _probe() -> dict:
@@ -93,59 +86,80 @@ def _probe() -> dict:
     import torch
 
     info = {"torch": torch.__version__, "cuda": torch.version.cuda, "gpus": torch.cuda.device_count(),
-            "python": sys.version.split()[0],
+            "python": sys.version.split()[0], "date": time.strftime("%Y-%m-%d"),
             "optional": {m: importlib.util.find_spec(m) is not None for m in ("deepspeed", "torchao", "triton")}}
     if info["gpus"]:
         info["name"] = torch.cuda.get_device_name(0)
         info["capability"] = list(torch.cuda.get_device_capability(0))
+        info["driver"] = _driver()
     return info
 
 
 def _summary_line(name: str, output: str) -> str:
     """The one line of a stage's output worth putting in the summary."""
     patterns = {"gpu_tests": r"^\d+ (passed|failed).*$|^=+ .*(passed|failed).* =+$",
-                "train_1gpu": r"iteration +\d+/ +\d+ \|.*$", "train_tp2": r"iteration +\d+/ +\d+ \|.*$"}
+                "train_1gpu": r"iteration +\d+/ +\d+ \|.*$", "train_tp2": r"iteration +\d+/ +\d+ \|.*$",
+                "block_stack": r"^(fp8-delayed|fp8-tensorwise|torchao) .*$"}
     lines = [ln for ln in output.splitlines() if re.search(patterns.get(name, r"$^"), ln)]
-    return lines[-1].strip() if lines else ""
+    if not lines:
+        return ""
+    return " / ".join(ln.strip() for ln in lines[-3:]) if name == "block_stack" else lines[-1].strip()
 
 
-def run_stage(stage: dict, out: Path, limit: float) -> dict:
+def run_stage(stage: dict, out: Path, limit: float, echo=print) -> dict:
+    """Run one stage, echoing its output line by line as it comes; killed (with what it printed kept) at `limit`."""
     cmd = [c.replace("{out}", str(out)) for c in stage["cmd"]]
-    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **stage["env"])
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               PYTHONUNBUFFERED="1", **stage["env"])
     start = time.time()
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    lines: list[str] = []
+
+    def pump() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            echo(f"  [{stage['name']}] {line.rstrip()}")
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
     try:
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=limit)
-        rc, output = proc.returncode, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as exc:
+        rc = proc.wait(timeout=limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
         rc = 124
-        output = (exc.stdout or b"").decode(errors="replace") + (exc.stderr or b"").decode(errors="replace")
+    reader.join(timeout=10)
+    output = "".join(lines)
     return {"rc": rc, "seconds": round(time.time() - start, 1), "summary": _summary_line(stage["name"], output),
             "output_tail": output[-6000:]}
 
 
 def write_markdown(results: dict, path: Path) -> None:
     env = results.get("env", {})
-    lines = ["# GPU check", "", f"- GPU: {env.get('name', '?')} x{env.get('gpus', '?')} (sm {env.get('capability')})",
+    lines = ["# GPU check", "", f"- GPU: {env.get('name', '?')} x{env.get('gpus', '?')} (sm {env.get('capability')}), "
+             f"driver {env.get('driver', '?')}",
              f"- torch {env.get('torch')} (CUDA {env.get('cuda')}), python {env.get('python')}, "
-             f"optional: {env.get('optional')}", "", "| stage | rc | seconds | summary |", "|---|---|---|---|"]
+             f"optional: {env.get('optional')}", f"- date: {env.get('date')}; command: `bash scripts/gpu_check.sh`",
+             "", "| stage | rc | seconds | summary |", "|---|---|---|---|"]
     for name, r in results.items():
         if name != "env":
-            lines.append(f"| {name} | {r['rc']} | {r['seconds']} | {r['summary'].replace('|', '/')[:200]} |")
-    for name in ("bench_linear", "bench_host", "bench_step", "bench_traced"):
-        if name in results:
-            lines += ["", f"## {name}", "", "```", results[name]["output_tail"][-3000:].strip(), "```"]
+            lines.append(f"| {name} | {r['rc']} | {r['seconds']} | {r['summary'].replace('|', '/')[:300]} |")
+    if "block_stack" in results:
+        lines += ["", "## block_stack", "", "```", results["block_stack"]["output_tail"][-4000:].strip(), "```"]
     path.write_text("\n".join(lines) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit 0")
-    p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for gpu_check.json / gpu_check.md")
+    p.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "docs" / "gpu"),
+                   help="folder for gpu_check.json, gpu_check.md and block_stack.json (default: $OUT, else docs/gpu)")
     args = p.parse_args(argv)
     out = Path(args.out)
     if args.dry_run:
         print(f"gpu_check plan, {DEADLINE_S} s in all (results -> {out / 'gpu_check.json'}, {out / 'gpu_check.md'}):")
-        print("  env: torch/CUDA versions, GPU name and capability, optional packages")
+        print("  env: torch/CUDA versions, driver, GPU name and capability, optional packages")
         for stage in plan(gpus=2):
             env = " ".join(f"{k}={v}" for k, v in stage["env"].items())
             cmd = " ".join(c.replace("{out}", str(out)) for c in stage["cmd"])

@@ -1,6 +1,14 @@
 #!/usr/bin/env bash
-# One-command GPU check (see scripts/gpu_check.py): GPU tests, FP8 training through NCCL, FP8 benchmarks.
-# Uses the machine's own python with its preinstalled torch (no installs, no network): PYTHON=... overrides.
+# One-command GPU check (see scripts/gpu_check.py): the FP8 vs BF16 block-stack bench, GPU tests, FP8 training
+# through NCCL. Uses the machine's own python with its preinstalled torch (PYTHON=... overrides); wheels carried
+# in wheels/gpu/ (scripts/fetch_gpu_wheels.sh: torchao, DeepSpeed) are installed into .gpu_site first, without
+# network and without their dependencies.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-exec "${PYTHON:-python3}" scripts/gpu_check.py "$@"
+py="${PYTHON:-python3}"
+if [[ "${1:-}" != "--dry-run" ]] && compgen -G "wheels/gpu/*.whl" > /dev/null; then
+    "$py" -m pip install -q --no-deps --no-index --target .gpu_site wheels/gpu/*.whl \
+        && export PYTHONPATH="$PWD/.gpu_site${PYTHONPATH:+:$PYTHONPATH}" \
+        || echo "gpu_check: installing wheels/gpu/*.whl failed; the check runs without them" >&2
+fi
+exec "$py" scripts/gpu_check.py "$@"

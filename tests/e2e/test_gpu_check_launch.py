@@ -21,9 +21,9 @@ def test_dry_run_prints_every_stage_and_exits_0() -> None:
     out = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run"], cwd=REPO, env=ENV, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    for stage in ("env", "gpu_tests", "train_1gpu", "train_tp2", "bench_linear", "bench_step"):
+    for stage in ("env", "block_stack", "gpu_tests", "train_1gpu", "train_tp2"):
         assert f"  {stage}" in out.stdout, stage
-    assert "MEGATRON_FORCE_COLLECTIVES=1" in out.stdout and "--compile-bf16" in out.stdout
+    assert "MEGATRON_FORCE_COLLECTIVES=1" in out.stdout and "bench_block_stack.py" in out.stdout
 
 
 def test_without_a_gpu_it_says_so_in_one_line_and_exits_2() -> None:

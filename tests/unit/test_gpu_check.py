@@ -1,10 +1,9 @@
-"""scripts/gpu_check.py's plan on a machine without a GPU, in this process: the benchmark stages name variants
-that bench/bench_train_step.py has."""
+"""scripts/gpu_check.py on a machine without a GPU, in this process: the plan fits its deadline with the decisive
+bench first and flags that bench accepts, and a stage streams its output and keeps it when its limit kills it."""
 from __future__ import annotations
 
 import sys
-
-import pytest
+import time
 
 from tests.support.config import REPO, load_bench
 
@@ -12,24 +11,30 @@ sys.path.insert(0, str(REPO / "scripts"))
 import gpu_check  # noqa: E402
 
 
-@pytest.mark.parametrize("name", ["bench_step", "bench_traced"])
-def test_bench_step_variants_exist(name: str) -> None:
-    bench = load_bench("bench_train_step")
-    stage = next(s for s in gpu_check.plan(gpus=1) if s["name"] == name)
-    variants = stage["cmd"][stage["cmd"].index("--variants") + 1].split(",")
-    assert set(variants) <= set(bench.VARIANTS) and "bf16" in variants
-    if "--torch-compile" in stage["cmd"]:
-        modes = stage["cmd"][stage["cmd"].index("--torch-compile") + 1].split(",")
-        assert set(modes) <= set(bench.MODE_LABELS)
+def test_the_block_stack_bench_comes_first_with_flags_it_accepts() -> None:
+    stages = gpu_check.plan(gpus=1)
+    assert stages[0]["name"] == "block_stack"
+    cmd = stages[0]["cmd"]
+    assert cmd[1].endswith("bench/bench_block_stack.py")
+    args = load_bench("bench_block_stack").build_parser().parse_args(cmd[2:])
+    assert args.device == "cuda" and args.shape == "7b" and args.compile == "on" and args.profile
+    assert "torchao" in args.variants.split(",")  # the peer, when its wheel was carried
 
 
-def test_bench_traced_compares_traced_fp8_layers_with_graph_breaks() -> None:
-    """bench_traced exists to time FP8 layers traced into the compiled blocks against FP8 graph breaks, so its
-    command must carry `--torch-compile` with both modes. Without the flag bench_train_step.py runs its default
-    (eager and compiled) and the stage measures something else, which the check above lets through: it reads
-    the modes only when the flag is there."""
-    bench = load_bench("bench_train_step")
-    stage = next(s for s in gpu_check.plan(gpus=1) if s["name"] == "bench_traced")
-    assert "--torch-compile" in stage["cmd"], stage["cmd"]
-    modes = stage["cmd"][stage["cmd"].index("--torch-compile") + 1].split(",")
-    assert {"on", "on-break"} <= set(modes) <= set(bench.MODE_LABELS)
+def test_the_stage_limits_fit_the_deadline() -> None:
+    # A stage starts only with 10 s left (main), so the limits of a one-GPU machine must leave them.
+    assert sum(s["limit"] for s in gpu_check.plan(gpus=1)) <= gpu_check.DEADLINE_S - 10
+    assert gpu_check.DEADLINE_S < 240  # the whole check under 4 minutes
+
+
+def test_a_stage_streams_its_rows_and_keeps_them_when_killed(tmp_path) -> None:
+    stage = {"name": "rows", "limit": 3, "env": {},
+             "cmd": [sys.executable, "-c", "import time\nprint('row 1', flush=True)\ntime.sleep(60)"]}
+    echoed = []
+    start = time.monotonic()
+    result = gpu_check.run_stage(stage, tmp_path, stage["limit"], echo=lambda line: echoed.append(
+        (line, time.monotonic() - start)))
+    assert result["rc"] == 124 and "row 1" in result["output_tail"]
+    assert result["seconds"] < 30  # killed at its limit, not after the 60 s sleep
+    [(line, when)] = echoed
+    assert line == "  [rows] row 1" and when < 3  # printed as it came, before the kill
