@@ -13,6 +13,7 @@ import torch
 
 from megatron.training import checkpointing as ckpt
 from megatron.training.deepspeed_engine import _deepspeed_safe_globals
+from tests.support.flags import EAGER_FP8ADAM as EAGER
 from tests.support.launch import run
 from tests.support.logs import losses
 from tests.support.run_noise import assert_losses_within_noise, assert_weights_within_noise
@@ -103,6 +104,11 @@ def test_a_torch_checkpoint_resumes_under_deepspeed(torch_reference_save, tmp_pa
 FP8ADAM = ("--optimizer", "fp8adam", "--fp8-optimizer-block-size", "128")
 
 
+# The torch-engine runs step with the eager Fp8AdamW (tests/support/flags.py says why that keeps the bounds), the
+# ZeRO-1 run with the compiled kernel (the default).
+EAGER_FP8ADAM = (*FP8ADAM, *EAGER)
+
+
 @pytest.fixture(scope="module")
 def fp8adam_runs(tmp_path_factory):
     """FP8 linears + Fp8AdamW, 8 iterations: ZeRO-1 on 2 ranks (log, save dir), the torch engine in one process on
@@ -110,8 +116,9 @@ def fp8adam_runs(tmp_path_factory):
     save = tmp_path_factory.mktemp("fp8adam_zero1")
     log = run(2, "--deepspeed", "--zero-stage", "1", *FP8ADAM, "--fp8-format", "hybrid", save=save, train_iters=8,
               eval_iters=0)
-    torch_fp8 = losses(run(1, *FP8ADAM, "--fp8-format", "hybrid", train_iters=8, eval_iters=0))
-    control = losses(run(1, *FP8ADAM, "--fp8-format", "hybrid", train_iters=8, eval_iters=0, micro_batch_size=1))
+    torch_fp8 = losses(run(1, *EAGER_FP8ADAM, "--fp8-format", "hybrid", train_iters=8, eval_iters=0))
+    control = losses(run(1, *EAGER_FP8ADAM, "--fp8-format", "hybrid", train_iters=8, eval_iters=0,
+                         micro_batch_size=1))
     return log, save, torch_fp8, control
 
 
@@ -137,7 +144,7 @@ def test_fp8adam_and_fp8_linears_under_zero1_state(fp8adam_runs):
     states and checkpoint are FP8 where they should be. (Not isa_sensitive: a one-process run without FP8 linears
     is far from the FP8 one under any kernels, and the rest is layout.)"""
     log, save, torch_fp8, _ = fp8adam_runs
-    torch_no_fp8_linears = losses(run(1, *FP8ADAM, train_iters=8, eval_iters=0))
+    torch_no_fp8_linears = losses(run(1, *EAGER_FP8ADAM, train_iters=8, eval_iters=0))
     distance = sum(abs(x - y) for x, y in zip(torch_fp8, torch_no_fp8_linears, strict=True)) / len(torch_fp8)
     assert distance > 1e-4  # the FP8 linears really quantize
     # ZeRO hands Fp8AdamW one flat partition per group: the matrix group keeps FP8 states, the vector one FP32.
@@ -155,8 +162,10 @@ def test_fp8adam_and_fp8_linears_under_zero1_state(fp8adam_runs):
 
 @pytest.mark.parametrize("stage", ["0", "2"])
 def test_fp8adam_trains_under_zero_0_and_2(stage):
+    # ZeRO-0 steps with the eager kernel: the compiled one runs under ZeRO-0 in test_deepspeed_tp_launch.py
+    # (bit for bit with the torch engine), under ZeRO-1 above and under ZeRO-2 here.
     log = run(2, "--deepspeed", "--zero-stage", stage, "--optimizer", "fp8adam", "--fp8-optimizer-block-size", "128",
-              train_iters=8, eval_iters=0)
+              *(EAGER if stage == "0" else ()), train_iters=8, eval_iters=0)
     ls = losses(log)
     assert len(ls) == 8 and all(math.isfinite(x) for x in ls)
     assert ls[-1] < ls[0] - 0.4, ls

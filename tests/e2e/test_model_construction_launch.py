@@ -1,5 +1,5 @@
 """Building the model without materializing it whole, per-rank memory: a ~1B-parameter Llama built at TP=2 and at
-PP=2 (2 gloo processes, `torchrun -m tests.support.model_construction`): each rank's peak RSS grows by less than
+PP=2 (2 gloo processes, `python -m tests.support.model_construction` as torchrun's workers): each rank's peak RSS grows by less than
 (1/2 + 0.1) x the full model's FP32 bytes, and no tensor produced during construction (recorded by a
 TorchDispatchMode) is larger than the rank's largest parameter piece. The RSS check was seen to fail by hand with
 the worker's `old-tp` mode (tests/support/model_construction.py).
@@ -7,18 +7,16 @@ the worker's `old-tp` mode (tests/support/model_construction.py).
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
 import pytest
 
-from tests.support.launch import run_checked, torchrun_command
+from tests.support.launch import launch_checked
 
 
 # ------------------------------------------------------------------------------------- ~1B parameters
 def _run_workers(mode: str) -> list[dict[str, Any]]:
-    out = run_checked(torchrun_command(2, "-m", "tests.support.model_construction", mode), timeout=600,
-                      env=dict(os.environ, OMP_NUM_THREADS="1"))
+    out = launch_checked(2, [mode], "-m tests.support.model_construction", timeout=600)
     return [json.loads(line[len("RESULT "):]) for line in out.stdout.splitlines() if line.startswith("RESULT ")]
 
 

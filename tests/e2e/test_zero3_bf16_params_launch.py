@@ -29,7 +29,7 @@ from megatron.arguments import parse_config
 from megatron.checkpoint_conversion.layouts import load_file
 from megatron.training import checkpointing as ckpt
 from tests.support.config import tiny_argv, write_zero3_config
-from tests.support.flags import ZERO3_BF16_PARAMS as LAYOUT
+from tests.support.flags import EAGER_FP8ADAM as EAGER, ZERO3_BF16_PARAMS as LAYOUT
 from tests.support.launch import BASE, base_run_weights as _weights, run
 from tests.support.logs import losses
 from tests.support.run_noise import assert_losses_within_noise, assert_weights_within_noise
@@ -41,12 +41,13 @@ COMMON = dict(eval_iters=0, save_interval=2)
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """ZeRO-3 (saving at 2 and 4), the same layout at ZeRO-1 and at ZeRO-2 (the control); logs and folders."""
+    """ZeRO-3 (saving at 2 and 4), the same layout at ZeRO-1 and at ZeRO-2 (the control); logs and folders. The
+    reference and the control step with the eager Fp8AdamW (tests/support/flags.py: EAGER_FP8ADAM)."""
     root = tmp_path_factory.mktemp("zero3_bf16")
     zero3 = ("--deepspeed", "--deepspeed_config", write_zero3_config(root), *LAYOUT)
     log3 = run(2, *zero3, save=root / "z3", **COMMON)
-    log1 = run(2, "--deepspeed", "--zero-stage", "1", *LAYOUT, save=root / "z1", **COMMON)
-    log2 = run(2, "--deepspeed", "--zero-stage", "2", *LAYOUT, save=root / "z2", **COMMON)
+    log1 = run(2, "--deepspeed", "--zero-stage", "1", *LAYOUT, *EAGER, save=root / "z1", **COMMON)
+    log2 = run(2, "--deepspeed", "--zero-stage", "2", *LAYOUT, *EAGER, save=root / "z2", **COMMON)
     return dict(root=root, zero3=zero3, z3=log3, z1=log1, z2=log2)
 
 

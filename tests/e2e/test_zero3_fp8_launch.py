@@ -28,7 +28,7 @@ from megatron.checkpoint_conversion.checkpoint_io import read_checkpoint
 from megatron.checkpoint_conversion.layouts import load_file
 from megatron.training import checkpointing as ckpt
 from tests.support.config import tiny_argv, write_zero3_config
-from tests.support.flags import ZERO3_FP8 as FP8
+from tests.support.flags import EAGER_FP8ADAM as EAGER, ZERO3_FP8 as FP8
 from tests.support.launch import BASE, base_run_weights as _weights, run
 from tests.support.logs import losses
 from tests.support.run_noise import assert_losses_within_noise, assert_weights_within_noise
@@ -44,12 +44,13 @@ def _model_states(folder, rank: int) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """ZeRO-3 (saving at 2 and 4), the same run at ZeRO-1 and on the torch engine (the control); logs and folders."""
+    """ZeRO-3 (saving at 2 and 4), the same run at ZeRO-1 and on the torch engine (the control); logs and folders.
+    The reference and the control step with the eager Fp8AdamW (tests/support/flags.py: EAGER_FP8ADAM)."""
     root = tmp_path_factory.mktemp("zero3_fp8")
     zero3 = ("--deepspeed", "--deepspeed_config", write_zero3_config(root), *FP8)
     log3 = run(2, *zero3, save=root / "z3", **COMMON)
-    log1 = run(2, "--deepspeed", "--zero-stage", "1", *FP8, save=root / "z1", **COMMON)
-    log0 = run(1, *FP8, save=root / "torch", **COMMON)
+    log1 = run(2, "--deepspeed", "--zero-stage", "1", *FP8, *EAGER, save=root / "z1", **COMMON)
+    log0 = run(1, *FP8, *EAGER, save=root / "torch", **COMMON)
     return dict(root=root, zero3=zero3, z3=log3, z1=log1, torch=log0)
 
 

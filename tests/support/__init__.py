@@ -5,6 +5,7 @@ the modules:
     flags              flag sets and run sizes that a unit module and its e2e counterpart both use
     training           in-process helpers: the exact-resume check, a checkpoint written directly
     launch             free ports, torchrun / deepspeed launcher commands, running `pretrain_gpt.py` (BASE, run)
+    forkserver         launches forked from one preloaded interpreter per session (what `launch` runs on)
     logs               values read from a run's log (the loss regexes)
     processes          worker processes: gloo process groups over TCP, a PID that no process holds
     run_noise          bounds from the runs' own rounding noise, relative errors

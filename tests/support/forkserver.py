@@ -97,6 +97,12 @@ def _child(request: dict, rank: int, protocol_fd: int) -> None:
         try:
             if "call" in request:
                 _call(request["call"], rank)
+            elif request.get("module"):  # python -m module argv
+                import runpy
+
+                sys.argv = [request["module"], *request["argv"]]
+                sys.path[0] = request["cwd"]
+                runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
             else:
                 script = os.path.abspath(request["script"])
                 if not os.path.isfile(script):  # as the interpreter says it
@@ -307,14 +313,16 @@ def launch(nproc: int, script: str, argv: list[str], *, port: int, env: dict | N
            timeout: float = 300) -> subprocess.CompletedProcess:
     """`script argv` in `nproc` processes (ranks of one gloo world on `port` when nproc > 1), forked from the
     session's server; a real `python script` / torchrun process when the environment differs in a variable read
-    at import time. Its stdout and stderr (all ranks, as under torchrun) and exit code."""
+    at import time. Its stdout and stderr (all ranks, as under torchrun) and exit code. `script` "-m NAME" runs the
+    module NAME (python -m)."""
     from tests.support.launch import torchrun_command
 
     wanted = dict(os.environ if env is None else env)
     server = None if _differs(wanted, dict(os.environ)) else _get_server()
     if server is None:
         COUNTS["real"] += 1
-        cmd = [sys.executable, script, *argv] if nproc == 1 else torchrun_command(nproc, script, *argv, port=port)
+        target = script.split(" ", 1) if script.startswith("-m ") else [script]
+        cmd = [sys.executable, *target, *argv] if nproc == 1 else torchrun_command(nproc, *target, *argv, port=port)
         return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=wanted)
     import tempfile
 
@@ -323,6 +331,8 @@ def launch(nproc: int, script: str, argv: list[str], *, port: int, env: dict | N
         paths = {name: os.path.join(folder, name) for name in ("stdout", "stderr")}
         request = {"script": script, "argv": list(argv), "nproc": nproc, "port": port, "cwd": str(REPO),
                    "env": wanted, **paths}
+        if script.startswith("-m "):
+            request["module"] = script[3:]
         try:
             rc = server.run(request, timeout)
         except TimeoutError:
