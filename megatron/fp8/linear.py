@@ -237,8 +237,9 @@ class Fp8Linear(nn.Linear):
         self.fp8_weight_per_call = False
         self._weight_cache: _QuantizedWeight | TiledWeight | None = None
         # This step's FP8 weight for the traced path (its GEMM operand, scale, amax), set outside the compiled graph
-        # by `refresh_step_weight` (a compiled block's pre-hook); None: the traced path quantizes per call.
-        self._step_weight: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # by `refresh_step_weight` (a compiled block's pre-hook): (W, scale, amax, W^T as a row-major copy for
+        # backends that want one, else None); None: the traced path quantizes per call.
+        self._step_weight: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
         self._init_fp8_buffers(self.weight.device)
 
     def _init_fp8_buffers(self, device: torch.device | str | None) -> None:
@@ -433,7 +434,10 @@ class Fp8Linear(nn.Linear):
             return
         with torch.autocast(self.weight.device.type, enabled=False):
             made = self._quantized_weight(backend, self.fp8_specs(backend)[Fp8Role.WEIGHT])
-            self._step_weight = (made.weight(backend, self.recipe.power_of_two_scales), made.scale, made.amax)
+            pow2 = self.recipe.power_of_two_scales
+            # dgrad's operand too, once per step: inside the graph it would be transposed per micro-batch.
+            transposed = made.weight_t(backend, pow2) if backend.wants_contiguous_operands else None
+            self._step_weight = (made.weight(backend, pow2), made.scale, made.amax, transposed)
 
     # --- nn.Module -------------------------------------------------------------------------------------------
 

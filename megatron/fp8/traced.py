@@ -18,7 +18,9 @@ The FP8 weight: a cache keyed on the weight's storage and version cannot live in
 block's pre-hook (`register_fp8_weight_refresh` in megatron/model/compile.py, run eagerly before the graph)
 takes this step's FP8 weight from the eager layer's per-step cache (`Fp8Linear.refresh_step_weight`) and the
 graph reads it as an input: W is cast once per optimizer step, as in the eager layer (Transformer Engine caches
-it across micro-batches too; torchao's Float8Linear casts per call). Without the hook (a module compiled by
+it across micro-batches too; torchao's Float8Linear casts per call). So is dgrad's row-major W^T for backends
+that want one (`_scaled_mm`): made with the step's weight, an input of the backward graph (tests/unit/
+test_fp8_traced_graph.py), not a transpose per micro-batch. Without the hook (a module compiled by
 hand) and for a Smooth-SwiGLU fc2 (W diag(c) changes every micro-batch) the graph casts W itself, per call, with
 the same bits; such in-graph casts are not counted in `fp8_weight_quantizations`. Either way the forward's FP8
 weight is what backward uses.
@@ -96,8 +98,9 @@ def forward(module: "Fp8Linear", x: torch.Tensor, out_dtype: torch.dtype, column
     with torch.autocast(x.device.type, enabled=False), torch.no_grad():
         q_x, v_x, s_x, x_amax = module._quantize_input(backend, specs[_INPUT], x2d.detach(), input_amax,
                                                        values_dtype)
+        w_t = None  # dgrad's row-major W^T (backends that want one): from the step's cache, else made in backward
         if column_scale is None and module._step_weight is not None:  # made once per step, outside the graph
-            (q_w, s_w, w_amax), v_w = module._step_weight, None
+            (q_w, s_w, w_amax, w_t), v_w = module._step_weight, None
         elif column_scale is None:
             q_w, v_w, s_w, w_amax = module._fused_quantize(_WEIGHT, module.weight.detach(), w_spec,
                                                            module._weight_values_dtype(backend), record=False)
@@ -115,8 +118,8 @@ def forward(module: "Fp8Linear", x: torch.Tensor, out_dtype: torch.dtype, column
     # itself (dynamo refuses one tensor passed twice).
     saved_x = (None if v_x is None else q_x) if recipe.fp8_wgrad else x2d.detach()
     y2d = _Gemms.apply(x2d, module.weight, module.bias, q_x if v_x is None else v_x, s_x, q_w if v_w is None else v_w,
-                       s_w, saved_x, column_scale, module.fp8_scale, module.fp8_scale_valid, module.fp8_step_amax,
-                       consts)
+                       s_w, w_t, saved_x, column_scale, module.fp8_scale, module.fp8_scale_valid,
+                       module.fp8_step_amax, consts)
     return y2d.reshape(*x.shape[:-1], y2d.shape[-1])
 
 
@@ -126,7 +129,8 @@ class _Gemms(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a: torch.Tensor,
-                s_a: torch.Tensor, w: torch.Tensor, s_w: torch.Tensor, saved_x: torch.Tensor | None,
+                s_a: torch.Tensor, w: torch.Tensor, s_w: torch.Tensor, w_t: torch.Tensor | None,
+                saved_x: torch.Tensor | None,
                 column_scale: torch.Tensor | None, scale_buf: torch.Tensor, valid_buf: torch.Tensor,
                 step_amax_buf: torch.Tensor, consts: tuple) -> torch.Tensor:
         backend_name, out_dtype, pow2, fast_accum = consts[0], consts[1], consts[4], consts[13][0]
@@ -134,7 +138,7 @@ class _Gemms(torch.autograd.Function):
         with torch.autocast(x2d.device.type, enabled=False):
             y = gemm_steps.add_bias(backend.gemm_nt(a, s_a, w, s_w, out_dtype, pow2, False, fast_accum), bias,
                                     out_dtype)
-        ctx.save_for_backward(a if saved_x is None else saved_x, s_a, w, s_w, column_scale, scale_buf, valid_buf,
+        ctx.save_for_backward(a if saved_x is None else saved_x, s_a, w, s_w, w_t, column_scale, scale_buf, valid_buf,
                               step_amax_buf)
         ctx.consts, ctx.has_bias, ctx.w_dtype = consts, bias is not None, consts[3]  # gemm_steps reads the last two
         return y
@@ -144,7 +148,7 @@ class _Gemms(torch.autograd.Function):
         from megatron.fp8 import fused
         from megatron.fp8.linear import nonfinite_guard
 
-        saved_x, s_x, w, s_w, column_scale, scale_buf, valid_buf, step_amax_buf = ctx.saved_tensors
+        saved_x, s_x, w, s_w, w_t, column_scale, scale_buf, valid_buf, step_amax_buf = ctx.saved_tensors
         (backend_name, _, x_dtype, _, pow2, fp8_wgrad, training, delayed, tensorwise, margin, g_max, g_dtype,
          values_dtype, (_, dgrad_fast, wgrad_fast)) = ctx.consts
         backend = STATELESS_BACKENDS[backend_name]
@@ -160,7 +164,8 @@ class _Gemms(torch.autograd.Function):
             s_g = nonfinite_guard(s_g, g_amax)
             g_op = q_g if v_g is None else v_g
             if ctx.needs_input_grad[0]:
-                w_t = w.t().contiguous() if backend.wants_contiguous_operands else w.t()
+                if w_t is None:  # a weight made per call (Smooth-SwiGLU's W diag(c), no pre-hook)
+                    w_t = w.t().contiguous() if backend.wants_contiguous_operands else w.t()
                 dx = backend.gemm_nt(g_op, s_g, w_t, s_w, x_dtype, pow2, False, dgrad_fast)
             if ctx.needs_input_grad[1]:
                 if fp8_wgrad:
@@ -170,4 +175,4 @@ class _Gemms(torch.autograd.Function):
                     dw = gemm_steps.high_precision_wgrad(dy, saved_x)
                 dw = gemm_steps.finish_weight_grad(ctx, dw, column_scale)
             db = gemm_steps.bias_grad(ctx, dy)
-        return (dx, dw, db) + (None,) * 10
+        return (dx, dw, db) + (None,) * 11

@@ -93,3 +93,23 @@ def assert_traced_equals_eager(recipe: Fp8Recipe, column: bool, bf16: bool, step
             assert_bias_grad_close(g, w, tokens=24)
         else:
             assert torch.equal(g, w), f"{name} differs"
+
+
+def post_grad_graphs(run) -> list[torch.fx.Graph]:
+    """The post-grad graphs inductor generates kernels from (forward, then backward) for whatever `run()`
+    compiles; the compile caches are off, so every graph is really built."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    graphs: list[torch.fx.Graph] = []
+
+    class Record(CustomGraphPass):
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            graphs.append(graph)
+
+        def uuid(self) -> None:
+            return None
+
+    torch._dynamo.reset()
+    with inductor_config.patch(post_grad_custom_post_pass=Record(), force_disable_caches=True):
+        run()
+    return graphs

@@ -13,6 +13,7 @@ from megatron.fp8 import Fp8Gemm, Fp8Recipe, set_fused_quantization
 from megatron.fp8.linear import Fp8Linear
 from megatron.fp8.recipe import DEFAULT_FAST_ACCUM
 from tests.support.config import tiny_argv
+from tests.support.fp8_traced import post_grad_graphs
 
 # Dimensions that tell the three GEMMs apart by their output: fprop [T, N], dgrad [T, K], wgrad [N, K].
 T, K, N = 48, 32, 16
@@ -59,28 +60,16 @@ def test_eager_gemms_carry_the_recipes_choice(fast_accum):
 @pytest.mark.parametrize("fast_accum", [DEFAULT_FAST_ACCUM, "all"])
 def test_compiled_graph_nodes_carry_the_recipes_choice(fast_accum):
     """Read off inductor's post-grad graphs (forward and backward), the graphs its kernels are generated from."""
-    import torch._inductor.config as inductor_config
-    from torch._inductor.custom_graph_pass import CustomGraphPass
-
-    seen: dict[Fp8Gemm, list[bool]] = {}
-
-    class Record(CustomGraphPass):
-        def __call__(self, graph: torch.fx.Graph) -> None:
-            for node in graph.nodes:
-                if node.target is SCALED_MM:
-                    gemm = GEMM_OF_SHAPE[tuple(node.meta["val"].shape)]
-                    seen.setdefault(gemm, []).append(_fast_accum_arg(node.args, node.kwargs))
-
-        def uuid(self) -> None:
-            return None
-
     layer = _layer(fast_accum)
     set_fused_quantization(layer, True)  # the traced path the compiled blocks use
-    torch._dynamo.reset()
     compiled = torch.compile(layer, fullgraph=True, dynamic=False)
     x = torch.randn(T, K, requires_grad=True)
-    with inductor_config.patch(post_grad_custom_post_pass=Record(), force_disable_caches=True):
-        compiled(x).square().sum().backward()
+    seen: dict[Fp8Gemm, list[bool]] = {}
+    for graph in post_grad_graphs(lambda: compiled(x).square().sum().backward()):
+        for node in graph.nodes:
+            if node.target is SCALED_MM:
+                gemm = GEMM_OF_SHAPE[tuple(node.meta["val"].shape)]
+                seen.setdefault(gemm, []).append(_fast_accum_arg(node.args, node.kwargs))
     assert seen == _expected(fast_accum)
 
 
