@@ -4,6 +4,7 @@ profile table are the ones a GPU trace names."""
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 
@@ -29,6 +30,7 @@ def test_kernel_classes(name, kind):
 
 def test_tiny_run_steps_every_variant(tmp_path):
     out = tmp_path / "stack.json"
+    level = logging.getLogger("megatron").level
     rows = bench.main(["--device", "cpu", "--shape", "tiny", "--layers", "2", "--compile", "off", "--iters", "2",
                        "--warmup", "1", "--profile", "--json", str(out)])
     assert [r["variant"] for r in rows] == list(bench.VARIANTS)
@@ -43,3 +45,4 @@ def test_tiny_run_steps_every_variant(tmp_path):
     fp8 = next(r for r in ran if r["variant"] == "fp8-delayed")
     assert fp8["profile_ms"]["quantization"] > 0  # the FP8 casts are seen as such
     assert json.loads(out.read_text())["rows"] == rows
+    assert logging.getLogger("megatron").level == level  # quiet while it builds, as it was afterwards
