@@ -113,7 +113,7 @@ def forward(module: "Fp8Linear", x: torch.Tensor, out_dtype: torch.dtype, column
     consts = (backend.name, out_dtype, x.dtype, module.weight.dtype, recipe.power_of_two_scales, recipe.fp8_wgrad,
               module.training, recipe.scaling.value == "delayed", recipe.scaling.value == "tensorwise",
               recipe.margin, g_spec.max, g_spec.torch_dtype, values_dtype,
-              tuple(recipe.fast_accum_for(g) for g in (Fp8Gemm.FPROP, Fp8Gemm.DGRAD, Fp8Gemm.WGRAD)))
+              tuple(recipe.fast_accum_for(g) for g in Fp8Gemm))  # fprop, dgrad, wgrad
     # What wgrad reads: Q(x) (1 byte per element), or x itself for a high-precision wgrad. None: the GEMM operand
     # itself (dynamo refuses one tensor passed twice).
     saved_x = (None if v_x is None else q_x) if recipe.fp8_wgrad else x2d.detach()

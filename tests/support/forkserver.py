@@ -95,14 +95,15 @@ def _child(request: dict, rank: int, protocol_fd: int) -> None:
         os.environ.clear()
         os.environ.update(env)
         try:
+            import runpy
+
             if "call" in request:
                 _call(request["call"], rank)
-            elif request.get("module"):  # python -m module argv
-                import runpy
-
-                sys.argv = [request["module"], *request["argv"]]
+            elif request["script"].startswith("-m "):  # python -m NAME argv
+                module = request["script"][3:]
+                sys.argv = [module, *request["argv"]]
                 sys.path[0] = request["cwd"]
-                runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+                runpy.run_module(module, run_name="__main__", alter_sys=True)
             else:
                 script = os.path.abspath(request["script"])
                 if not os.path.isfile(script):  # as the interpreter says it
@@ -111,8 +112,6 @@ def _child(request: dict, rank: int, protocol_fd: int) -> None:
                     raise SystemExit(2)
                 sys.argv = [request["script"], *request["argv"]]
                 sys.path[0] = os.path.dirname(script)
-                import runpy
-
                 runpy.run_path(script, run_name="__main__")
             code = 0
         except SystemExit as exc:
@@ -175,18 +174,26 @@ def _terminate(alive: set[int], codes: dict) -> None:
         except ProcessLookupError:
             pass
     while alive:
-        pid, status = os.wait()
-        if pid in alive:
-            alive.discard(pid)
-            codes[pid] = os.waitstatus_to_exitcode(status)
+        _wait_any(alive, codes)
 
 
 def _reap(alive: set[int], codes: dict) -> None:
+    """Record the exit codes of the ranks in `alive` that have exited, without waiting."""
     for pid in list(alive):
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
             alive.discard(pid)
             codes[pid] = os.waitstatus_to_exitcode(status)
+
+
+def _wait_any(alive: set[int], codes: dict) -> int:
+    """Wait until one of the ranks in `alive` exits; record its exit code; its pid."""
+    while True:
+        pid, status = os.wait()
+        if pid in alive:
+            alive.discard(pid)
+            codes[pid] = os.waitstatus_to_exitcode(status)
+            return pid
 
 
 def _serve_one(request: dict, out) -> None:
@@ -202,11 +209,7 @@ def _serve_one(request: dict, out) -> None:
     out.flush()
     alive, codes = set(pids), {}
     while alive:
-        pid, status = os.wait()
-        if pid not in alive:
-            continue
-        alive.discard(pid)
-        codes[pid] = os.waitstatus_to_exitcode(status)
+        pid = _wait_any(alive, codes)
         if codes[pid] != 0 and alive:
             _terminate(alive, codes)
     ordered = [codes[pid] for pid in pids]
@@ -309,37 +312,48 @@ def available() -> bool:
     return hasattr(os, "fork") and os.environ.get("MEGATRON_TEST_FORKSERVER", "1") != "0"
 
 
+def _run_forked(server: _Server, request: dict, timeout: float, args: tuple | None = None
+                ) -> subprocess.CompletedProcess:
+    """`request` through `server`, its ranks' stdout and stderr in files of a temporary folder (with `args`
+    pickled there for a `call`); the exit code and both streams. TimeoutExpired past `timeout`."""
+    import pickle
+    import tempfile
+
+    COUNTS["forked"] += 1
+    what = [request.get("script") or request["call"]["name"], *request.get("argv", ())]
+    with tempfile.TemporaryDirectory(prefix="forkserver_") as folder:
+        paths = {name: os.path.join(folder, name) for name in ("stdout", "stderr")}
+        if args is not None:
+            with open(os.path.join(folder, "args.pkl"), "wb") as f:
+                pickle.dump(args, f)
+            request = {**request, "call": {**request["call"], "args": os.path.join(folder, "args.pkl")}}
+
+        def streams() -> tuple[str, str]:
+            return tuple(Path(paths[name]).read_text(errors="replace") for name in ("stdout", "stderr"))
+
+        try:
+            rc = server.run({**request, **paths}, timeout)
+        except TimeoutError:
+            raise subprocess.TimeoutExpired(what, timeout, *streams()) from None
+        return subprocess.CompletedProcess(what, rc, *streams())
+
+
 def launch(nproc: int, script: str, argv: list[str], *, port: int, env: dict | None = None,
            timeout: float = 300) -> subprocess.CompletedProcess:
     """`script argv` in `nproc` processes (ranks of one gloo world on `port` when nproc > 1), forked from the
     session's server; a real `python script` / torchrun process when the environment differs in a variable read
     at import time. Its stdout and stderr (all ranks, as under torchrun) and exit code. `script` "-m NAME" runs the
     module NAME (python -m)."""
-    from tests.support.launch import torchrun_command
+    from tests.support.launch import pretrain_command
 
     wanted = dict(os.environ if env is None else env)
     server = None if _differs(wanted, dict(os.environ)) else _get_server()
     if server is None:
         COUNTS["real"] += 1
-        target = script.split(" ", 1) if script.startswith("-m ") else [script]
-        cmd = [sys.executable, *target, *argv] if nproc == 1 else torchrun_command(nproc, *target, *argv, port=port)
+        cmd = pretrain_command(nproc, argv, script, port=port)
         return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=wanted)
-    import tempfile
-
-    COUNTS["forked"] += 1
-    with tempfile.TemporaryDirectory(prefix="forkserver_") as folder:
-        paths = {name: os.path.join(folder, name) for name in ("stdout", "stderr")}
-        request = {"script": script, "argv": list(argv), "nproc": nproc, "port": port, "cwd": str(REPO),
-                   "env": wanted, **paths}
-        if script.startswith("-m "):
-            request["module"] = script[3:]
-        try:
-            rc = server.run(request, timeout)
-        except TimeoutError:
-            raise subprocess.TimeoutExpired([script, *argv], timeout,
-                                            Path(paths["stdout"]).read_text(), Path(paths["stderr"]).read_text())
-        return subprocess.CompletedProcess([script, *argv], rc, Path(paths["stdout"]).read_text(errors="replace"),
-                                           Path(paths["stderr"]).read_text(errors="replace"))
+    request = {"script": script, "argv": list(argv), "nproc": nproc, "port": port, "cwd": str(REPO), "env": wanted}
+    return _run_forked(server, request, timeout)
 
 
 def spawn(fn, args: tuple = (), nprocs: int = 2, *, timeout: float = 300) -> None:
@@ -347,8 +361,6 @@ def spawn(fn, args: tuple = (), nprocs: int = 2, *, timeout: float = 300) -> Non
     module, forked from the session's server (the spawn itself where the environment differs, as `launch`). A
     worker that fails fails the call with its output."""
     import inspect
-    import pickle
-    import tempfile
 
     server = _get_server()
     if server is None:
@@ -357,20 +369,13 @@ def spawn(fn, args: tuple = (), nprocs: int = 2, *, timeout: float = 300) -> Non
 
         mp.spawn(fn, args=args, nprocs=nprocs, join=True)
         return
-    with tempfile.TemporaryDirectory(prefix="forkserver_") as folder:
-        paths = {name: os.path.join(folder, name) for name in ("stdout", "stderr")}
-        with open(os.path.join(folder, "args.pkl"), "wb") as f:
-            pickle.dump(tuple(args), f)
-        COUNTS["forked"] += 1
-        call = {"file": os.path.abspath(inspect.getfile(fn)), "module": fn.__module__, "name": fn.__qualname__,
-                "args": os.path.join(folder, "args.pkl")}
-        request = {"call": call, "nproc": nprocs, "port": 0, "distributed": False, "cwd": os.getcwd(),
-                   "env": dict(os.environ), **paths}
-        rc = server.run(request, timeout)
-        if rc != 0:
-            raise AssertionError(f"a worker of {fn.__qualname__} failed ({rc}):\n"
-                                 + Path(paths["stdout"]).read_text()[-2000:]
-                                 + Path(paths["stderr"]).read_text()[-6000:])
+    call = {"file": os.path.abspath(inspect.getfile(fn)), "module": fn.__module__, "name": fn.__qualname__}
+    request = {"call": call, "nproc": nprocs, "port": 0, "distributed": False, "cwd": os.getcwd(),
+               "env": dict(os.environ)}
+    out = _run_forked(server, request, timeout, tuple(args))
+    if out.returncode != 0:
+        raise AssertionError(f"a worker of {fn.__qualname__} failed ({out.returncode}):\n"
+                             + out.stdout[-2000:] + out.stderr[-6000:])
 
 
 if __name__ == "__main__":

@@ -45,15 +45,22 @@ def deepspeed_command(options: Sequence[str], *target: str, port: int | None = N
             str(free_port() if port is None else port), *target]
 
 
-def pretrain_command(nproc: int, argv: Sequence[str], script: str = "pretrain_gpt.py") -> list[str]:
-    """`script` with `argv`: in this interpreter for one process, under torchrun for several."""
+def pretrain_command(nproc: int, argv: Sequence[str], script: str = "pretrain_gpt.py", *,
+                     port: int | None = None) -> list[str]:
+    """`script` with `argv` ("-m NAME": the module NAME): in this interpreter for one process, under torchrun for
+    several (on `port`, else a free one)."""
+    target = script.split(" ", 1) if script.startswith("-m ") else [script]
     if nproc == 1:
-        return [sys.executable, script, *argv]
-    return torchrun_command(nproc, script, *argv)
+        return [sys.executable, *target, *argv]
+    return torchrun_command(nproc, *target, *argv, port=port)
 
 
 def _tail(text: str, chars: int) -> str:
     return text[-chars:] if chars else ""
+
+
+def _assert_exit_0(out: subprocess.CompletedProcess, stdout_tail: int, stderr_tail: int) -> None:
+    assert out.returncode == 0, _tail(out.stdout, stdout_tail) + _tail(out.stderr, stderr_tail)
 
 
 def run_checked(cmd: Sequence[str], *, env: dict | None = None, timeout: float = 300, stdout_tail: int = 2000,
@@ -61,7 +68,7 @@ def run_checked(cmd: Sequence[str], *, env: dict | None = None, timeout: float =
     """`cmd` in the repository folder, output captured as text; asserts exit code 0, the message being the last
     `stdout_tail` characters of stdout and `stderr_tail` of stderr (0: none of that stream)."""
     out = subprocess.run(list(cmd), cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
-    assert out.returncode == 0, _tail(out.stdout, stdout_tail) + _tail(out.stderr, stderr_tail)
+    _assert_exit_0(out, stdout_tail, stderr_tail)
     return out
 
 
@@ -79,7 +86,7 @@ def launch_checked(nproc: int, argv: Sequence[str], script: str = "pretrain_gpt.
                    ) -> subprocess.CompletedProcess:
     """`launch`, asserting exit code 0 (the message as in `run_checked`)."""
     out = launch(nproc, argv, script, env=env, timeout=timeout)
-    assert out.returncode == 0, _tail(out.stdout, stdout_tail) + _tail(out.stderr, stderr_tail)
+    _assert_exit_0(out, stdout_tail, stderr_tail)
     return out
 
 
