@@ -9,16 +9,28 @@
 # the extra arguments (`-k`, paths); its own `-m isa_sensitive` replaces a `-m` among them. When they select no
 # such test, pytest exits with 5 ("no tests collected"), which is not a failure here.
 # pytest prints the 20 slowest tests of each pass (--durations=20, pytest.ini); docs/testing.md has the budget.
+#
+# Both passes run in parallel over the CPUs (pytest-xdist): one worker per CPU, at most 4
+# (MEGATRON_TEST_WORKERS=N overrides; 1 runs in one process), each with CPUs/workers OpenMP threads. A test
+# file runs whole in one worker, and files that compare against one shared run stay together (tests/conftest.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$SECONDS
 bash scripts/setup_env.sh "test,eval,demo,bench,deepspeed"
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
+cpus=$(.venv/bin/python -c "import os; print(len(os.sched_getaffinity(0)))")
+workers="${MEGATRON_TEST_WORKERS:-$(( cpus < 4 ? cpus : 4 ))}"
+parallel=()
+if [ "$workers" -gt 1 ]; then
+    parallel=(-n "$workers" --dist loadfile)
+fi
+threads=$(( cpus / workers ))
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( threads > 0 ? threads : 1 ))}"
+echo "== ${workers} worker(s), ${OMP_NUM_THREADS} OpenMP thread(s) each, on ${cpus} CPU(s)"
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/.venv/torch_extensions}"
 
 status=0
 pass_start=$SECONDS
-.venv/bin/python -m pytest -q "$@" || status=$?
+.venv/bin/python -m pytest -q "${parallel[@]}" "$@" || status=$?
 echo "== default pass: $((SECONDS - pass_start)) s"
 
 native_isa=$(env -u ATEN_CPU_CAPABILITY .venv/bin/python -c "import torch; print(torch.backends.cpu.get_cpu_capability())")
@@ -27,7 +39,7 @@ if [[ "$native_isa" == AVX512* ]]; then
     echo "== second pass: isa_sensitive tests with AVX2 kernels (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA, MKL)"
     pass_start=$SECONDS
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
-        .venv/bin/python -m pytest -q "$@" -m isa_sensitive || avx2=$?
+        .venv/bin/python -m pytest -q "${parallel[@]}" "$@" -m isa_sensitive || avx2=$?
     if [ "$avx2" -eq 5 ]; then
         avx2=0
     fi

@@ -105,22 +105,6 @@ def pytest_configure(config):
     collective_guard.enable()
 
 
-def pytest_terminal_summary(terminalreporter):
-    """How the session's launches went (tests/support/forkserver.py): forked, or real processes."""
-    forkserver = sys.modules.get("tests.support.forkserver")
-    if forkserver is not None:
-        c = forkserver.COUNTS
-        terminalreporter.write_line(f"launches: {c['forked']} forked from {c['servers']} preloaded server(s), "
-                                    f"{c['real']} real processes (an import-time variable differed)")
-
-
-def pytest_unconfigure(config):
-    """The fork server of the session's launches (tests/support/forkserver.py) stops with the session."""
-    forkserver = sys.modules.get("tests.support.forkserver")
-    if forkserver is not None:
-        forkserver.shutdown()
-
-
 def pytest_collection_modifyitems(config, items):
     """`slow` tests (long experiments) are skipped unless MEGATRON_SLOW_TESTS=1 (pytest.ini's marker)."""
     if os.environ.get("MEGATRON_SLOW_TESTS", "") not in ("", "0"):
@@ -129,3 +113,60 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+# scripts/test.sh runs pytest-xdist with `--dist loadfile`: a test file runs whole in one worker, so a module's
+# fixtures are made once. Files whose tests share a session fixture (one run that several files compare
+# against) also run in one worker, so that run is made once per session, not once per worker.
+_SHARED_RUNS = {
+    "torch-reference": ("test_deepspeed_launch.py", "test_deepspeed_zero3.py", "test_ddp.py", "test_launchers.py"),
+    "pp2-fp32": ("test_pipeline_launch.py", "test_upstream_scripts_launch.py"),
+}
+_GROUP_OF_FILE = {name: group for group, names in _SHARED_RUNS.items() for name in names}
+_WORKER_LAUNCHES: list[dict] = []
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hooks: defined only when it is installed
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedRunsTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return _GROUP_OF_FILE.get(Path(path).name, path)
+
+    return SharedRunsTogether(config, log)
+
+
+def _launch_counts() -> dict:
+    forkserver = sys.modules.get("tests.support.forkserver")
+    return dict(forkserver.COUNTS) if forkserver is not None else {}
+
+
+def pytest_sessionfinish(session):
+    """An xdist worker hands its launch counts to the controller (pytest_testnodedown)."""
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["launches"] = _launch_counts()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    _WORKER_LAUNCHES.append(getattr(node, "workeroutput", {}).get("launches", {}))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """How the session's launches went (tests/support/forkserver.py): forked, or real processes."""
+    counts = [c for c in [_launch_counts(), *_WORKER_LAUNCHES] if c]
+    if counts:
+        total = {key: sum(c.get(key, 0) for c in counts) for key in ("forked", "servers", "real")}
+        terminalreporter.write_line(f"launches: {total['forked']} forked from {total['servers']} preloaded "
+                                    f"server(s), {total['real']} real processes (an import-time variable differed)")
+
+
+def pytest_unconfigure(config):
+    """The fork server of the session's launches (tests/support/forkserver.py) stops with the session."""
+    forkserver = sys.modules.get("tests.support.forkserver")
+    if forkserver is not None:
+        forkserver.shutdown()

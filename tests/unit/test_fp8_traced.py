@@ -75,10 +75,11 @@ def _graph_breaks(fn) -> int:
 def test_compiled_transformer_block_has_no_graph_break():
     """A Llama block with FP8 linears and Smooth-SwiGLU's fc2 (column scale, input amax) traces as one graph
     (fullgraph raises on any break), forward and backward; a statistics iteration falls back to the eager layer
-    (graph breaks, same call)."""
+    (graph breaks, same call). Tracing is the subject: AOTAutograd traces forward and backward as inductor
+    would, without generating kernels (inductor's kernels for these layers are compared with eager above)."""
     torch.manual_seed(0)
     block = _block(Fp8Recipe())
-    block.compile(fullgraph=True, dynamic=False)
+    block.compile(fullgraph=True, dynamic=False, backend="aot_eager")
     x = torch.randn(2, 16, 64, requires_grad=True)
 
     def run() -> None:
@@ -93,7 +94,7 @@ def test_compiled_transformer_block_has_no_graph_break():
             fp8_weight_quantizations, block.mlp.linear_fc1.fp8_weight_quantizations,
             block.mlp.linear_fc2.fp8_weight_quantizations] == [1, 1, 1, 0]
     stats_block = _block(Fp8Recipe())
-    stats_block.compile(dynamic=False)
+    stats_block.compile(dynamic=False, backend="eager")  # the break is dynamo's
     enable_fp8_stats(stats_block, True)
     block = stats_block
     assert _graph_breaks(run) > 0
