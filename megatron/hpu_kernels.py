@@ -19,20 +19,20 @@ import torch
 from torch import nn
 
 from megatron.compat import HabanaKernels
-from megatron.model.layers import RMSNorm, at_least_fp32
+from megatron.model.layers import RMSNorm, activation_dtype, at_least_fp32
 from megatron.model.transformer import SelfAttention
 
 logger = logging.getLogger("megatron")
 
 
 class HpuFusedRMSNorm(RMSNorm):
-    """RMSNorm through Habana's FusedRMSNorm (computed in at least FP32 like ours, cast back)."""
+    """RMSNorm through Habana's FusedRMSNorm (computed in at least FP32 like ours, output in `activation_dtype`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from habana_frameworks.torch.hpex.normalization import FusedRMSNorm
 
         x32 = at_least_fp32(x)
-        return FusedRMSNorm.apply(x32, self.weight.to(x32.dtype), self.eps).to(x.dtype)
+        return FusedRMSNorm.apply(x32, self.weight.to(x32.dtype), self.eps).to(activation_dtype(x))
 
 
 class HpuFusedSDPAMixin:

@@ -12,8 +12,19 @@ def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
+def activation_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a norm hands to the next GEMM: the autocast dtype for an FP32 `x` under autocast (`--bf16`
+    with FP32 parameters: the residual stream stays FP32, its normalized copy is BF16, which the next GEMM
+    would cast it to anyway), else `x`'s dtype. A BF16 GEMM computes the same either way; an FP8 linear
+    (qkv, fc1) then quantizes 2-byte inputs and its dgrad writes BF16."""
+    if x.dtype == torch.float32 and torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
 class RMSNorm(nn.Module):
-    """Root-mean-square norm, computed in at least FP32 whatever the activation dtype (as Llama does)."""
+    """Root-mean-square norm, computed in at least FP32 whatever the activation dtype (as Llama does); its
+    output in `activation_dtype(x)`."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-5) -> None:
         super().__init__()
@@ -23,16 +34,23 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = at_least_fp32(x)
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * self.weight.to(x32.dtype)).to(x.dtype)
+        return (normed * self.weight.to(x32.dtype)).to(activation_dtype(x))
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
 
 
+class LayerNorm(nn.LayerNorm):
+    """`nn.LayerNorm` (FP32 under autocast) with its output in `activation_dtype(x)`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x).to(activation_dtype(x))
+
+
 def build_norm(config: ModelConfig) -> nn.Module:
     if config.normalization is Normalization.RMSNORM:
         return RMSNorm(config.hidden_size, config.norm_epsilon)
-    return nn.LayerNorm(config.hidden_size, eps=config.norm_epsilon, bias=config.add_bias_linear)
+    return LayerNorm(config.hidden_size, eps=config.norm_epsilon, bias=config.add_bias_linear)
 
 
 class RotaryEmbedding(nn.Module):
