@@ -105,18 +105,12 @@ def _quantize_known(x: torch.Tensor, scale: torch.Tensor, column_scale: torch.Te
     return q, (q.to(values_dtype) if values_dtype is not None else None)
 
 
-def _column_scaled_amax(w: torch.Tensor, column_scale: torch.Tensor) -> torch.Tensor:
-    """max |W diag(c)| without materializing W diag(c)."""
-    return (w.float() * column_scale.float()).abs().amax()
-
-
 def _upcast(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return q.to(dtype)
 
 
 _quantize_tensor_c = _fused(_quantize_tensor)
 _quantize_known_c = _fused(_quantize_known)
-_column_scaled_amax_c = _fused(_column_scaled_amax)
 _upcast_c = _fused(_upcast)
 
 
@@ -149,10 +143,20 @@ def quantize_known(x: torch.Tensor, scale: torch.Tensor, fp8_max: float, dtype: 
     return _quantize_known_c(x, scale, column_scale, fp8_max, dtype, values_dtype)
 
 
-def column_scaled_amax(w: torch.Tensor, column_scale: torch.Tensor) -> torch.Tensor:
+def column_maxima(w: torch.Tensor) -> torch.Tensor:
+    """max_i |W_ij| per input channel j: [K] in fp32 (exact: |.| and max do not round)."""
     if w.numel() == 0:
-        return torch.zeros((), dtype=torch.float32, device=w.device)
-    return _column_scaled_amax_c(w, column_scale)
+        return torch.zeros(w.shape[-1], dtype=torch.float32, device=w.device)
+    return w.abs().amax(dim=0).float()
+
+
+def column_scaled_amax(maxima: torch.Tensor, column_scale: torch.Tensor) -> torch.Tensor:
+    """max |W diag(c)| from W's column maxima: a [K] product instead of a pass over W. Bitwise the full pass's
+    max_ij |fl(W_ij c_j)|: fl(|a| |c|) is |fl(a c)|, and rounding is monotone, so the largest |W_ij| of column j
+    gives that column's largest product."""
+    if maxima.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=maxima.device)
+    return (maxima * column_scale.float().abs()).amax()
 
 
 def upcast(q: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -46,9 +46,11 @@ are multiplied by c *before* quantization, so one FP8 GEMM still does the whole 
 tensor whenever c changes (every micro-batch under Smooth-SwiGLU), so such a call bypasses the per-step
 weight cache and quantizes afresh (counted in `fp8_weight_quantizations`), always with a scale from its own
 amax (a history of other tensors' amaxes would lag and clip it); its amax still feeds the weight role's
-statistics and history. Under tensor parallelism W is a shard of the logical weight: `column_scale_group`
-(the TP group) max-reduces that amax so every shard uses the scale the whole W diag(c) would get (one
-scalar all-reduce per call). Gradients: dx from Q(W diag(c)), dW = (dy^T x) diag(c), none through c.
+statistics and history. That amax needs no pass over W: it is max_j(colmax_j |c_j|), bitwise, from W's column
+maxima, which change once per optimizer step and are computed once per step (`column_maxima`, counted in
+`fp8_column_maxima_passes`; the eager reference without fused quantization reduces W diag(c) itself).
+Under tensor parallelism W is a shard of the logical weight: `column_scale_group` (the TP group) max-reduces
+that amax so every shard uses the scale the whole W diag(c) would get (one scalar all-reduce per call). Gradients: dx from Q(W diag(c)), dW = (dy^T x) diag(c), none through c.
 `input_amax`, when the caller already knows max|x| exactly (Smooth-SwiGLU gets it from its channel maxima),
 saves the reduction over x and, being this tensor's own amax, sets x's scale just in time under delayed
 scaling too (its amax still feeds the input role's history): current scaling for free. Smooth-SwiGLU needs
@@ -240,6 +242,12 @@ class Fp8Linear(nn.Linear):
         # by `refresh_step_weight` (a compiled block's pre-hook): (W, scale, amax, W^T as a row-major copy for
         # backends that want one, else None); None: the traced path quantizes per call.
         self._step_weight: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
+        # W's column maxima (`column_maxima`), made once per optimizer step for a column-scaled (Smooth-SwiGLU)
+        # weight: (weight_storage_key, [K] fp32); `_step_column_maxima` is the traced path's copy of them, set
+        # outside the graph by `refresh_step_column_maxima`.
+        self._column_maxima: tuple[tuple[int, int], torch.Tensor] | None = None
+        self._step_column_maxima: torch.Tensor | None = None
+        self.fp8_column_maxima_passes = 0  # how often W's column maxima were computed (once per step when cached)
         self._init_fp8_buffers(self.weight.device)
 
     def _init_fp8_buffers(self, device: torch.device | str | None) -> None:
@@ -388,14 +396,17 @@ class Fp8Linear(nn.Linear):
         self.fp8_weight_quantizations += 1
         return _QuantizedWeight(None, q, scale, amax, values=values)
 
-    def _column_scaled_weight(self, backend: Backend, spec: Fp8FormatSpec, column_scale: torch.Tensor, group: Any
+    def _column_scaled_weight(self, backend: Backend, spec: Fp8FormatSpec, column_scale: torch.Tensor, group: Any,
+                              maxima: torch.Tensor | None = None
                               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """(Q(W diag(c)), its values for the GEMM or None, scale, amax): the scale from its own amax, max-reduced
-        over `group`. Records nothing and counts nothing (callers do)."""
+        over `group`. Fused, the amax comes from W's column maxima (`maxima`, else this step's `column_maxima`)
+        and W diag(c) is never materialized: one cast pass per call. The unfused reference materializes W diag(c)
+        and reduces it. Records nothing and counts nothing (callers do)."""
         values_dtype = self._weight_values_dtype(backend)
         w = None
-        if values_dtype is not False:  # W diag(c) is never materialized: one amax pass, one cast pass
-            amax = fused.column_scaled_amax(self.weight.detach(), column_scale)
+        if values_dtype is not False:
+            amax = fused.column_scaled_amax(self.column_maxima() if maxima is None else maxima, column_scale)
         else:
             w = self.weight.detach().float() * column_scale.float()
             amax = amax_of(w)
@@ -403,6 +414,25 @@ class Fp8Linear(nn.Linear):
         scale = self._own_amax_scale(Fp8Role.WEIGHT, amax, spec)
         q, values = self._cast_weight(backend, spec, scale, values_dtype, column_scale, scaled=w)
         return q, values, scale, amax
+
+    def column_maxima(self) -> torch.Tensor:
+        """max_i |W_ij| per input channel j ([K], fp32), computed once per optimizer step (keyed like the FP8
+        weight cache; per call for a per-call weight, ZeRO-3): what the amax of W diag(c) needs, whatever c."""
+        key = self.weight_storage_key()
+        if self._column_maxima is not None and self._column_maxima[0] == key and not self.fp8_weight_per_call:
+            return self._column_maxima[1]
+        with torch.no_grad():
+            maxima = fused.column_maxima(self.weight.detach())
+        self.fp8_column_maxima_passes += 1
+        if not self.fp8_weight_per_call:
+            self._column_maxima = (key, maxima)
+        return maxima
+
+    def refresh_step_column_maxima(self) -> None:
+        """Eagerly, before a compiled block runs: this step's column maxima for a column-scaled layer the traced
+        path takes (None for the others: the graph then reduces W itself)."""
+        backend = self.fp8_backend(self.weight.device)
+        self._step_column_maxima = self.column_maxima() if traced.uses_step_weight(self, backend) else None
 
     def _note_weight_use(self, scale: torch.Tensor, amax: torch.Tensor) -> None:
         """Every training forward records the weight's amax, wherever the cached FP8 weight was made."""
@@ -412,9 +442,11 @@ class Fp8Linear(nn.Linear):
                 self.fp8_scale[Fp8Role.WEIGHT] = scale
 
     def invalidate_fp8_weight_cache(self) -> None:
-        """Drop the FP8 weight; the next forward re-quantizes (called by `fp8_optimizer_step`)."""
+        """Drop the FP8 weight (and W's column maxima); the next forward re-quantizes (called by
+        `fp8_optimizer_step`)."""
         self._weight_cache = None
         self._step_weight = None
+        self._column_maxima = self._step_column_maxima = None
 
     def weight_storage_key(self) -> tuple[int, int]:
         """What identifies the weight's current values for the per-step FP8 caches: its version counter (bumped
@@ -468,6 +500,7 @@ class Fp8Linear(nn.Linear):
         # .to()/.cuda() may replace the weight's storage; a cached FP8 copy on the old device must go.
         self._weight_cache = None
         self._step_weight = None
+        self._column_maxima = self._step_column_maxima = None
         return super()._apply(fn, recurse)
 
     def extra_repr(self) -> str:

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from megatron.fp8 import gemm_steps
+from megatron.fp8 import fused, gemm_steps
 from megatron.fp8.backends import STATELESS_BACKENDS, select_backend
 from megatron.fp8.recipe import Fp8Gemm
 from megatron.fp8.scaling import Fp8Role
@@ -104,8 +104,11 @@ def forward(module: "Fp8Linear", x: torch.Tensor, out_dtype: torch.dtype, column
         elif column_scale is None:
             q_w, v_w, s_w, w_amax = module._fused_quantize(_WEIGHT, module.weight.detach(), w_spec,
                                                            module._weight_values_dtype(backend), record=False)
-        else:
-            q_w, v_w, s_w, w_amax = module._column_scaled_weight(backend, w_spec, column_scale, None)
+        else:  # W diag(c): the amax from the step's column maxima (the pre-hook's), else reduced here
+            maxima = module._step_column_maxima
+            if maxima is None:
+                maxima = fused.column_maxima(module.weight.detach())
+            q_w, v_w, s_w, w_amax = module._column_scaled_weight(backend, w_spec, column_scale, None, maxima)
         module._note_weight_use(s_w, w_amax)
         s_x = nonfinite_guard(s_x, x_amax)
         s_w = nonfinite_guard(s_w, w_amax)
@@ -145,7 +148,6 @@ class _Gemms(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        from megatron.fp8 import fused
         from megatron.fp8.linear import nonfinite_guard
 
         saved_x, s_x, w, s_w, w_t, column_scale, scale_buf, valid_buf, step_amax_buf = ctx.saved_tensors

@@ -147,15 +147,19 @@ def _refresh_fp8_weights(block: nn.Module, args: Any) -> None:
 
     per_call = {id(m.linear_fc2) for m in block.modules() if getattr(m, "fc2_weight_column_scaled", False)}
     for m in block.modules():
-        if isinstance(m, Fp8Linear) and id(m) not in per_call:
-            m.refresh_step_weight()
+        if isinstance(m, Fp8Linear):
+            if id(m) in per_call:
+                m.refresh_step_column_maxima()
+            else:
+                m.refresh_step_weight()
 
 
 def register_fp8_weight_refresh(block: nn.Module) -> None:
     """Before each call of the compiled `block`, eagerly: this step's FP8 weight of each of its FP8 layers from
     the per-step cache (`Fp8Linear.refresh_step_weight`), so that the traced layers quantize W once per optimizer
-    step, not once per micro-batch (a Smooth-SwiGLU fc2 makes W diag(c) per call: none is made for it). A hook on
-    the compiled module itself runs outside its graph."""
+    step, not once per micro-batch (a Smooth-SwiGLU fc2 makes W diag(c) per call: it gets this step's column
+    maxima of W instead, from which the amax of W diag(c) follows without a pass over W). A hook on the compiled
+    module itself runs outside its graph."""
     block.register_forward_pre_hook(_refresh_fp8_weights)
 
 

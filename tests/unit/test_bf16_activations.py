@@ -45,7 +45,8 @@ def test_activation_dtype_only_narrows_fp32_under_autocast():
 def test_fp8_qkv_and_fc1_receive_bf16_and_their_dgrad_is_bf16_under_bf16():
     """A training iteration of the tiny FP8 model under --bf16: every qkv and fc1 Fp8Linear gets a BF16 input and
     returns a BF16 dx; the residual stream (the blocks' inputs) stays FP32."""
-    trainer = Trainer(parse_config(tiny_argv("--bf16", "--fp8-format", "hybrid", train_iters=1, eval_iters=0, lr_warmup_iters=0)))
+    trainer = Trainer(parse_config(tiny_argv("--bf16", "--fp8-format", "hybrid", train_iters=1, eval_iters=0,
+                                             lr_warmup_iters=0)))
     seen: dict[str, list] = {}
 
     def record(name):

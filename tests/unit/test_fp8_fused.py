@@ -70,7 +70,7 @@ def test_nonfinite_inputs_match_eager() -> None:
 def test_known_scale_with_column_scale_bitwise() -> None:
     w = _sample(torch.float32)
     c = torch.logspace(-3, 3, 96)
-    amax = fused.column_scaled_amax(w, c)
+    amax = fused.column_scaled_amax(fused.column_maxima(w), c)
     assert torch.equal(amax, (w * c).abs().amax())
     scale = compute_scale(amax, E4M3.max)
     q, values = fused.quantize_known(w, scale, E4M3.max, E4M3.torch_dtype, torch.bfloat16, column_scale=c)
@@ -227,3 +227,22 @@ def test_statistics_recorded_only_in_logging_iterations() -> None:
     for iteration, next_logs in [(1, False), (3, False), (4, True), (5, False), (9, True)]:
         hooks.log_values(iteration, 5)
         assert all(m.fp8_stats_enabled is next_logs for m in linears), iteration
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_column_scaled_amax_from_column_maxima_is_the_full_pass_bitwise(dtype) -> None:
+    """max |W diag(c)| from W's column maxima (a [K] product) equals the reduction of the whole product, bit for
+    bit, over many draws with signs, wide exponent ranges and rounding-sensitive scales; an inf or NaN in W
+    still reaches the amax."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        w = (torch.randn(37, 53, generator=gen) * torch.exp2(torch.randint(-20, 20, (37, 53), generator=gen))).to(dtype)
+        c = (torch.rand(53, generator=gen) + 0.5) * torch.exp2(torch.randint(-8, 8, (53,), generator=gen).float())
+        c = torch.where(torch.rand(53, generator=gen) < 0.1, -c, c)
+        full = (w.float() * c).abs().amax()
+        assert torch.equal(fused.column_scaled_amax(fused.column_maxima(w), c), full)
+    w = torch.ones(4, 3, dtype=dtype)
+    w[1, 2] = float("inf")
+    assert fused.column_scaled_amax(fused.column_maxima(w), torch.ones(3)).isinf()
+    w[2, 0] = float("nan")
+    assert fused.column_scaled_amax(fused.column_maxima(w), torch.ones(3)).isnan()

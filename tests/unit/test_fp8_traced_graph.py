@@ -1,13 +1,15 @@
 """Properties of the compiled graph of an FP8 layer traced into a compiled block (megatron/fp8/traced.py), read
-off inductor's post-grad backward graph, so that a GPU-only cost cannot come back unseen: with the per-step FP8
+off inductor's post-grad graphs, so that a GPU-only cost cannot come back unseen: with the per-step FP8
 weight (the compiled blocks' pre-hook) dgrad's row-major W^T is made once per optimizer step, outside the graph,
-and the backward graph takes it as an input instead of transposing the weight per micro-batch."""
+and the backward graph takes it as an input instead of transposing the weight per micro-batch; a Smooth-SwiGLU
+fc2 (W diag(c), new every micro-batch) takes the amax of W diag(c) from W's column maxima, made once per step,
+instead of a reduction over W per micro-batch."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from megatron.fp8 import Fp8Recipe, set_fused_quantization
+from megatron.fp8 import Fp8Recipe, fp8_optimizer_step, set_fused_quantization
 from megatron.fp8.linear import Fp8Linear
 from megatron.model.compile import register_fp8_weight_refresh
 from tests.support.fp8_traced import post_grad_graphs
@@ -45,3 +47,63 @@ def test_dgrad_weight_is_made_once_per_step_outside_the_graph(step_weight):
         assert source.op == "placeholder", source.format_node()  # an input: the step's cached W^T
     else:  # the control: a weight made per call is transposed in the graph (a copy per micro-batch)
         assert source.op == "call_function", source.format_node()
+
+
+REDUCTIONS = {torch.ops.aten.amax.default, torch.ops.aten.max.default, torch.ops.aten.max.dim}
+
+
+class _ColumnScaledFc2(torch.nn.Module):
+    """An FP8 fc2 with a Smooth-SwiGLU-style column scale (named as in the MLP, whose flag the pre-hook reads)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear_fc2 = Fp8Linear(K, N, bias=False, recipe=Fp8Recipe())
+        self.fc2_weight_column_scaled = True
+
+    def forward(self, x: torch.Tensor, shift: int = 0) -> torch.Tensor:
+        c = torch.exp2((torch.arange(K, dtype=torch.float32) + shift) % 5 - 2)
+        return self.linear_fc2(x, weight_column_scale=c)
+
+
+@pytest.mark.parametrize("step_maxima", [True, False])
+def test_column_scaled_weight_amax_needs_no_pass_over_the_weight(step_maxima):
+    torch.manual_seed(0)
+    module = _ColumnScaledFc2()
+    set_fused_quantization(module, True)
+    if step_maxima:
+        register_fp8_weight_refresh(module)
+    compiled = torch.compile(module, fullgraph=True, dynamic=False)
+    x = torch.randn(T, K, requires_grad=True)
+    graphs = post_grad_graphs(lambda: compiled(x).square().sum().backward())
+    over_w = [n for n in graphs[0].nodes if n.target in REDUCTIONS and tuple(n.args[0].meta["val"].shape) == (N, K)]
+    if step_maxima:  # the amax of W diag(c) is a [K] product with the step's column maxima, a graph input
+        assert not over_w, [n.format_node() for n in over_w]
+    else:  # the control: without the pre-hook the graph reduces W itself
+        assert over_w
+
+
+def test_column_maxima_are_computed_once_per_optimizer_step():
+    """Eager: three micro-batches with three column scales use one column-maxima pass; the optimizer step's hook
+    drops them; a per-call weight (ZeRO-3) computes them per call; the unfused reference reduces W diag(c)."""
+    torch.manual_seed(0)
+    module = _ColumnScaledFc2()
+    layer = module.linear_fc2
+    set_fused_quantization(module, True)
+    x = torch.randn(T, K)
+    for step in range(2):
+        for shift in range(3):
+            module(x, shift).sum().backward()
+        assert layer.fp8_column_maxima_passes == step + 1
+        assert layer.fp8_weight_quantizations == 3 * (step + 1)  # W diag(c) itself is cast per call
+        with torch.no_grad():
+            layer.weight.add_(0.01)
+        fp8_optimizer_step(module)
+    layer.fp8_weight_per_call = True
+    module(x).sum().backward()
+    module(x, 1).sum().backward()
+    assert layer.fp8_column_maxima_passes == 2 + 2
+    layer.fp8_weight_per_call = False
+    set_fused_quantization(module, False)
+    fp8_optimizer_step(module)
+    module(x).sum().backward()
+    assert layer.fp8_column_maxima_passes == 4
