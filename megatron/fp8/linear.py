@@ -50,7 +50,8 @@ statistics and history. That amax needs no pass over W: it is max_j(colmax_j |c_
 maxima, which change once per optimizer step and are computed once per step (`column_maxima`, counted in
 `fp8_column_maxima_passes`; the eager reference without fused quantization reduces W diag(c) itself).
 Under tensor parallelism W is a shard of the logical weight: `column_scale_group` (the TP group) max-reduces
-that amax so every shard uses the scale the whole W diag(c) would get (one scalar all-reduce per call). Gradients: dx from Q(W diag(c)), dW = (dy^T x) diag(c), none through c.
+that amax so every shard uses the scale the whole W diag(c) would get (one scalar all-reduce per call).
+Gradients: dx from Q(W diag(c)), dW = (dy^T x) diag(c), none through c.
 `input_amax`, when the caller already knows max|x| exactly (Smooth-SwiGLU gets it from its channel maxima),
 saves the reduction over x and, being this tensor's own amax, sets x's scale just in time under delayed
 scaling too (its amax still feeds the input role's history): current scaling for free. Smooth-SwiGLU needs
