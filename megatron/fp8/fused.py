@@ -86,11 +86,18 @@ def failed_functions() -> list[str]:
 
 
 def _quantize_tensor(x: torch.Tensor, previous: torch.Tensor, valid: torch.Tensor, delayed: bool, fp8_max: float,
-                     margin: int, pow2: bool, dtype: torch.dtype, values_dtype: torch.dtype | None):
-    """amax of x, its scale (`Fp8Linear._scale_for`'s rule) and Q(x) (`quantize`), in one function."""
+                     margin: int, pow2: bool, dtype: torch.dtype, values_dtype: torch.dtype | None,
+                     known_valid: bool = False):
+    """amax of x, its scale (`Fp8Linear._scale_for`'s rule) and Q(x) (`quantize`), in one function. With
+    `known_valid` (delayed scaling whose history is known to hold a scale: `valid` is True) the cast takes the
+    history's scale and does not wait for x's amax, which then only feeds the history: one pass over x can
+    produce both."""
     amax = x.abs().amax().float()
-    current = compute_scale(amax, fp8_max, margin, pow2, previous=previous)
-    scale = torch.where(valid, previous.float(), current) if delayed else current
+    if delayed and known_valid:
+        scale = previous.float()
+    else:
+        current = compute_scale(amax, fp8_max, margin, pow2, previous=previous)
+        scale = torch.where(valid, previous.float(), current) if delayed else current
     q = torch.clamp(x.float() * scale, -fp8_max, fp8_max).to(dtype)
     return q, (q.to(values_dtype) if values_dtype is not None else None), scale, amax
 
@@ -115,17 +122,18 @@ _upcast_c = _fused(_upcast)
 
 
 def quantize_tensor(x: torch.Tensor, previous: torch.Tensor, valid: torch.Tensor, delayed: bool, fp8_max: float,
-                    margin: int, pow2: bool, dtype: torch.dtype, values_dtype: torch.dtype | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+                    margin: int, pow2: bool, dtype: torch.dtype, values_dtype: torch.dtype | None = None,
+                    known_valid: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """(Q(x), Q(x) in `values_dtype` or None, scale, amax) with one scale for the tensor.
 
     The scale: `compute_scale(amax, fp8_max, margin, pow2, previous)` under current scaling; under delayed
     scaling `previous` where `valid`, else that current scale (the first step). `previous` and `valid` are
-    0-d tensors (the module's buffers), so a new step's scale never triggers a recompilation.
+    0-d tensors (the module's buffers), so a new step's scale never triggers a recompilation. `known_valid`:
+    the caller knows `valid` is True (see `_quantize_tensor`); the result is the same.
     """
     if x.numel() == 0:
         return _eager_empty(x, previous, valid, delayed, fp8_max, margin, pow2, dtype, values_dtype)
-    return _quantize_tensor_c(x, previous, valid, delayed, fp8_max, margin, pow2, dtype, values_dtype)
+    return _quantize_tensor_c(x, previous, valid, delayed, fp8_max, margin, pow2, dtype, values_dtype, known_valid)
 
 
 def _eager_empty(x, previous, valid, delayed, fp8_max, margin, pow2, dtype, values_dtype):

@@ -249,6 +249,11 @@ class Fp8Linear(nn.Linear):
         self._column_maxima: tuple[tuple[int, int], torch.Tensor] | None = None
         self._step_column_maxima: torch.Tensor | None = None
         self.fp8_column_maxima_passes = 0  # how often W's column maxima were computed (once per step when cached)
+        # Per role: the delayed scale is known to be valid (its buffer `fp8_scale_valid` is True, which stays so
+        # once set). Read off the buffer eagerly by `refresh_scale_validity` (a compiled block's pre-hook) until
+        # every role is valid, then never again; the traced path then casts with the history's scale without
+        # waiting for the tensor's amax (one graph more, once per run, when it turns True).
+        self.fp8_scale_known_valid: tuple[bool, bool, bool] = (False, False, False)
         self._init_fp8_buffers(self.weight.device)
 
     def _init_fp8_buffers(self, device: torch.device | str | None) -> None:
@@ -300,14 +305,15 @@ class Fp8Linear(nn.Linear):
         return torch.where(self.fp8_scale_valid[role], self.fp8_scale[role], current)
 
     def _fused_quantize(self, role: Fp8Role, t: torch.Tensor, spec: Fp8FormatSpec,
-                        values_dtype: torch.dtype | None, record: bool | None = None
+                        values_dtype: torch.dtype | None, record: bool | None = None, known_valid: bool = False
                         ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """`_scale_for` + `quantize` as one compiled function (fused.py): (Q(t), Q(t) in `values_dtype` or
-        None, scale, amax); records the amax (and the tensorwise scale) as `_scale_for` does."""
+        None, scale, amax); records the amax (and the tensorwise scale) as `_scale_for` does. `known_valid`:
+        the role's delayed scale is known to be valid (`fp8_scale_known_valid`), so the cast needs no amax."""
         recipe = self.recipe
         q, values, scale, amax = fused.quantize_tensor(
             t.detach(), self.fp8_scale[role], self.fp8_scale_valid[role], recipe.scaling is Fp8Scaling.DELAYED,
-            spec.max, recipe.margin, recipe.power_of_two_scales, spec.torch_dtype, values_dtype)
+            spec.max, recipe.margin, recipe.power_of_two_scales, spec.torch_dtype, values_dtype, known_valid)
         if self.training if record is None else record:
             self.fp8_step_amax[role] = torch.maximum(self.fp8_step_amax[role], amax)
             if recipe.scaling is Fp8Scaling.TENSORWISE:
@@ -315,13 +321,14 @@ class Fp8Linear(nn.Linear):
         return q, values, scale, amax
 
     def _quantize_input(self, backend: Backend, spec: Fp8FormatSpec, x2d: torch.Tensor,
-                        input_amax: torch.Tensor | None, values_dtype: torch.dtype | None | bool
+                        input_amax: torch.Tensor | None, values_dtype: torch.dtype | None | bool,
+                        known_valid: bool = False
                         ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """(Q(x), Q(x) in the emulated GEMM's dtype when the fused kernel wrote it else None, scale, amax);
         records the amax (and the tensorwise scale) in training. With `input_amax` (the exact amax of this very
         x) the scale is x's own: current scaling for free."""
         if values_dtype is not False and input_amax is None:
-            return self._fused_quantize(Fp8Role.INPUT, x2d, spec, values_dtype)
+            return self._fused_quantize(Fp8Role.INPUT, x2d, spec, values_dtype, known_valid=known_valid)
         x_amax = amax_of(x2d) if input_amax is None else input_amax.float()
         s_x = self._scale_for(Fp8Role.INPUT, x_amax, spec)
         if input_amax is not None:
@@ -428,6 +435,17 @@ class Fp8Linear(nn.Linear):
         if not self.fp8_weight_per_call:
             self._column_maxima = (key, maxima)
         return maxima
+
+    def refresh_scale_validity(self) -> None:
+        """Eagerly, before a compiled block runs: `fp8_scale_known_valid` from the buffer (a device-to-host read
+        while some role's scale is not valid yet: the first steps of a run; none after)."""
+        if self.recipe.scaling is Fp8Scaling.DELAYED and not all(self.fp8_scale_known_valid):
+            self.fp8_scale_known_valid = tuple(bool(v) for v in self.fp8_scale_valid.tolist())
+
+    def forget_scale_validity(self) -> None:
+        """The scaling buffers were written from outside (a checkpoint's FP8 state, a warm-up's restore): read
+        their validity again."""
+        self.fp8_scale_known_valid = (False, False, False)
 
     def refresh_step_column_maxima(self) -> None:
         """Eagerly, before a compiled block runs: this step's column maxima for a column-scaled layer the traced

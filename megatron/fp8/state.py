@@ -99,3 +99,4 @@ def load_fp8_state_dict(model: nn.Module, recipe: Fp8Recipe, state: dict[str, An
         m.fp8_step_amax.zero_()
         m.fp8_num_updates = int(entry["num_updates"])
         m.invalidate_fp8_weight_cache()
+        m.forget_scale_validity()

@@ -25,6 +25,13 @@ hand) and for a Smooth-SwiGLU fc2 (W diag(c) changes every micro-batch) the grap
 the same bits; such in-graph casts are not counted in `fp8_weight_quantizations`. Either way the forward's FP8
 weight is what backward uses.
 
+Delayed scaling: the casts of x, dy (and an in-graph W) use the history's scale once it is valid; before that,
+the tensor's own amax (the first step). In the graph that choice is a `where` on the validity buffer, which makes
+every cast wait for its tensor's amax reduction: two passes over the tensor. The pre-hook also reads which roles
+are valid (`Fp8Linear.refresh_scale_validity`: a host read in the first steps only, validity never turns back),
+and the graph traced after that casts with the history's scale alone; the amax, still computed for the
+history, no longer precedes the cast (tests/unit/test_fp8_traced_graph.py). The result is the same bits.
+
 Configurations dynamo would not see through stay on the eager path (a graph break, as before): the tiled
 recipes, stochastic rounding of gradients (its noise comes from the eager generator stream), statistics
 iterations (`fp8_stats_enabled`), per-call weights (ZeRO-3, where blocks are not compiled), a Smooth-SwiGLU
@@ -32,8 +39,8 @@ column scale reduced over a TP group (a collective in the block), the Gaudi back
 `traceable` is the list.
 
 Where it has run: the torch engine (DDP), DeepSpeed ZeRO 0-2, tensor parallelism with sequence parallelism,
-full activation recompute, Smooth-SwiGLU (tests/e2e/test_torch_compile_launch.py, slow). Not with pipeline parallelism or
-ZeRO-3, whose blocks stay eager (megatron/model/compile.py): a pipeline schedule runs several micro-batches'
+full activation recompute, Smooth-SwiGLU (tests/e2e/test_torch_compile_launch.py, slow). Not with pipeline
+parallelism or ZeRO-3, whose blocks stay eager (megatron/model/compile.py): a pipeline schedule runs several micro-batches'
 forwards before their backwards, and `_Gemms` saves the layer's scaling buffers for its backward, which autograd's
 in-place checks have not been tried against.
 """
@@ -95,15 +102,17 @@ def forward(module: "Fp8Linear", x: torch.Tensor, out_dtype: torch.dtype, column
     x2d = x.reshape(-1, x.shape[-1])
     values_dtype = _fused_values_dtype(module, backend)
     w_spec = specs[_WEIGHT]
+    known_valid = module.fp8_scale_known_valid  # read while tracing: a change retraces (once per run)
     with torch.autocast(x.device.type, enabled=False), torch.no_grad():
         q_x, v_x, s_x, x_amax = module._quantize_input(backend, specs[_INPUT], x2d.detach(), input_amax,
-                                                       values_dtype)
+                                                       values_dtype, known_valid[_INPUT])
         w_t = None  # dgrad's row-major W^T (backends that want one): from the step's cache, else made in backward
         if column_scale is None and module._step_weight is not None:  # made once per step, outside the graph
             (q_w, s_w, w_amax, w_t), v_w = module._step_weight, None
         elif column_scale is None:
             q_w, v_w, s_w, w_amax = module._fused_quantize(_WEIGHT, module.weight.detach(), w_spec,
-                                                           module._weight_values_dtype(backend), record=False)
+                                                           module._weight_values_dtype(backend), record=False,
+                                                           known_valid=known_valid[_WEIGHT])
         else:  # W diag(c): the amax from the step's column maxima (the pre-hook's), else reduced here
             maxima = module._step_column_maxima
             if maxima is None:
@@ -116,7 +125,8 @@ def forward(module: "Fp8Linear", x: torch.Tensor, out_dtype: torch.dtype, column
     consts = (backend.name, out_dtype, x.dtype, module.weight.dtype, recipe.power_of_two_scales, recipe.fp8_wgrad,
               module.training, recipe.scaling.value == "delayed", recipe.scaling.value == "tensorwise",
               recipe.margin, g_spec.max, g_spec.torch_dtype, values_dtype,
-              tuple(recipe.fast_accum_for(g) for g in Fp8Gemm))  # fprop, dgrad, wgrad
+              tuple(recipe.fast_accum_for(g) for g in Fp8Gemm),  # fprop, dgrad, wgrad
+              known_valid[_GRAD])
     # What wgrad reads: Q(x) (1 byte per element), or x itself for a high-precision wgrad. None: the GEMM operand
     # itself (dynamo refuses one tensor passed twice).
     saved_x = (None if v_x is None else q_x) if recipe.fp8_wgrad else x2d.detach()
@@ -152,13 +162,13 @@ class _Gemms(torch.autograd.Function):
 
         saved_x, s_x, w, s_w, w_t, column_scale, scale_buf, valid_buf, step_amax_buf = ctx.saved_tensors
         (backend_name, _, x_dtype, _, pow2, fp8_wgrad, training, delayed, tensorwise, margin, g_max, g_dtype,
-         values_dtype, (_, dgrad_fast, wgrad_fast)) = ctx.consts
+         values_dtype, (_, dgrad_fast, wgrad_fast), g_known_valid) = ctx.consts
         backend = STATELESS_BACKENDS[backend_name]
         g = _GRAD
         dx = dw = None
         with torch.autocast(dy.device.type, enabled=False):
             q_g, v_g, s_g, g_amax = fused.quantize_tensor(dy.detach(), scale_buf[g], valid_buf[g], delayed, g_max,
-                                                          margin, pow2, g_dtype, values_dtype)
+                                                          margin, pow2, g_dtype, values_dtype, g_known_valid)
             if training:
                 step_amax_buf[g] = torch.maximum(step_amax_buf[g], g_amax)
                 if tensorwise:

@@ -148,6 +148,7 @@ def _refresh_fp8_weights(block: nn.Module, args: Any) -> None:
     per_call = {id(m.linear_fc2) for m in block.modules() if getattr(m, "fc2_weight_column_scaled", False)}
     for m in block.modules():
         if isinstance(m, Fp8Linear):
+            m.refresh_scale_validity()
             if id(m) in per_call:
                 m.refresh_step_column_maxima()
             else:
@@ -187,6 +188,7 @@ def warm_up(model: nn.Module, run_micro_batch) -> float:
                 m.fp8_weight_quantizations = counters[name]
             if hasattr(m, "invalidate_fp8_weight_cache"):
                 m.invalidate_fp8_weight_cache()
+                m.forget_scale_validity()
         for p in model.parameters():
             p.grad = None
 

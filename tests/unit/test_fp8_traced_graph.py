@@ -3,7 +3,8 @@ off inductor's post-grad graphs, so that a GPU-only cost cannot come back unseen
 weight (the compiled blocks' pre-hook) dgrad's row-major W^T is made once per optimizer step, outside the graph,
 and the backward graph takes it as an input instead of transposing the weight per micro-batch; a Smooth-SwiGLU
 fc2 (W diag(c), new every micro-batch) takes the amax of W diag(c) from W's column maxima, made once per step,
-instead of a reduction over W per micro-batch."""
+instead of a reduction over W per micro-batch; once delayed scaling's history holds a scale, the casts of x and dy
+do not wait for their own amax (which only feeds the history), so one pass over the tensor can do both."""
 from __future__ import annotations
 
 import pytest
@@ -107,3 +108,43 @@ def test_column_maxima_are_computed_once_per_optimizer_step():
     fp8_optimizer_step(module)
     module(x).sum().backward()
     assert layer.fp8_column_maxima_passes == 4
+
+
+FP8_DTYPES = {torch.float8_e4m3fn, torch.float8_e5m2}
+CONVERT = torch.ops.prims.convert_element_type.default
+
+
+def _fp8_casts(graph: torch.fx.Graph, shape: tuple[int, int]) -> list[tuple[torch.fx.Node, bool]]:
+    """(node, an amax among its ancestors) for each FP8 cast of a tensor of `shape` in `graph`."""
+    casts = []
+    for node in graph.nodes:
+        if node.target is CONVERT and node.args[1] in FP8_DTYPES and tuple(node.meta["val"].shape) == shape:
+            seen, stack = set(), [node]
+            while stack:
+                for parent in stack.pop().all_input_nodes:
+                    if parent not in seen:
+                        seen.add(parent)
+                        stack.append(parent)
+            casts.append((node, any(p.target in REDUCTIONS for p in seen)))
+    return casts
+
+
+@pytest.mark.parametrize("history_valid", [True, False])
+def test_delayed_casts_do_not_wait_for_their_amax_once_the_history_is_valid(history_valid):
+    torch.manual_seed(0)
+    layer = Fp8Linear(K, N, bias=False, recipe=Fp8Recipe(backend="scaled_mm"))  # delayed scaling
+    set_fused_quantization(layer, True)
+    register_fp8_weight_refresh(layer)
+    x = torch.randn(T, K, requires_grad=True)
+    if history_valid:  # one eager training step fills the history
+        layer(x).square().sum().backward()
+        fp8_optimizer_step(layer)
+        assert bool(layer.fp8_scale_valid.all())
+    compiled = torch.compile(layer, fullgraph=True, dynamic=False)
+    graphs = post_grad_graphs(lambda: compiled(x).square().sum().backward())
+    # (the pre-hook's eager weight cast compiles a graph of its own; x is cast in the forward, dy in the backward)
+    x_casts = [c for g in graphs for c in _fp8_casts(g, (T, K))]
+    dy_casts = [c for g in graphs for c in _fp8_casts(g, (T, N))]
+    assert len(x_casts) == 1 and len(dy_casts) == 1, (x_casts, dy_casts)
+    # Valid: neither cast has an amax among its ancestors. The control (first step, no scale yet): both wait.
+    assert [x_casts[0][1], dy_casts[0][1]] == [not history_valid] * 2
