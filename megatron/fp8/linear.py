@@ -254,6 +254,7 @@ class Fp8Linear(nn.Linear):
         # every role is valid, then never again; the traced path then casts with the history's scale without
         # waiting for the tensor's amax (one graph more, once per run, when it turns True).
         self.fp8_scale_known_valid: tuple[bool, bool, bool] = (False, False, False)
+        self._validity_read_at: int | None = None  # fp8_num_updates when the buffer was last read
         self._init_fp8_buffers(self.weight.device)
 
     def _init_fp8_buffers(self, device: torch.device | str | None) -> None:
@@ -437,15 +438,19 @@ class Fp8Linear(nn.Linear):
         return maxima
 
     def refresh_scale_validity(self) -> None:
-        """Eagerly, before a compiled block runs: `fp8_scale_known_valid` from the buffer (a device-to-host read
-        while some role's scale is not valid yet: the first steps of a run; none after)."""
-        if self.recipe.scaling is Fp8Scaling.DELAYED and not all(self.fp8_scale_known_valid):
+        """Eagerly, before a compiled block runs: `fp8_scale_known_valid` from the buffer (a device-to-host read,
+        at most once per optimizer step while some role's scale is not valid yet: the first steps of a run)."""
+        if self.recipe.scaling is not Fp8Scaling.DELAYED or all(self.fp8_scale_known_valid):
+            return
+        if self._validity_read_at != self.fp8_num_updates:  # it changes only at a scaling update: one read per step
             self.fp8_scale_known_valid = tuple(bool(v) for v in self.fp8_scale_valid.tolist())
+            self._validity_read_at = self.fp8_num_updates
 
     def forget_scale_validity(self) -> None:
         """The scaling buffers were written from outside (a checkpoint's FP8 state, a warm-up's restore): read
         their validity again."""
         self.fp8_scale_known_valid = (False, False, False)
+        self._validity_read_at = None
 
     def refresh_step_column_maxima(self) -> None:
         """Eagerly, before a compiled block runs: this step's column maxima for a column-scaled layer the traced

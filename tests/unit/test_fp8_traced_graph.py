@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron.fp8 import Fp8Recipe, fp8_optimizer_step, set_fused_quantization
+from megatron.fp8 import Fp8Recipe, fp8_optimizer_step, fp8_state_dict, load_fp8_state_dict, set_fused_quantization
 from megatron.fp8.linear import Fp8Linear
 from megatron.model.compile import register_fp8_weight_refresh
 from tests.support.fp8_traced import post_grad_graphs
@@ -148,3 +148,26 @@ def test_delayed_casts_do_not_wait_for_their_amax_once_the_history_is_valid(hist
     assert len(x_casts) == 1 and len(dy_casts) == 1, (x_casts, dy_casts)
     # Valid: neither cast has an amax among its ancestors. The control (first step, no scale yet): both wait.
     assert [x_casts[0][1], dy_casts[0][1]] == [not history_valid] * 2
+
+
+def test_scale_validity_is_read_once_per_step_until_valid_and_again_after_a_load():
+    """What the traced casts rely on: `fp8_scale_known_valid` is True only where the buffer is. It is read at
+    most once per scaling update while a role is not valid, and forgotten when a checkpoint's FP8 state is loaded
+    (which may hold a history that is not valid yet)."""
+    recipe = Fp8Recipe()
+    layer = Fp8Linear(K, N, bias=False, recipe=recipe)
+    fresh = fp8_state_dict(layer, recipe)
+    layer.refresh_scale_validity()
+    assert layer.fp8_scale_known_valid == (False, False, False)
+    layer.fp8_scale_valid.fill_(True)
+    layer.refresh_scale_validity()  # the same step: not read again
+    assert layer.fp8_scale_known_valid == (False, False, False)
+    x = torch.randn(T, K, requires_grad=True)
+    layer(x).sum().backward()
+    fp8_optimizer_step(layer)
+    layer.refresh_scale_validity()
+    assert layer.fp8_scale_known_valid == (True, True, True) == tuple(layer.fp8_scale_valid.tolist())
+    load_fp8_state_dict(layer, recipe, fresh)
+    assert layer.fp8_scale_known_valid == (False, False, False)
+    layer.refresh_scale_validity()
+    assert layer.fp8_scale_known_valid == (False, False, False) == tuple(layer.fp8_scale_valid.tolist())
