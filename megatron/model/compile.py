@@ -135,10 +135,18 @@ def compile_blocks(model: nn.Module) -> int:
 
     blocks = transformer_blocks(model)
     for block in blocks:
-        register_fp8_weight_refresh(block)
-        block.compile(dynamic=False)
+        compile_block(block)
     set_fused_quantization(model, True)
     return len(blocks)
+
+
+def compile_block(block: nn.Module) -> None:
+    """One block compiled in place: the FP8 weights' pre-hook, and backward keeps the FP8 casts of the forward
+    instead of recomputing them (megatron/fp8/partition.py)."""
+    from megatron.fp8.partition import SaveFp8Casts
+
+    register_fp8_weight_refresh(block)
+    block.compile(dynamic=False, options={"joint_custom_pre_pass": SaveFp8Casts()})
 
 
 @torch.compiler.disable

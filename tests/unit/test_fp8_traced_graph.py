@@ -4,7 +4,8 @@ weight (the compiled blocks' pre-hook) dgrad's row-major W^T is made once per op
 and the backward graph takes it as an input instead of transposing the weight per micro-batch; a Smooth-SwiGLU
 fc2 (W diag(c), new every micro-batch) takes the amax of W diag(c) from W's column maxima, made once per step,
 instead of a reduction over W per micro-batch; once delayed scaling's history holds a scale, the casts of x and dy
-do not wait for their own amax (which only feeds the history), so one pass over the tensor can do both."""
+do not wait for their own amax (which only feeds the history), so one pass over the tensor can do both; a
+compiled block's backward uses the FP8 operands its forward saved (1 byte per element) and recomputes no cast."""
 from __future__ import annotations
 
 import pytest
@@ -171,3 +172,57 @@ def test_scale_validity_is_read_once_per_step_until_valid_and_again_after_a_load
     assert layer.fp8_scale_known_valid == (False, False, False)
     layer.refresh_scale_validity()
     assert layer.fp8_scale_known_valid == (False, False, False) == tuple(layer.fp8_scale_valid.tolist())
+
+
+def _llama_block(backend: str) -> torch.nn.Module:
+    from megatron.config import ModelConfig
+    from megatron.model.smooth_swiglu import SmoothSwiGLUGranularity
+    from megatron.model.transformer import TransformerLayer
+
+    config = ModelConfig(num_layers=1, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                         ffn_hidden_size=128, seq_length=16, max_position_embeddings=16, padded_vocab_size=128,
+                         kv_channels=16, smooth_swiglu=SmoothSwiGLUGranularity.CHANNEL)
+    block = TransformerLayer(config, 1)
+    for parent in (block.self_attention, block.mlp):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, torch.nn.Linear):
+                setattr(parent, name, Fp8Linear.from_linear(child, Fp8Recipe(backend=backend)))
+    set_fused_quantization(block, True)
+    return block
+
+
+@pytest.mark.parametrize("save_casts", [True, False])
+def test_compiled_block_backward_keeps_the_fp8_operands_and_recomputes_no_cast(save_casts):
+    """A Llama block (FP8 linears, Smooth-SwiGLU) compiled as `--torch-compile` compiles it: the backward graph
+    casts only dy (E5M2), none of the forward's E4M3 operands, and the forward saves each activation's FP8
+    operand (x for qkv, fc1, proj, and fc2's smoothed input: [tokens, K] in 1 byte per element). The control,
+    the block compiled without the partition pass, recomputes the norms and casts in backward."""
+    from megatron.fp8.partition import is_fp8_cast
+    from megatron.model.compile import compile_block
+
+    torch.manual_seed(0)
+    block = _llama_block("scaled_mm")
+    if save_casts:
+        compile_block(block)
+    else:
+        register_fp8_weight_refresh(block)
+        block.compile(dynamic=False)
+    x = torch.randn(2, 16, 64, requires_grad=True)
+
+    def run() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = block(x, None, None)
+        out.float().sum().backward()
+
+    graphs = post_grad_graphs(run)
+    forward, backward = [g for g in graphs if any(n.target is SCALED_MM for n in g.nodes)]
+    recomputed = [n.args[1] for n in backward.nodes if is_fp8_cast(n) and n.args[1] is torch.float8_e4m3fn]
+    saved = [n for n in forward.nodes if n.op == "output"][0].args[0]
+    saved_fp8 = sorted(tuple(n.meta["val"].shape) for n in saved
+                       if isinstance(n, torch.fx.Node) and n.meta["val"].dtype == torch.float8_e4m3fn)
+    activations = [(32, 64), (32, 64), (32, 64), (32, 128)]  # qkv, proj, fc1 inputs; fc2's (32 tokens)
+    if save_casts:
+        assert not recomputed, recomputed
+        assert [s for s in saved_fp8 if s[0] == 32] == activations, saved_fp8
+    else:
+        assert recomputed
