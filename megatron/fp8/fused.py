@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-from megatron.fp8.quantize import compute_scale
+from megatron.fp8.quantize import column_scaled, compute_scale
 
 logger = logging.getLogger(__name__)
 
@@ -105,9 +105,7 @@ def _quantize_tensor(x: torch.Tensor, previous: torch.Tensor, valid: torch.Tenso
 def _quantize_known(x: torch.Tensor, scale: torch.Tensor, column_scale: torch.Tensor | None, fp8_max: float,
                     dtype: torch.dtype, values_dtype: torch.dtype | None):
     """Q(x diag(column_scale)) with a given scale (no amax pass)."""
-    y = x.float()
-    if column_scale is not None:
-        y = y * column_scale.float()
+    y = x.float() if column_scale is None else column_scaled(x, column_scale)
     q = torch.clamp(y * scale.float(), -fp8_max, fp8_max).to(dtype)
     return q, (q.to(values_dtype) if values_dtype is not None else None)
 

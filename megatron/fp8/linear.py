@@ -70,9 +70,9 @@ from megatron.fp8 import fused, gemm_steps, traced
 from megatron.fp8 import stats as fp8_stats
 from megatron.fp8.backends import Backend, backend_format_spec, select_backend
 from megatron.fp8.formats import Fp8FormatSpec
-from megatron.fp8.quantize import amax_of, compute_scale
+from megatron.fp8.quantize import amax_of, column_scaled, compute_scale
 from megatron.fp8.recipe import Fp8Gemm, Fp8Recipe, Fp8Scaling
-from megatron.fp8.scaling import Fp8Role, new_scaling_buffers, role_dtypes
+from megatron.fp8.scaling import Fp8Role, new_scaling_buffers, record_step_amax, role_dtypes
 from megatron.fp8.tiled import TiledFp8LinearFunction, TiledWeight
 
 
@@ -292,15 +292,11 @@ class Fp8Linear(nn.Linear):
         # No collective here, also not for current scaling: no FP8 tensor is communicated, so a rank's
         # shard may use its own scale (replicated weights get identical scales anyway), and a blocking
         # all-reduce per GEMM would cost more than the GEMM for small layers.
-        record = self.training if record is None else record
-        tensorwise = self.recipe.scaling is Fp8Scaling.TENSORWISE
-        if record:
-            self.fp8_step_amax[role] = torch.maximum(self.fp8_step_amax[role], amax)
         current = compute_scale(amax, spec.max, self.recipe.margin, self.recipe.power_of_two_scales,
                                 previous=self.fp8_scale[role])
-        if tensorwise:
-            if record:
-                self.fp8_scale[role] = current
+        if self.training if record is None else record:
+            self.record_amax(role, amax, current)
+        if self.recipe.scaling is Fp8Scaling.TENSORWISE:
             return current
         # Delayed: the scale from previous steps once the history holds one; the current amax before that.
         return torch.where(self.fp8_scale_valid[role], self.fp8_scale[role], current)
@@ -316,9 +312,7 @@ class Fp8Linear(nn.Linear):
             t.detach(), self.fp8_scale[role], self.fp8_scale_valid[role], recipe.scaling is Fp8Scaling.DELAYED,
             spec.max, recipe.margin, recipe.power_of_two_scales, spec.torch_dtype, values_dtype, known_valid)
         if self.training if record is None else record:
-            self.fp8_step_amax[role] = torch.maximum(self.fp8_step_amax[role], amax)
-            if recipe.scaling is Fp8Scaling.TENSORWISE:
-                self.fp8_scale[role] = scale
+            self.record_amax(role, amax, scale)
         return q, values, scale, amax
 
     def _quantize_input(self, backend: Backend, spec: Fp8FormatSpec, x2d: torch.Tensor,
@@ -379,7 +373,7 @@ class Fp8Linear(nn.Linear):
             return fused.quantize_known(self.weight, scale, spec.max, spec.torch_dtype, values_dtype,
                                         column_scale=column_scale)
         if scaled is None:
-            scaled = self.weight if column_scale is None else self.weight.float() * column_scale.float()
+            scaled = self.weight if column_scale is None else column_scaled(self.weight, column_scale)
         return backend.quantize(scaled, scale, spec), None
 
     def _requantized_weight(self, backend: Backend, spec: Fp8FormatSpec, scale: torch.Tensor, amax: torch.Tensor,
@@ -401,7 +395,7 @@ class Fp8Linear(nn.Linear):
         with torch.no_grad():
             q, values, scale, amax = self._column_scaled_weight(backend, spec, column_scale, group)
             if self.fp8_stats_enabled:
-                fp8_stats.record(self, Fp8Role.WEIGHT, self.weight.float() * column_scale.float(), q, scale, spec)
+                fp8_stats.record(self, Fp8Role.WEIGHT, column_scaled(self.weight, column_scale), q, scale, spec)
         self.fp8_weight_quantizations += 1
         return _QuantizedWeight(None, q, scale, amax, values=values)
 
@@ -417,7 +411,7 @@ class Fp8Linear(nn.Linear):
         if values_dtype is not False:
             amax = fused.column_scaled_amax(self.column_maxima() if maxima is None else maxima, column_scale)
         else:
-            w = self.weight.detach().float() * column_scale.float()
+            w = column_scaled(self.weight.detach(), column_scale)
             amax = amax_of(w)
         comm.all_reduce(amax, group, comm.ReduceOp.MAX)  # a no-op without a group
         scale = self._own_amax_scale(Fp8Role.WEIGHT, amax, spec)
@@ -458,12 +452,16 @@ class Fp8Linear(nn.Linear):
         backend = self.fp8_backend(self.weight.device)
         self._step_column_maxima = self.column_maxima() if traced.uses_step_weight(self, backend) else None
 
+    def record_amax(self, role: Fp8Role, amax: torch.Tensor, scale: torch.Tensor | None = None) -> None:
+        """A training use of the role's tensor (`scaling.record_step_amax`); `scale` becomes the role's under
+        tensorwise scaling only."""
+        record_step_amax(self.fp8_step_amax, self.fp8_scale, role, amax,
+                         scale if self.recipe.scaling is Fp8Scaling.TENSORWISE else None)
+
     def _note_weight_use(self, scale: torch.Tensor, amax: torch.Tensor) -> None:
         """Every training forward records the weight's amax, wherever the cached FP8 weight was made."""
         if self.training:
-            self.fp8_step_amax[Fp8Role.WEIGHT] = torch.maximum(self.fp8_step_amax[Fp8Role.WEIGHT], amax)
-            if self.recipe.scaling is Fp8Scaling.TENSORWISE:
-                self.fp8_scale[Fp8Role.WEIGHT] = scale
+            self.record_amax(Fp8Role.WEIGHT, amax, scale)
 
     def invalidate_fp8_weight_cache(self) -> None:
         """Drop the FP8 weight (and W's column maxima); the next forward re-quantizes (called by

@@ -78,6 +78,11 @@ def _pow2_scale(amax: torch.Tensor, target: float | torch.Tensor) -> torch.Tenso
     return torch.ldexp(torch.ones_like(m), exponent.clamp(-149, 128).to(torch.float32))
 
 
+def column_scaled(w: torch.Tensor, column_scale: torch.Tensor) -> torch.Tensor:
+    """W diag(c) in fp32: each input channel (column) j of W times c_j (Smooth-SwiGLU's folded fc2 weight)."""
+    return w.float() * column_scale.float()
+
+
 def amax_of(x: torch.Tensor) -> torch.Tensor:
     """max |x| as an fp32 0-d tensor; NaN if x holds a NaN, inf if it holds an inf (torch.max propagates NaN)."""
     if x.numel() == 0:

@@ -49,6 +49,15 @@ class Fp8Role(enum.IntEnum):
 ROLE_NAMES: tuple[str, ...] = ("input", "weight", "grad_output")
 
 
+def record_step_amax(step_amax: torch.Tensor, scale: torch.Tensor, role: int, amax: torch.Tensor,
+                     current_scale: torch.Tensor | None = None) -> None:
+    """A training use of the role's tensor: its `amax` into the step's running max and, with `current_scale`
+    (tensorwise scaling), that scale as the role's. The one write of the scaling state between optimizer steps."""
+    step_amax[role] = torch.maximum(step_amax[role], amax)
+    if current_scale is not None:
+        scale[role] = current_scale
+
+
 def role_dtypes(recipe: Fp8Recipe) -> tuple[Fp8Dtype, Fp8Dtype, Fp8Dtype]:
     """FP8 format of (input, weight, grad_output): hybrid uses E5M2's range for gradients."""
     grad = Fp8Dtype.E5M2 if recipe.format is Fp8Format.HYBRID else Fp8Dtype.E4M3

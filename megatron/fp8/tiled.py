@@ -20,8 +20,8 @@ contraction axis, and the FP8 copy made for one GEMM does not serve the other:
   save the *second FP8 layout* (x^T quantized along M, as Transformer Engine does), not x, and not a
   requantization of the fprop layout: requantizing dequantized values rounds twice. The cost is the
   activation memory of one FP8 copy (1 byte per element plus scales; bf16's 2 bytes is no more than two FP8
-  copies; MXFP8's tile scales are saved as E8M0 bytes). The error of both choices against dW from the unquantized x is measured in
-  tests/unit/test_fp8_recipes.py and docs/fp8.md ("Fine-grained recipes").
+  copies; MXFP8's tile scales are saved as E8M0 bytes). The error of both choices against dW from the unquantized
+  x is measured in tests/unit/test_fp8_recipes.py and docs/fp8.md ("Fine-grained recipes").
 
 Scaling state: fine-grained scales are recomputed at every use and never kept; the module still accumulates
 each role's whole-tensor amax into `fp8_step_amax` (non-finite step counting and statistics behave as under
@@ -39,7 +39,7 @@ import torch
 from megatron.fp8 import fused, gemm_steps
 from megatron.fp8 import stats as fp8_stats
 from megatron.fp8.formats import Fp8FormatSpec
-from megatron.fp8.quantize import Tile, TiledFp8, from_e8m0, quantize_tiles, to_e8m0
+from megatron.fp8.quantize import Tile, TiledFp8, column_scaled, from_e8m0, quantize_tiles, to_e8m0
 from megatron.fp8.recipe import Fp8Gemm, Fp8Scaling
 from megatron.fp8.scaling import Fp8Role
 
@@ -78,7 +78,7 @@ def quantize_tile_role(module: "Fp8Linear", role: Fp8Role, t: torch.Tensor, tile
     if record:
         amax = q.amax.amax() if q.amax.numel() else torch.zeros((), device=t.device)
         if module.training:
-            module.fp8_step_amax[role] = torch.maximum(module.fp8_step_amax[role], amax)
+            module.record_amax(role, amax)
         if module.fp8_stats_enabled:
             fp8_stats.record(module, role, t, q.data, q.scale, spec, tile=tile)
     return q
@@ -90,7 +90,7 @@ def tiled_weight(module: "Fp8Linear", backend: "Backend", spec: Fp8FormatSpec,
     _, w_tile = module.recipe.tiles
     with torch.no_grad():
         if column_scale is not None:
-            w = module.weight.float() * column_scale.float()
+            w = column_scaled(module.weight, column_scale)
             module.fp8_weight_quantizations += 1
             return TiledWeight(None, w, quantize_tile_role(module, Fp8Role.WEIGHT, w, w_tile, spec))
         w = module.weight
@@ -103,8 +103,7 @@ def tiled_weight(module: "Fp8Linear", backend: "Backend", spec: Fp8FormatSpec,
                 return cache
             module._weight_cache = cache
         elif module.training:  # the amax of every training use, as `_note_weight_use` does per tensor
-            amax = cache.fprop.amax.amax()
-            module.fp8_step_amax[Fp8Role.WEIGHT] = torch.maximum(module.fp8_step_amax[Fp8Role.WEIGHT], amax)
+            module.record_amax(Fp8Role.WEIGHT, cache.fprop.amax.amax())
     return cache
 
 
@@ -113,7 +112,7 @@ def requantized_weight(module: "Fp8Linear", spec: Fp8FormatSpec, column_scale: t
     tiles' own values, so the same weight gives the same bits. Records nothing."""
     _, w_tile = module.recipe.tiles
     with torch.no_grad():
-        w = module.weight if column_scale is None else module.weight.float() * column_scale.float()
+        w = module.weight if column_scale is None else column_scaled(module.weight, column_scale)
         return TiledWeight(None, w, quantize_tile_role(module, Fp8Role.WEIGHT, w, w_tile, spec, record=False))
 
 

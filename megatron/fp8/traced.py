@@ -40,9 +40,9 @@ column scale reduced over a TP group (a collective in the block), the Gaudi back
 
 Where it has run: the torch engine (DDP), DeepSpeed ZeRO 0-2, tensor parallelism with sequence parallelism,
 full activation recompute, Smooth-SwiGLU (tests/e2e/test_torch_compile_launch.py, slow). Not with pipeline
-parallelism or ZeRO-3, whose blocks stay eager (megatron/model/compile.py): a pipeline schedule runs several micro-batches'
-forwards before their backwards, and `_Gemms` saves the layer's scaling buffers for its backward, which autograd's
-in-place checks have not been tried against.
+parallelism or ZeRO-3, whose blocks stay eager (megatron/model/compile.py): a pipeline schedule runs several
+micro-batches' forwards before their backwards, and `_Gemms` saves the layer's scaling buffers for its backward,
+which autograd's in-place checks have not been tried against.
 """
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ import torch
 from megatron.fp8 import fused, gemm_steps
 from megatron.fp8.backends import STATELESS_BACKENDS, select_backend
 from megatron.fp8.recipe import Fp8Gemm
-from megatron.fp8.scaling import Fp8Role
+from megatron.fp8.scaling import Fp8Role, record_step_amax
 
 if TYPE_CHECKING:
     from megatron.fp8.backends import Backend
@@ -170,9 +170,7 @@ class _Gemms(torch.autograd.Function):
             q_g, v_g, s_g, g_amax = fused.quantize_tensor(dy.detach(), scale_buf[g], valid_buf[g], delayed, g_max,
                                                           margin, pow2, g_dtype, values_dtype, g_known_valid)
             if training:
-                step_amax_buf[g] = torch.maximum(step_amax_buf[g], g_amax)
-                if tensorwise:
-                    scale_buf[g] = s_g
+                record_step_amax(step_amax_buf, scale_buf, g, g_amax, s_g if tensorwise else None)
             s_g = nonfinite_guard(s_g, g_amax)
             g_op = q_g if v_g is None else v_g
             if ctx.needs_input_grad[0]:
