@@ -53,15 +53,29 @@ def _require_file(path: Optional[str], flag: str, tokenizer_type: str, what: str
     return path
 
 
+def _load_sentencepiece(model_file: str):
+    """The SentencePiece model in `model_file`, or one line naming the flag and the kinds of file accepted."""
+    import sentencepiece
+
+    try:
+        return sentencepiece.SentencePieceProcessor(model_file=model_file)
+    except (RuntimeError, OSError) as err:
+        hint = ""
+        if model_file.endswith(".vocab") and os.path.exists(model_file[:-len(".vocab")] + ".model"):
+            hint = f" (its model is {model_file[:-len('.vocab')] + '.model'!r})"
+        raise ValueError(f"--tokenizer-model {model_file!r} is not a SentencePiece model{hint}: pass the .model "
+                         "file (tools/train_tokenizer.py writes NAME.model beside NAME.vocab); for a Hugging Face "
+                         "tokenizer.json or folder use --tokenizer-type HFTokenizer "
+                         f"(sentencepiece: {str(err).splitlines()[0] if str(err) else type(err).__name__})") from None
+
+
 class SentencePieceTokenizer:
     """Megatron-LM's `SentencePieceTokenizer`: SentencePiece plus appended special tokens."""
 
     SPECIAL_TOKENS = ("<CLS>", "<SEP>", "<EOD>", "<MASK>")
 
     def __init__(self, model_file: str) -> None:
-        import sentencepiece
-
-        self.sp = sentencepiece.SentencePieceProcessor(model_file=model_file)
+        self.sp = _load_sentencepiece(model_file)
         self._vocab = {self.sp.id_to_piece(i): i for i in range(self.sp.get_piece_size())}
         self._special: dict[str, int] = {}
         for token in self.SPECIAL_TOKENS:
@@ -111,9 +125,7 @@ class GPTSentencePieceTokenizer:
     """A SentencePiece model used as is (Llama style): `eod` is the model's eos id."""
 
     def __init__(self, model_file: str) -> None:
-        import sentencepiece
-
-        self.sp = sentencepiece.SentencePieceProcessor(model_file=model_file)
+        self.sp = _load_sentencepiece(model_file)
         if self.sp.eos_id() < 0:
             raise ValueError(f"--tokenizer-model {model_file!r} has no eos piece, which GPTSentencePieceTokenizer "
                              "uses as end of document: retrain it with an eos id (tools/train_tokenizer.py does)")
@@ -141,14 +153,20 @@ class HFTokenizer:
     def __init__(self, path: str) -> None:
         from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-        if os.path.isdir(path):
-            config = os.path.join(path, "tokenizer_config.json")
-            if os.path.exists(config) or not os.path.exists(os.path.join(path, "tokenizer.json")):
-                self.hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        try:
+            if os.path.isdir(path):
+                config = os.path.join(path, "tokenizer_config.json")
+                if os.path.exists(config) or not os.path.exists(os.path.join(path, "tokenizer.json")):
+                    self.hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
+                else:
+                    self.hf = PreTrainedTokenizerFast(tokenizer_file=os.path.join(path, "tokenizer.json"))
             else:
-                self.hf = PreTrainedTokenizerFast(tokenizer_file=os.path.join(path, "tokenizer.json"))
-        else:
-            self.hf = PreTrainedTokenizerFast(tokenizer_file=path)
+                self.hf = PreTrainedTokenizerFast(tokenizer_file=path)
+        except Exception as err:  # noqa: BLE001 - transformers raises many kinds for a file it cannot read
+            raise ValueError(f"--tokenizer-model {path!r} is not a Hugging Face tokenizer: pass a tokenizer.json or "
+                             "a folder saved by save_pretrained; for a SentencePiece .model use --tokenizer-type "
+                             "GPTSentencePieceTokenizer or SentencePieceTokenizer "
+                             f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from None
         vocab = self.hf.get_vocab()
         self.eod = self.hf.eos_token_id
         if self.eod is None:

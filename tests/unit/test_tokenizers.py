@@ -143,3 +143,20 @@ def test_sentencepiece_training_sees_long_documents(tmp_path):
     tok = build_tokenizer(DataConfig(tokenizer_type="GPTSentencePieceTokenizer", tokenizer_model=model))
     assert tok.sp.piece_to_id("ж") != tok.sp.unk_id()
     assert len(tok.tokenize("жук")) <= 2
+
+
+def test_a_tokenizer_file_of_the_wrong_kind_is_one_line_naming_the_kinds(sp_model, tmp_path):
+    """The .vocab that tools/train_tokenizer.py writes beside the .model, a tokenizer.json given to a SentencePiece
+    type, and a .model given to HFTokenizer: each one ValueError line naming --tokenizer-model and what to pass."""
+    vocab = sp_model[:-len(".model")] + ".vocab"
+    assert os.path.exists(vocab)
+    tokenizer_json = tmp_path / "tokenizer.json"
+    tokenizer_json.write_text(json.dumps({"version": "1.0", "model": {"type": "BPE", "vocab": {}, "merges": []}}))
+    cases = [("GPTSentencePieceTokenizer", vocab, f"(its model is {sp_model!r})"),
+             ("SentencePieceTokenizer", str(tokenizer_json), "--tokenizer-type HFTokenizer"),
+             ("HFTokenizer", sp_model, "--tokenizer-type GPTSentencePieceTokenizer or SentencePieceTokenizer")]
+    for kind, path, hint in cases:
+        with pytest.raises(ValueError) as err:
+            build_tokenizer(DataConfig(tokenizer_type=kind, tokenizer_model=path))
+        message = str(err.value)
+        assert "\n" not in message and f"--tokenizer-model {path!r} is not a" in message and hint in message, message
