@@ -8,10 +8,13 @@ import torch
 import torch._dynamo
 import torch._inductor.config as inductor_config
 
+from megatron.config import ModelConfig
 from megatron.fp8 import fp8_optimizer_step, set_fused_quantization
 from megatron.fp8.linear import Fp8Linear
 from megatron.fp8.recipe import Fp8Recipe
 from megatron.model.compile import register_fp8_weight_refresh
+from megatron.model.smooth_swiglu import SmoothSwiGLUGranularity
+from megatron.model.transformer import TransformerLayer
 
 
 class Chain(torch.nn.Module):
@@ -32,6 +35,21 @@ class Chain(torch.nn.Module):
         c = torch.exp2(torch.arange(96, device=x.device, dtype=torch.float32) % 5 - 2)
         return self.linear_fc2(h * (1 / c).to(h.dtype), weight_column_scale=c,
                                input_amax=h.abs().amax().float() / 4)
+
+
+def fp8_llama_block(recipe: Fp8Recipe) -> torch.nn.Module:
+    """A one-layer Llama block (hidden 64, GQA 4/2 heads, FFN 128, sequence 16, Smooth-SwiGLU per channel) whose
+    four linears are `Fp8Linear`s with `recipe` and fused quantization, as `--torch-compile` runs them."""
+    config = ModelConfig(num_layers=1, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                         ffn_hidden_size=128, seq_length=16, max_position_embeddings=16, padded_vocab_size=128,
+                         kv_channels=16, smooth_swiglu=SmoothSwiGLUGranularity.CHANNEL)
+    block = TransformerLayer(config, 1)
+    for parent in (block.self_attention, block.mlp):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, torch.nn.Linear):
+                setattr(parent, name, Fp8Linear.from_linear(child, recipe))
+    set_fused_quantization(block, True)
+    return block
 
 
 def steps(m: torch.nn.Module, xs: list[torch.Tensor], bf16: bool, first: int = 0) -> list[tuple[str, torch.Tensor]]:

@@ -13,14 +13,11 @@ import pytest
 import torch
 import torch._dynamo
 
-from megatron.config import ModelConfig
 from megatron.fp8 import enable_fp8_stats, set_fused_quantization
 from megatron.fp8.linear import Fp8Linear
 from megatron.fp8.recipe import Fp8Recipe
 from megatron.model.compile import register_fp8_weight_refresh
-from megatron.model.smooth_swiglu import SmoothSwiGLUGranularity
-from megatron.model.transformer import TransformerLayer
-from tests.support.fp8_traced import assert_traced_equals_eager
+from tests.support.fp8_traced import assert_traced_equals_eager, fp8_llama_block
 
 RECIPES = {
     "delayed-hybrid": Fp8Recipe(),
@@ -51,16 +48,8 @@ def test_nonfinite_input_reaches_the_output_when_traced():
     assert torch.isnan(layer(x)).all()
 
 
-def _block(recipe: Fp8Recipe) -> TransformerLayer:
-    config = ModelConfig(num_layers=1, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                         ffn_hidden_size=128, seq_length=16, max_position_embeddings=16, padded_vocab_size=128,
-                         kv_channels=16, smooth_swiglu=SmoothSwiGLUGranularity.CHANNEL)
-    block = TransformerLayer(config, 1)
-    for parent in (block.self_attention, block.mlp):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, torch.nn.Linear):
-                setattr(parent, name, Fp8Linear.from_linear(child, recipe))
-    set_fused_quantization(block, True)
+def _block(recipe: Fp8Recipe) -> torch.nn.Module:
+    block = fp8_llama_block(recipe)
     register_fp8_weight_refresh(block)  # as compile_blocks does
     return block
 

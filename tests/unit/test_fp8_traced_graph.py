@@ -14,7 +14,8 @@ import torch
 from megatron.fp8 import Fp8Recipe, fp8_optimizer_step, fp8_state_dict, load_fp8_state_dict, set_fused_quantization
 from megatron.fp8.linear import Fp8Linear
 from megatron.model.compile import register_fp8_weight_refresh
-from tests.support.fp8_traced import post_grad_graphs
+from megatron.fp8.partition import is_fp8_cast
+from tests.support.fp8_traced import fp8_llama_block, post_grad_graphs
 
 T, K, N = 48, 32, 16  # multiples of 16: _scaled_mm's operands need no padding
 SCALED_MM = torch.ops.aten._scaled_mm.default
@@ -29,15 +30,22 @@ def _source(node: torch.fx.Node) -> torch.fx.Node:
     return node
 
 
+def _compiled_graphs(module: torch.nn.Module, pre_hook: bool, prepare=None) -> list[torch.fx.Graph]:
+    """The post-grad graphs of one forward + backward of `module` (fused quantization, with or without the
+    compiled blocks' pre-hook) on x: [T, K], compiled with fullgraph; `prepare(module, x)` runs eagerly first."""
+    set_fused_quantization(module, True)
+    if pre_hook:
+        register_fp8_weight_refresh(module)
+    x = torch.randn(T, K, requires_grad=True)
+    if prepare is not None:
+        prepare(module, x)
+    compiled = torch.compile(module, fullgraph=True, dynamic=False)
+    return post_grad_graphs(lambda: compiled(x).square().sum().backward())
+
+
 def _dgrad_weight_source(step_weight: bool) -> torch.fx.Node:
     torch.manual_seed(0)
-    layer = Fp8Linear(K, N, bias=False, recipe=Fp8Recipe(backend="scaled_mm"))
-    set_fused_quantization(layer, True)
-    if step_weight:
-        register_fp8_weight_refresh(layer)
-    compiled = torch.compile(layer, fullgraph=True, dynamic=False)
-    x = torch.randn(T, K, requires_grad=True)
-    graphs = post_grad_graphs(lambda: compiled(x).square().sum().backward())
+    graphs = _compiled_graphs(Fp8Linear(K, N, bias=False, recipe=Fp8Recipe(backend="scaled_mm")), step_weight)
     [dgrad] = [n for g in graphs for n in g.nodes if n.target is SCALED_MM and tuple(n.meta["val"].shape) == (T, K)]
     return _source(dgrad.args[1])
 
@@ -70,13 +78,7 @@ class _ColumnScaledFc2(torch.nn.Module):
 @pytest.mark.parametrize("step_maxima", [True, False])
 def test_column_scaled_weight_amax_needs_no_pass_over_the_weight(step_maxima):
     torch.manual_seed(0)
-    module = _ColumnScaledFc2()
-    set_fused_quantization(module, True)
-    if step_maxima:
-        register_fp8_weight_refresh(module)
-    compiled = torch.compile(module, fullgraph=True, dynamic=False)
-    x = torch.randn(T, K, requires_grad=True)
-    graphs = post_grad_graphs(lambda: compiled(x).square().sum().backward())
+    graphs = _compiled_graphs(_ColumnScaledFc2(), step_maxima)
     over_w = [n for n in graphs[0].nodes if n.target in REDUCTIONS and tuple(n.args[0].meta["val"].shape) == (N, K)]
     if step_maxima:  # the amax of W diag(c) is a [K] product with the step's column maxima, a graph input
         assert not over_w, [n.format_node() for n in over_w]
@@ -111,15 +113,11 @@ def test_column_maxima_are_computed_once_per_optimizer_step():
     assert layer.fp8_column_maxima_passes == 4
 
 
-FP8_DTYPES = {torch.float8_e4m3fn, torch.float8_e5m2}
-CONVERT = torch.ops.prims.convert_element_type.default
-
-
 def _fp8_casts(graph: torch.fx.Graph, shape: tuple[int, int]) -> list[tuple[torch.fx.Node, bool]]:
     """(node, an amax among its ancestors) for each FP8 cast of a tensor of `shape` in `graph`."""
     casts = []
     for node in graph.nodes:
-        if node.target is CONVERT and node.args[1] in FP8_DTYPES and tuple(node.meta["val"].shape) == shape:
+        if is_fp8_cast(node) and tuple(node.meta["val"].shape) == shape:
             seen, stack = set(), [node]
             while stack:
                 for parent in stack.pop().all_input_nodes:
@@ -132,17 +130,14 @@ def _fp8_casts(graph: torch.fx.Graph, shape: tuple[int, int]) -> list[tuple[torc
 
 @pytest.mark.parametrize("history_valid", [True, False])
 def test_delayed_casts_do_not_wait_for_their_amax_once_the_history_is_valid(history_valid):
-    torch.manual_seed(0)
-    layer = Fp8Linear(K, N, bias=False, recipe=Fp8Recipe(backend="scaled_mm"))  # delayed scaling
-    set_fused_quantization(layer, True)
-    register_fp8_weight_refresh(layer)
-    x = torch.randn(T, K, requires_grad=True)
-    if history_valid:  # one eager training step fills the history
+    def fill_history(layer: torch.nn.Module, x: torch.Tensor) -> None:  # one eager training step
         layer(x).square().sum().backward()
         fp8_optimizer_step(layer)
         assert bool(layer.fp8_scale_valid.all())
-    compiled = torch.compile(layer, fullgraph=True, dynamic=False)
-    graphs = post_grad_graphs(lambda: compiled(x).square().sum().backward())
+
+    torch.manual_seed(0)
+    layer = Fp8Linear(K, N, bias=False, recipe=Fp8Recipe(backend="scaled_mm"))  # delayed scaling
+    graphs = _compiled_graphs(layer, True, fill_history if history_valid else None)
     # (the pre-hook's eager weight cast compiles a graph of its own; x is cast in the forward, dy in the backward)
     x_casts = [c for g in graphs for c in _fp8_casts(g, (T, K))]
     dy_casts = [c for g in graphs for c in _fp8_casts(g, (T, N))]
@@ -174,34 +169,16 @@ def test_scale_validity_is_read_once_per_step_until_valid_and_again_after_a_load
     assert layer.fp8_scale_known_valid == (False, False, False) == tuple(layer.fp8_scale_valid.tolist())
 
 
-def _llama_block(backend: str) -> torch.nn.Module:
-    from megatron.config import ModelConfig
-    from megatron.model.smooth_swiglu import SmoothSwiGLUGranularity
-    from megatron.model.transformer import TransformerLayer
-
-    config = ModelConfig(num_layers=1, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                         ffn_hidden_size=128, seq_length=16, max_position_embeddings=16, padded_vocab_size=128,
-                         kv_channels=16, smooth_swiglu=SmoothSwiGLUGranularity.CHANNEL)
-    block = TransformerLayer(config, 1)
-    for parent in (block.self_attention, block.mlp):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, torch.nn.Linear):
-                setattr(parent, name, Fp8Linear.from_linear(child, Fp8Recipe(backend=backend)))
-    set_fused_quantization(block, True)
-    return block
-
-
 @pytest.mark.parametrize("save_casts", [True, False])
 def test_compiled_block_backward_keeps_the_fp8_operands_and_recomputes_no_cast(save_casts):
     """A Llama block (FP8 linears, Smooth-SwiGLU) compiled as `--torch-compile` compiles it: the backward graph
     casts only dy (E5M2), none of the forward's E4M3 operands, and the forward saves each activation's FP8
     operand (x for qkv, fc1, proj, and fc2's smoothed input: [tokens, K] in 1 byte per element). The control,
     the block compiled without the partition pass, recomputes the norms and casts in backward."""
-    from megatron.fp8.partition import is_fp8_cast
     from megatron.model.compile import compile_block
 
     torch.manual_seed(0)
-    block = _llama_block("scaled_mm")
+    block = fp8_llama_block(Fp8Recipe(backend="scaled_mm"))
     if save_casts:
         compile_block(block)
     else:
