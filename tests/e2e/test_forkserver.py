@@ -16,9 +16,11 @@ from tests.support.launch import launch, run_checked, torchrun_command
 SCRIPT = r'''
 import json, os, sys, torch
 keys = %r
-print("REPORT " + json.dumps({"env": {k: os.environ.get(k) for k in keys}, "argv": sys.argv[1:],
-                              "cwd": os.getcwd(), "path0": sys.path[0], "threads": torch.get_num_threads(),
-                              "parent": os.getppid()}), flush=True)
+report = json.dumps({"env": {k: os.environ.get(k) for k in keys}, "argv": sys.argv[1:], "cwd": os.getcwd(),
+                     "path0": sys.path[0], "threads": torch.get_num_threads(), "parent": os.getppid()})
+# One write(2) of the whole line: print() writes the text and its newline separately when stdout is unbuffered
+# (PYTHONUNBUFFERED), and the two ranks' lines then interleave on the shared pipe.
+os.write(1, ("REPORT " + report + "\n").encode())
 print("rank %%s on stderr" %% os.environ.get("RANK"), file=sys.stderr)
 ''' % (forkserver.RANK_VARIABLES,)
 
