@@ -90,6 +90,13 @@ def _round_up(n: int, multiple: int = 16) -> int:
     return (n + multiple - 1) // multiple * multiple
 
 
+def _dequantization_factor(scale: torch.Tensor) -> torch.Tensor:
+    """1 / scale as the 0-d fp32 tensor `_scaled_mm` takes: one kernel (`reciprocal` is the correctly rounded
+    1 / x, as a division would be)."""
+    factor = scale.float().reciprocal()
+    return factor if factor.dim() == 0 else factor.reshape(())
+
+
 class CudaScaledMmBackend:
     """`torch._scaled_mm`: FP8 x FP8 on sm89+ tensor cores, FP32 accumulation; also runs on CPU (2-D)."""
 
@@ -115,11 +122,10 @@ class CudaScaledMmBackend:
             a = F.pad(a, (0, kp - k, 0, mp - m))
         if (np_, kp) != (n, k):
             b = F.pad(b, (0, kp - k, 0, np_ - n))
-        one = torch.ones((), dtype=torch.float32, device=a.device)
         out = torch._scaled_mm(
             a, b.t(),
-            scale_a=(one / a_scale.float()).reshape(()),
-            scale_b=(one / b_scale.float()).reshape(()),
+            scale_a=_dequantization_factor(a_scale),
+            scale_b=_dequantization_factor(b_scale),
             out_dtype=out_dtype,
             use_fast_accum=fast_accum,
         )

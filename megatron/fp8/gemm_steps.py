@@ -18,6 +18,15 @@ if TYPE_CHECKING:
     from megatron.fp8.linear import Fp8Linear
 
 
+def fused_values_dtype(module: "Fp8Linear", backend: "Backend") -> torch.dtype | None | bool:
+    """False: quantize eagerly (the layer's fusion off, or a backend with its own cast: Gaudi). Else the dtype
+    in which the fused kernel also writes the FP8 values for the GEMM: fp32 for the emulated backend (its GEMM
+    runs on them; an eager FP8 -> fp32 cast is a slow pass of its own on CPU), None for real FP8 GEMMs."""
+    if not module.fused_quantization or backend.name not in ("emulated", "scaled_mm"):
+        return False
+    return torch.float32 if backend.name == "emulated" else None
+
+
 def begin(module: "Fp8Linear", x: torch.Tensor) -> tuple["Backend", tuple["Fp8FormatSpec", ...], torch.Tensor]:
     """(backend, the role formats, x as [tokens, K])."""
     backend = module.fp8_backend(x.device)

@@ -70,30 +70,10 @@ from megatron.fp8 import fused, gemm_steps, traced
 from megatron.fp8 import stats as fp8_stats
 from megatron.fp8.backends import Backend, backend_format_spec, select_backend
 from megatron.fp8.formats import Fp8FormatSpec
-from megatron.fp8.quantize import amax_of, column_scaled, compute_scale
+from megatron.fp8.quantize import amax_of, column_scaled, compute_scale, nonfinite_guard
 from megatron.fp8.recipe import Fp8Gemm, Fp8Recipe, Fp8Scaling
 from megatron.fp8.scaling import Fp8Role, new_scaling_buffers, record_step_amax, role_dtypes
 from megatron.fp8.tiled import TiledFp8LinearFunction, TiledWeight
-
-
-def nonfinite_guard(scale: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
-    """`scale`, or NaN when `amax` is not finite (the quantized tensor held an inf or NaN).
-
-    Quantization clamps before casting, so an inf becomes +-fp8_max and a GEMM on it returns finite values
-    where nn.Linear returns inf. Passing the GEMM a NaN scale for such an operand makes its whole output NaN,
-    so the overflow reaches the loss or the gradient norm and the step is skipped, not silently taken.
-    A 0-d `where`: no host synchronisation, no pass over the tensor (its amax is computed anyway).
-    """
-    return torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
-
-
-def _fused_values_dtype(module: "Fp8Linear", backend: Backend) -> torch.dtype | None | bool:
-    """False: quantize eagerly (the layer's fusion off, or a backend with its own cast: Gaudi). Else the dtype
-    in which the fused kernel also writes the FP8 values for the GEMM: fp32 for the emulated backend (its GEMM
-    runs on them; an eager FP8 -> fp32 cast is a slow pass of its own on CPU), None for real FP8 GEMMs."""
-    if not module.fused_quantization or backend.name not in ("emulated", "scaled_mm"):
-        return False
-    return torch.float32 if backend.name == "emulated" else None
 
 
 def _output_dtype(x: torch.Tensor) -> torch.dtype:
@@ -112,6 +92,14 @@ class _QuantizedWeight:
     amax: torch.Tensor
     transposed: torch.Tensor | None = None  # [K, N] FP8, row-major; only for backends that want copies
     values: torch.Tensor | None = None  # the FP8 values in bf16/fp32 (exact); only for the emulated backend
+    guarded: torch.Tensor | None = None  # the scale the GEMMs take (`nonfinite_guard`), made on first need
+    recorded: bool = False  # its amax is in the step's running amax (once per step is enough: max is idempotent)
+
+    def gemm_scale(self) -> torch.Tensor:
+        """The scale multiplied out of the GEMMs: NaN if W held an inf or NaN (made once per cached weight)."""
+        if self.guarded is None:
+            self.guarded = nonfinite_guard(self.scale, self.amax)
+        return self.guarded
 
     def weight(self, backend: Backend, pow2_scales: bool = False) -> torch.Tensor:
         """Operand for fprop, [N, K]."""
@@ -141,7 +129,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 module: "Fp8Linear", out_dtype: torch.dtype, column_scale: torch.Tensor | None = None,
                 input_amax: torch.Tensor | None = None, column_scale_group: Any = None) -> torch.Tensor:
         backend, specs, x2d = gemm_steps.begin(module, x)
-        values_dtype = _fused_values_dtype(module, backend)
+        values_dtype = gemm_steps.fused_values_dtype(module, backend)
         # Autocast would turn the fp32 GEMM of the emulated backend into bf16; every dtype here is explicit.
         with torch.autocast(x.device.type, enabled=False):
             q_x, v_x, s_x, x_amax = module._quantize_input(backend, specs[Fp8Role.INPUT], x2d, input_amax, values_dtype)
@@ -151,13 +139,13 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 w = module._quantized_weight(backend, specs[Fp8Role.WEIGHT])
             else:
                 w = module._quantized_scaled_weight(backend, specs[Fp8Role.WEIGHT], column_scale, column_scale_group)
-            module._note_weight_use(w.scale, w.amax)
+            module._note_weight_use(w.scale, w.amax, w)
             # Quantized with the real scales (the clamp saturates inf), multiplied out with guarded ones: an
             # inf/NaN operand makes the whole output NaN, as nn.Linear's would be non-finite.
             s_x = nonfinite_guard(s_x, x_amax)
             pow2 = module.recipe.power_of_two_scales
             y = backend.gemm_nt(q_x if v_x is None else v_x, s_x, w.weight(backend, pow2),
-                                nonfinite_guard(w.scale, w.amax), out_dtype, pow2, module.fused_quantization,
+                                w.gemm_scale(), out_dtype, pow2, module.fused_quantization,
                                 module.recipe.fast_accum_for(Fp8Gemm.FPROP))
             y = gemm_steps.add_bias(y, bias, out_dtype)
         saved_x = q_x if module.recipe.fp8_wgrad else x2d
@@ -173,7 +161,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         grad_spec = specs[Fp8Role.GRAD_OUTPUT]
         dy2d = dy.reshape(-1, dy.shape[-1])
         dx = dw = None
-        values_dtype = _fused_values_dtype(module, backend)
+        values_dtype = gemm_steps.fused_values_dtype(module, backend)
         with torch.autocast(dy.device.type, enabled=False):
             v_g = None
             if values_dtype is not False and not module.recipe.grad_stochastic_rounding:
@@ -194,7 +182,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
                                                    column_scale)
                 # dx = dy W  ==  gemm_nt(dy, W^T)
                 dx = backend.gemm_nt(q_g if v_g is None else v_g, s_g, w.weight_t(backend, pow2),
-                                     nonfinite_guard(w.scale, w.amax), ctx.x_dtype, pow2, fused_epilogue,
+                                     w.gemm_scale(), ctx.x_dtype, pow2, fused_epilogue,
                                      module.recipe.fast_accum_for(Fp8Gemm.DGRAD))
                 dx = dx.reshape(ctx.x_shape)
             if ctx.needs_input_grad[1]:
@@ -255,6 +243,7 @@ class Fp8Linear(nn.Linear):
         # waiting for the tensor's amax (one graph more, once per run, when it turns True).
         self.fp8_scale_known_valid: tuple[bool, bool, bool] = (False, False, False)
         self._validity_read_at: int | None = None  # fp8_num_updates when the buffer was last read
+        self._rows: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = None  # `_role_rows`
         self._init_fp8_buffers(self.weight.device)
 
     def _init_fp8_buffers(self, device: torch.device | str | None) -> None:
@@ -292,14 +281,20 @@ class Fp8Linear(nn.Linear):
         # No collective here, also not for current scaling: no FP8 tensor is communicated, so a rank's
         # shard may use its own scale (replicated weights get identical scales anyway), and a blocking
         # all-reduce per GEMM would cost more than the GEMM for small layers.
+        scale_row, _ = self._role_rows(role)
+        delayed = self.recipe.scaling is Fp8Scaling.DELAYED
+        if delayed and self.fp8_scale_known_valid[int(role)]:  # the history's scale, no arithmetic (steady state)
+            if self.training if record is None else record:
+                self.record_amax(role, amax)
+            return scale_row
         current = compute_scale(amax, spec.max, self.recipe.margin, self.recipe.power_of_two_scales,
-                                previous=self.fp8_scale[role])
+                                previous=scale_row)
         if self.training if record is None else record:
             self.record_amax(role, amax, current)
-        if self.recipe.scaling is Fp8Scaling.TENSORWISE:
+        if not delayed:
             return current
         # Delayed: the scale from previous steps once the history holds one; the current amax before that.
-        return torch.where(self.fp8_scale_valid[role], self.fp8_scale[role], current)
+        return torch.where(self.fp8_scale_valid[role], scale_row, current)
 
     def _fused_quantize(self, role: Fp8Role, t: torch.Tensor, spec: Fp8FormatSpec,
                         values_dtype: torch.dtype | None, record: bool | None = None, known_valid: bool = False
@@ -357,9 +352,9 @@ class Fp8Linear(nn.Linear):
         return self._weight_cache
 
     def _weight_values_dtype(self, backend: Backend) -> torch.dtype | None | bool:
-        """`_fused_values_dtype` for the weight: bf16 for the emulated GEMM with power-of-two scales (the dtype
-        `_QuantizedWeight.weight` converts to)."""
-        values_dtype = _fused_values_dtype(self, backend)
+        """`gemm_steps.fused_values_dtype` for the weight: bf16 for the emulated GEMM with power-of-two scales (the
+        dtype `_QuantizedWeight.weight` converts to)."""
+        values_dtype = gemm_steps.fused_values_dtype(self, backend)
         if values_dtype is not False and values_dtype is not None and self.recipe.power_of_two_scales:
             return torch.bfloat16
         return values_dtype
@@ -437,8 +432,13 @@ class Fp8Linear(nn.Linear):
         if self.recipe.scaling is not Fp8Scaling.DELAYED or all(self.fp8_scale_known_valid):
             return
         if self._validity_read_at != self.fp8_num_updates:  # it changes only at a scaling update: one read per step
-            self.fp8_scale_known_valid = tuple(bool(v) for v in self.fp8_scale_valid.tolist())
-            self._validity_read_at = self.fp8_num_updates
+            self.learn_scale_validity(self.fp8_scale_valid.tolist())
+
+    def learn_scale_validity(self, valid: list[bool]) -> None:
+        """`fp8_scale_known_valid` from values read off `fp8_scale_valid` after this step's update (by
+        `refresh_scale_validity`, or for the whole model at once by `fp8_optimizer_step`)."""
+        self.fp8_scale_known_valid = tuple(bool(v) for v in valid)
+        self._validity_read_at = self.fp8_num_updates
 
     def forget_scale_validity(self) -> None:
         """The scaling buffers were written from outside (a checkpoint's FP8 state, a warm-up's restore): read
@@ -455,13 +455,29 @@ class Fp8Linear(nn.Linear):
     def record_amax(self, role: Fp8Role, amax: torch.Tensor, scale: torch.Tensor | None = None) -> None:
         """A training use of the role's tensor (`scaling.record_step_amax`); `scale` becomes the role's under
         tensorwise scaling only."""
-        record_step_amax(self.fp8_step_amax, self.fp8_scale, role, amax,
+        scale_row, step_amax_row = self._role_rows(role)
+        record_step_amax(step_amax_row, amax, scale_row,
                          scale if self.recipe.scaling is Fp8Scaling.TENSORWISE else None)
 
-    def _note_weight_use(self, scale: torch.Tensor, amax: torch.Tensor) -> None:
-        """Every training forward records the weight's amax, wherever the cached FP8 weight was made."""
-        if self.training:
-            self.record_amax(Fp8Role.WEIGHT, amax, scale)
+    def _role_rows(self, role: Fp8Role) -> tuple[torch.Tensor, torch.Tensor]:
+        """The role's entries of `fp8_scale` and `fp8_step_amax` as 0-d views, made once per buffer (indexing
+        the buffers is a dispatched op each time, and an eager layer indexes them for every tensor it casts)."""
+        role = int(role)  # dynamo (torch 2.13) recurses without end indexing a tuple with an IntEnum member
+        if torch.compiler.is_compiling():  # traced into a graph: views made there are the graph's, never cached
+            return self.fp8_scale[role], self.fp8_step_amax[role]
+        rows = self._rows
+        if rows is None or rows[0][0]._base is not self.fp8_scale or rows[0][1]._base is not self.fp8_step_amax:
+            rows = self._rows = tuple((self.fp8_scale[r], self.fp8_step_amax[r]) for r in range(len(Fp8Role)))
+        return rows[role]
+
+    def _note_weight_use(self, scale: torch.Tensor, amax: torch.Tensor, made: Any = None) -> None:
+        """Every training forward records the weight's amax, wherever the FP8 weight was made; a weight cached for
+        the step (`made`) records it once (the running max would not change)."""
+        if not self.training or (made is not None and made.recorded):
+            return
+        self.record_amax(Fp8Role.WEIGHT, amax, scale)
+        if made is not None:
+            made.recorded = True
 
     def invalidate_fp8_weight_cache(self) -> None:
         """Drop the FP8 weight (and W's column maxima); the next forward re-quantizes (called by

@@ -20,7 +20,7 @@ Conventions (the same as Transformer Engine and torchao):
   (240, below the dtype's 448) is honoured. Because the clamp also turns inf into the maximum, infinities
   must be *counted before the cast* (`count_nonfinite`); NaN passes through the clamp and the cast. So that
   an overflow is not hidden from the training loop, `Fp8Linear` multiplies out the GEMM of a non-finite
-  operand with a NaN scale (`nonfinite_guard` in linear.py): its output becomes NaN, as nn.Linear's would be
+  operand with a NaN scale (`nonfinite_guard` below): its output becomes NaN, as nn.Linear's would be
   non-finite.
 """
 from __future__ import annotations
@@ -49,14 +49,15 @@ def compute_scale(
     amax = amax.float()
     if previous is None:
         previous = torch.ones((), dtype=torch.float32, device=amax.device)
-    usable = torch.isfinite(amax) & (amax > 0)
-    # Divide by a safe denominator so unusable amaxes do not produce inf/NaN in the branch not taken.
-    raw = (fp8_max / 2.0**margin) / torch.where(usable, amax, torch.ones_like(amax))
-    raw = torch.clamp(raw, max=_FP32_MAX_POW2)
+    # Usable: finite and > 0 (a NaN fails both comparisons). An unusable amax gives inf, 0 or NaN in the branch
+    # not taken, which the final `where` discards: no safe denominator is needed. Seven small kernels, which an
+    # eager layer launches per tensor (tests/unit/test_fp8_eager_ops.py counts them).
+    usable = (amax > 0) & (amax < float("inf"))
     if power_of_two:
-        raw = torch.clamp(_pow2_scale(torch.where(usable, amax, torch.ones_like(amax)), fp8_max / 2.0**margin),
-                          max=_FP32_MAX_POW2)
-    return torch.where(usable, raw, previous.float())
+        raw = _pow2_scale(amax, fp8_max / 2.0**margin)
+    else:
+        raw = (fp8_max / 2.0**margin) / amax
+    return torch.where(usable, torch.clamp(raw, max=_FP32_MAX_POW2), previous.float())
 
 
 def _pow2_scale(amax: torch.Tensor, target: float | torch.Tensor) -> torch.Tensor:
@@ -87,7 +88,20 @@ def amax_of(x: torch.Tensor) -> torch.Tensor:
     """max |x| as an fp32 0-d tensor; NaN if x holds a NaN, inf if it holds an inf (torch.max propagates NaN)."""
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
-    return x.detach().abs().amax().float()
+    with torch.no_grad():  # not x.detach(): that is one more dispatched op per tensor in an eager layer
+        return x.abs().amax().float()
+
+
+def nonfinite_guard(scale: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """`scale`, or NaN when `amax` is not finite (the quantized tensor held an inf or NaN).
+
+    Quantization clamps before casting, so an inf becomes +-fp8_max and a GEMM on it returns finite values
+    where nn.Linear returns inf. Passing the GEMM a NaN scale for such an operand makes its whole output NaN,
+    so the overflow reaches the loss or the gradient norm and the step is skipped, not silently taken.
+    One 0-d kernel, no host synchronisation: scale + 0 * amax, which is scale exactly for a finite amax and NaN
+    for an inf or NaN one (`add` with alpha 0 computes a + 0 * b, it does not skip b).
+    """
+    return torch.add(scale, amax, alpha=0)
 
 
 def count_nonfinite(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

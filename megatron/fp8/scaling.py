@@ -49,13 +49,14 @@ class Fp8Role(enum.IntEnum):
 ROLE_NAMES: tuple[str, ...] = ("input", "weight", "grad_output")
 
 
-def record_step_amax(step_amax: torch.Tensor, scale: torch.Tensor, role: int, amax: torch.Tensor,
+def record_step_amax(step_amax_row: torch.Tensor, amax: torch.Tensor, scale_row: torch.Tensor | None = None,
                      current_scale: torch.Tensor | None = None) -> None:
-    """A training use of the role's tensor: its `amax` into the step's running max and, with `current_scale`
-    (tensorwise scaling), that scale as the role's. The one write of the scaling state between optimizer steps."""
-    step_amax[role] = torch.maximum(step_amax[role], amax)
+    """A training use of a role's tensor: its `amax` into the step's running max (`step_amax_row`, the role's 0-d
+    view of `fp8_step_amax`) and, with `current_scale` (tensorwise scaling), that scale into `scale_row` (its view
+    of `fp8_scale`). In place, one kernel each. The one write of the scaling state between optimizer steps."""
+    torch.maximum(step_amax_row, amax, out=step_amax_row)
     if current_scale is not None:
-        scale[role] = current_scale
+        scale_row.copy_(current_scale)
 
 
 def role_dtypes(recipe: Fp8Recipe) -> tuple[Fp8Dtype, Fp8Dtype, Fp8Dtype]:

@@ -69,6 +69,20 @@ def fp8_optimizer_step(model: nn.Module) -> None:
             batches.setdefault(_update_key(m), []).append(i)
         for rows in batches.values():
             _delayed_update_batch([modules[i] for i in rows], amaxes[rows])
+    _learn_scale_validity([m for _, modules in groups.values() for m in modules])
+
+
+def _learn_scale_validity(modules: list[Fp8Linear]) -> None:
+    """Tell the layers whose delayed scales turned valid (`Fp8Linear.fp8_scale_known_valid`): from then on they
+    cast with the history's scale and compute no current scale. One host read for the whole model, at the step's
+    end, while some role is not valid yet: the first step or two of a run (and after a checkpoint load), never
+    in steady state. Validity never turns back, so nothing is read once every role is valid."""
+    pending = [m for m in modules if not all(m.fp8_scale_known_valid)]
+    if not pending:
+        return
+    flags = torch.stack([m.fp8_scale_valid for m in pending]).tolist()
+    for m, valid in zip(pending, flags):
+        m.learn_scale_validity(valid)
 
 
 def _delayed_update_batch(modules: list[Fp8Linear], step_amax: torch.Tensor) -> None:

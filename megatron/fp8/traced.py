@@ -52,6 +52,7 @@ import torch
 
 from megatron.fp8 import fused, gemm_steps
 from megatron.fp8.backends import STATELESS_BACKENDS, select_backend
+from megatron.fp8.quantize import nonfinite_guard
 from megatron.fp8.recipe import Fp8Gemm
 from megatron.fp8.scaling import Fp8Role, record_step_amax
 
@@ -94,13 +95,11 @@ def uses_step_weight(module: "Fp8Linear", backend: "Backend") -> bool:
 def forward(module: "Fp8Linear", x: torch.Tensor, out_dtype: torch.dtype, column_scale: torch.Tensor | None,
             input_amax: torch.Tensor | None) -> torch.Tensor:
     """y = Q(x) Q(W)^T + b (W diag(c) with `column_scale`), traceable; records amaxes as the eager layer does."""
-    from megatron.fp8.linear import _fused_values_dtype, nonfinite_guard
-
     recipe = module.recipe
     backend = STATELESS_BACKENDS[_backend_name(recipe.backend.value, x.device, recipe.scaling.value)]
     specs = module.fp8_specs(backend)
     x2d = x.reshape(-1, x.shape[-1])
-    values_dtype = _fused_values_dtype(module, backend)
+    values_dtype = gemm_steps.fused_values_dtype(module, backend)
     w_spec = specs[_WEIGHT]
     known_valid = module.fp8_scale_known_valid  # read while tracing: a change retraces (once per run)
     with torch.autocast(x.device.type, enabled=False), torch.no_grad():
@@ -158,8 +157,6 @@ class _Gemms(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        from megatron.fp8.linear import nonfinite_guard
-
         saved_x, s_x, w, s_w, w_t, column_scale, scale_buf, valid_buf, step_amax_buf = ctx.saved_tensors
         (backend_name, _, x_dtype, _, pow2, fp8_wgrad, training, delayed, tensorwise, margin, g_max, g_dtype,
          values_dtype, (_, dgrad_fast, wgrad_fast), g_known_valid) = ctx.consts
@@ -170,7 +167,7 @@ class _Gemms(torch.autograd.Function):
             q_g, v_g, s_g, g_amax = fused.quantize_tensor(dy.detach(), scale_buf[g], valid_buf[g], delayed, g_max,
                                                           margin, pow2, g_dtype, values_dtype, g_known_valid)
             if training:
-                record_step_amax(step_amax_buf, scale_buf, g, g_amax, s_g if tensorwise else None)
+                record_step_amax(step_amax_buf[g], g_amax, scale_buf[g], s_g if tensorwise else None)
             s_g = nonfinite_guard(s_g, g_amax)
             g_op = q_g if v_g is None else v_g
             if ctx.needs_input_grad[0]:

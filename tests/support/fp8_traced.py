@@ -95,9 +95,10 @@ def assert_traced_equals_eager(recipe: Fp8Recipe, column: bool, bf16: bool, step
         for step, x in enumerate(xs):
             got += steps(traced, [x], bf16, first=step)
             graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
-    # Later steps compile nothing new, but for one graph when delayed scaling's history becomes valid (the pre-hook
-    # then lets the casts use the history's scale without the amax: Fp8Linear.fp8_scale_known_valid).
-    turns_valid = step_weights and recipe.scaling.value == "delayed"
+    # Later steps compile nothing new, but for one graph when delayed scaling's history becomes valid (the first
+    # update's fp8_optimizer_step tells the layers, whose casts then use the history's scale without the amax:
+    # Fp8Linear.fp8_scale_known_valid).
+    turns_valid = recipe.scaling.value == "delayed"
     assert [graphs[1] - graphs[0], graphs[2] - graphs[1]] == [1 if turns_valid else 0, 0], graphs
     want = steps(eager, xs, bf16)
     # The cast counter counts casts outside a graph: the per-step ones the pre-hook makes (as many as the eager

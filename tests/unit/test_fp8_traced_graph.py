@@ -160,9 +160,10 @@ def test_scale_validity_is_read_once_per_step_until_valid_and_again_after_a_load
     assert layer.fp8_scale_known_valid == (False, False, False)
     x = torch.randn(T, K, requires_grad=True)
     layer(x).sum().backward()
-    fp8_optimizer_step(layer)
-    layer.refresh_scale_validity()
+    fp8_optimizer_step(layer)  # the update tells the layer (one read for the model), no refresh needed
     assert layer.fp8_scale_known_valid == (True, True, True) == tuple(layer.fp8_scale_valid.tolist())
+    layer.refresh_scale_validity()
+    assert layer.fp8_scale_known_valid == (True, True, True)
     load_fp8_state_dict(layer, recipe, fresh)
     assert layer.fp8_scale_known_valid == (False, False, False)
     layer.refresh_scale_validity()

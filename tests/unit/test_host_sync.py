@@ -40,13 +40,15 @@ def _count_reads(monkeypatch, argv: list[str]) -> collections.Counter:
 
 def test_one_host_read_per_step_between_log_iterations(monkeypatch):
     """6 iterations, no log iteration, no evaluation: the engine's 6 skip decisions, one read of the run's losses
-    at the end and the divergence guard's weight check before the first step; FP8 (delayed scaling) and
-    Smooth-SwiGLU add none."""
+    at the end and the divergence guard's weight check before the first step; FP8 delayed scaling adds one, for
+    the whole model, after the first update (which roles' scales are valid: megatron/fp8/step.py), none after it;
+    Smooth-SwiGLU adds none."""
     argv = tiny_argv("--fp8-format", "hybrid", "--smooth-swiglu", "--device", "cpu", train_iters=6,
                      log_interval=1000, eval_interval=1000, eval_iters=0, clip_grad=1.0)
     counts = _count_reads(monkeypatch, argv)
     assert counts == {"training/engine.py:step:__bool__": 6, "training/log.py:host_floats:tolist": 1,
-                      "training/loop.py:_check_weights:__float__": 1}, counts
+                      "training/loop.py:_check_weights:__float__": 1,
+                      "fp8/step.py:_learn_scale_validity:tolist": 1}, counts
 
 
 def test_log_iterations_read_the_interval_at_once(monkeypatch):
