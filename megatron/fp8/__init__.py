@@ -12,11 +12,12 @@ Typical use (the training loop does this, driven by `--fp8-*` flags):
         fp8_optimizer_step(model)          # amax all-reduce, delayed scales, FP8 weight cache reset
     checkpoint["fp8"] = fp8_state_dict(model, recipe)
 """
-from megatron.fp8.convert import convert_to_fp8, set_fp8_tracing, set_fused_quantization
+from megatron.fp8.convert import (collect_fp8_stats, convert_to_fp8, enable_fp8_stats, set_fp8_tracing,
+                                  set_fused_quantization)
 from megatron.fp8.linear import Fp8Linear
 from megatron.fp8.recipe import AmaxComputeAlgo, Fp8Backend, Fp8Format, Fp8Gemm, Fp8Recipe, Fp8Scaling
 from megatron.fp8.state import fp8_state_dict, load_fp8_state_dict
-from megatron.fp8.stats import collect_fp8_stats, enable_fp8_stats, worst_fp8_layer
+from megatron.fp8.stats import worst_fp8_layer
 from megatron.fp8.step import fp8_optimizer_step
 
 __all__ = [

@@ -1,4 +1,5 @@
-"""`convert_to_fp8`: swap the linears of the transformer blocks for `Fp8Linear`.
+"""`convert_to_fp8`: swap the linears of the transformer blocks for `Fp8Linear`; the model-wide switches of those
+layers (fused quantization, tracing, statistics).
 
 What is converted: every `nn.Linear` inside `model.decoder.layers` (QKV, attention output, fc1 = w1|w2,
 fc2 = w3), as in the paper and in Transformer Engine. What stays in high precision: the embeddings, the LM
@@ -21,8 +22,10 @@ from typing import Any, Callable
 
 import torch.nn as nn
 
+from megatron.fp8 import stats as fp8_stats
 from megatron.fp8.linear import Fp8Linear
 from megatron.fp8.recipe import Fp8Recipe
+from megatron.fp8.scaling import ROLE_NAMES, Fp8Role
 
 logger = logging.getLogger(__name__)
 
@@ -104,3 +107,23 @@ def set_fp8_tracing(model: nn.Module, enabled: bool) -> int:
     for layer in layers:
         layer.trace_in_compiled_graph = bool(enabled)
     return len(layers)
+
+
+def enable_fp8_stats(model: nn.Module, enabled: bool = True) -> None:
+    """Turn FP8 quantization statistics (stats.py) on or off for every `Fp8Linear` in `model`."""
+    for module in model.modules():
+        if isinstance(module, Fp8Linear):
+            state = module.fp8
+            state.stats_enabled = enabled
+            if enabled and (state.stats is None or state.stats.device != state.scale.device):
+                state.stats = fp8_stats.Fp8Stats(len(Fp8Role), state.scale.device)
+
+
+def collect_fp8_stats(model: nn.Module, reset: bool = True) -> dict[str, float]:
+    """Statistics since the last read, keyed `fp8/<layer>/<role>/<metric>`; one host transfer in total.
+
+    Layers that recorded nothing (statistics never switched on, or no forward since the last read) are left out.
+    """
+    named = [(name, m.fp8.stats) for name, m in model.named_modules()
+             if isinstance(m, Fp8Linear) and m.fp8.stats is not None]
+    return fp8_stats.collect(named, ROLE_NAMES, reset)

@@ -88,7 +88,7 @@ def failed_functions() -> list[str]:
 def _quantize_tensor(x: torch.Tensor, previous: torch.Tensor, valid: torch.Tensor, delayed: bool, fp8_max: float,
                      margin: int, pow2: bool, dtype: torch.dtype, values_dtype: torch.dtype | None,
                      known_valid: bool = False):
-    """amax of x, its scale (`Fp8Linear._scale_for`'s rule) and Q(x) (`quantize`), in one function. With
+    """amax of x, its scale (`Fp8LayerState.scale_for`'s rule) and Q(x) (`quantize`), in one function. With
     `known_valid` (delayed scaling whose history is known to hold a scale: `valid` is True) the cast takes the
     history's scale and does not wait for x's amax, which then only feeds the history: one pass over x can
     produce both."""

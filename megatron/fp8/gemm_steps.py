@@ -1,4 +1,4 @@
-"""The steps the two FP8 autograd functions share: per-tensor scaling (`linear._Fp8LinearFunction`) and tile
+"""The steps the two FP8 autograd functions share: per-tensor scaling (`per_tensor.Fp8LinearFunction`) and tile
 scaling (`tiled.TiledFp8LinearFunction`) differ in how they quantize and multiply, not in what surrounds that.
 
 Forward: the layer's backend and formats, the input flattened to [tokens, K]; after the GEMM, the bias and the
@@ -15,22 +15,13 @@ import torch
 if TYPE_CHECKING:
     from megatron.fp8.backends import Backend
     from megatron.fp8.formats import Fp8FormatSpec
-    from megatron.fp8.linear import Fp8Linear
+    from megatron.fp8.layer_state import Fp8LayerState
 
 
-def fused_values_dtype(module: "Fp8Linear", backend: "Backend") -> torch.dtype | None | bool:
-    """False: quantize eagerly (the layer's fusion off, or a backend with its own cast: Gaudi). Else the dtype
-    in which the fused kernel also writes the FP8 values for the GEMM: fp32 for the emulated backend (its GEMM
-    runs on them; an eager FP8 -> fp32 cast is a slow pass of its own on CPU), None for real FP8 GEMMs."""
-    if not module.fused_quantization or backend.name not in ("emulated", "scaled_mm"):
-        return False
-    return torch.float32 if backend.name == "emulated" else None
-
-
-def begin(module: "Fp8Linear", x: torch.Tensor) -> tuple["Backend", tuple["Fp8FormatSpec", ...], torch.Tensor]:
+def begin(state: "Fp8LayerState", x: torch.Tensor) -> tuple["Backend", tuple["Fp8FormatSpec", ...], torch.Tensor]:
     """(backend, the role formats, x as [tokens, K])."""
-    backend = module.fp8_backend(x.device)
-    return backend, module.fp8_specs(backend), x.reshape(-1, x.shape[-1])
+    backend = state.backend(x.device)
+    return backend, state.specs(backend), x.reshape(-1, x.shape[-1])
 
 
 def add_bias(y: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
@@ -38,9 +29,9 @@ def add_bias(y: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype)
 
 
 def finish_forward(ctx: Any, y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                   module: "Fp8Linear", backend: "Backend", specs: tuple, weight_fp8: Any) -> torch.Tensor:
+                   state: "Fp8LayerState", backend: "Backend", specs: tuple, weight_fp8: Any) -> torch.Tensor:
     """Keep on `ctx` what backward needs besides the saved tensors; y with x's leading dims."""
-    ctx.module, ctx.backend, ctx.specs, ctx.weight_fp8 = module, backend, specs, weight_fp8
+    ctx.state, ctx.backend, ctx.specs, ctx.weight_fp8 = state, backend, specs, weight_fp8
     ctx.x_shape, ctx.x_dtype, ctx.w_dtype, ctx.has_bias = x.shape, x.dtype, weight.dtype, bias is not None
     return y.reshape(*x.shape[:-1], y.shape[-1])
 

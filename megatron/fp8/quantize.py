@@ -1,7 +1,7 @@
 """FP8 quantization, the one numerics core: scales, saturating casts, stochastic rounding, inf/NaN counting.
 
 Everything here is a small pure function of tensors; the modules that keep state (amax histories,
-cached weights) live in `scaling.py` and `linear.py`. The FP8 layers and the optimizer's FP8 moments
+cached weights) live in `scaling.py` and `layer_state.py`. The FP8 layers and the optimizer's FP8 moments
 (`megatron/optimizer/fp8_state_quant.py`) both quantize through `compute_scale` + `quantize`; the
 optimizer applies them per block and stores `1 / scale` (its `scale_inv`) next to the data.
 

@@ -1,9 +1,9 @@
 """FP8 quantization statistics: which layer and tensor is clipping, flushing to zero or seeing inf/NaN.
 
-Off by default. `enable_fp8_stats(model, True)` sets a flag on every `Fp8Linear`; only then do the forward
-and backward call `record` (so disabled statistics cost one attribute check per GEMM, nothing else). Counts
-are accumulated in device tensors since the last read and moved to the host once, in `collect_fp8_stats`,
-which the training loop calls at its log interval.
+Off by default. `enable_fp8_stats(model, True)` (convert.py) sets a flag on every `Fp8Linear`; only then do the
+forward and backward record their quantizations (so disabled statistics cost one attribute check per GEMM,
+nothing else). Counts are accumulated in device tensors (`Fp8Stats`) since the last read and moved to the host
+once, in `collect_fp8_stats`, which the training loop calls at its log interval.
 
 Per layer and tensor role (input, weight, grad_output):
 - `amax`: the largest |x| seen since the last read; `scale`: the scale used most recently;
@@ -19,31 +19,14 @@ early sign of the outliers that precede an FP8 divergence (the SwiGLU outliers o
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
-import torch.nn as nn
 
 from megatron.fp8.formats import Fp8FormatSpec
 from megatron.fp8.quantize import Tile, amax_of, count_nonfinite, tile_blocks
 
-if TYPE_CHECKING:
-    from megatron.fp8.linear import Fp8Linear
-
-# Columns of the per-module count buffer.
+# Columns of the per-layer count tensor.
 _COUNTS = ("clipped", "flushed", "nan", "inf", "numel", "blocks_clipped", "blocks")
-
-
-def _ensure_buffers(module: "Fp8Linear") -> None:
-    device = module.fp8_scale.device
-    if getattr(module, "fp8_stats_counts", None) is None or module.fp8_stats_counts.device != device:
-        n_roles = module.fp8_scale.numel()
-        module.register_buffer("fp8_stats_counts", torch.zeros(n_roles, len(_COUNTS), dtype=torch.int64,
-                                                               device=device), persistent=False)
-        module.register_buffer("fp8_stats_amax", torch.zeros(n_roles, dtype=torch.float32, device=device),
-                               persistent=False)
-        module.register_buffer("fp8_stats_scale", torch.ones(n_roles, dtype=torch.float32, device=device),
-                               persistent=False)
 
 
 def clip_threshold(spec: Fp8FormatSpec) -> float:
@@ -54,78 +37,59 @@ def clip_threshold(spec: Fp8FormatSpec) -> float:
     return spec.max + 2.0 ** (math.floor(math.log2(spec.max)) - spec.mantissa_bits) / 2
 
 
-@torch.no_grad()
-def record(module: "Fp8Linear", role: int, t: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
-           spec: Fp8FormatSpec, tile: Tile | None = None) -> None:
-    """Accumulate the statistics of one quantization of `t` (to `q` with `scale`) into `module`.
+class Fp8Stats:
+    """One layer's statistics since the last read, per tensor role, in device tensors (no host read per GEMM)."""
 
-    With a `tile`, `scale` is the grid of tile scales: clipping is also counted per tile (a tile with any
-    clipped value), and the scale recorded is the smallest one (the tile of the largest amax).
-    """
-    _ensure_buffers(module)
-    limit = clip_threshold(spec)
-    if tile is None:
-        over = (t.float() * scale.float()).abs() > limit
-        block_over, blocks = over.any().reshape(1), 1
-        recorded_scale = scale.float()
-    else:
-        blocks_view, _ = tile_blocks(t.float(), tile)
-        over = (blocks_view * scale.float()[:, None, :, None]).abs() > limit
-        block_over, blocks = over.any(dim=3).any(dim=1), scale.numel()
-        recorded_scale = torch.nan_to_num(scale.float(), nan=float("inf")).amin()
-    clipped = over.sum()
-    flushed = ((t != 0) & (q.float() == 0)).sum()
-    nan, inf = count_nonfinite(t)
-    numel = torch.full((), t.numel(), dtype=torch.int64, device=t.device)  # fills: no host-to-device copy
-    n_blocks = torch.full((), blocks, dtype=torch.int64, device=t.device)
-    module.fp8_stats_counts[role] += torch.stack(
-        [clipped, flushed, nan, inf, numel, block_over.sum(), n_blocks]).to(torch.int64)
-    module.fp8_stats_amax[role] = torch.maximum(module.fp8_stats_amax[role], amax_of(t))
-    module.fp8_stats_scale[role] = recorded_scale
+    def __init__(self, n_roles: int, device: torch.device) -> None:
+        self.device = device
+        self.counts = torch.zeros(n_roles, len(_COUNTS), dtype=torch.int64, device=device)
+        self.amax = torch.zeros(n_roles, dtype=torch.float32, device=device)
+        self.scale = torch.ones(n_roles, dtype=torch.float32, device=device)
 
+    @torch.no_grad()
+    def record(self, role: int, t: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, spec: Fp8FormatSpec,
+               tile: Tile | None = None) -> None:
+        """Accumulate the statistics of one quantization of `t` (to `q` with `scale`).
 
-def sqnr_db(test: torch.Tensor, reference: torch.Tensor) -> float:
-    """Signal-to-quantization-noise ratio 10 log10(sum ref^2 / sum (ref - test)^2) in dB, computed in float64;
-    inf when equal. The one SQNR of the project (experiments, benchmarks and tests)."""
-    reference, test = reference.detach().double(), test.detach().double()
-    noise = (test - reference).square().sum()
-    return float("inf") if noise == 0 else 10 * math.log10(float(reference.square().sum() / noise))
+        With a `tile`, `scale` is the grid of tile scales: clipping is also counted per tile (a tile with any
+        clipped value), and the scale recorded is the smallest one (the tile of the largest amax).
+        """
+        limit = clip_threshold(spec)
+        if tile is None:
+            over = (t.float() * scale.float()).abs() > limit
+            block_over, blocks = over.any().reshape(1), 1
+            recorded_scale = scale.float()
+        else:
+            blocks_view, _ = tile_blocks(t.float(), tile)
+            over = (blocks_view * scale.float()[:, None, :, None]).abs() > limit
+            block_over, blocks = over.any(dim=3).any(dim=1), scale.numel()
+            recorded_scale = torch.nan_to_num(scale.float(), nan=float("inf")).amin()
+        clipped = over.sum()
+        flushed = ((t != 0) & (q.float() == 0)).sum()
+        nan, inf = count_nonfinite(t)
+        numel = torch.full((), t.numel(), dtype=torch.int64, device=t.device)  # fills: no host-to-device copy
+        n_blocks = torch.full((), blocks, dtype=torch.int64, device=t.device)
+        counts = torch.stack([clipped, flushed, nan, inf, numel, block_over.sum(), n_blocks])
+        self.counts[role] += counts.to(torch.int64)
+        self.amax[role] = torch.maximum(self.amax[role], amax_of(t))
+        self.scale[role] = recorded_scale
 
-
-def enable_fp8_stats(model: nn.Module, enabled: bool = True) -> None:
-    """Turn statistics on or off for every Fp8Linear in `model`."""
-    from megatron.fp8.linear import Fp8Linear
-
-    for module in model.modules():
-        if isinstance(module, Fp8Linear):
-            module.fp8_stats_enabled = enabled
-            if enabled:
-                _ensure_buffers(module)
+    def reset(self) -> None:
+        self.counts.zero_()
+        self.amax.zero_()
 
 
-def collect_fp8_stats(model: nn.Module, reset: bool = True) -> dict[str, float]:
-    """Statistics since the last read, keyed `fp8/<layer>/<role>/<metric>`; one host transfer in total.
-
-    Layers that recorded nothing (statistics disabled, or no forward since the last read) are left out.
-    """
-    from megatron.fp8.linear import Fp8Linear
-    from megatron.fp8.scaling import ROLE_NAMES
-
-    names, counts, amaxes, scales = [], [], [], []
-    for name, module in model.named_modules():
-        if isinstance(module, Fp8Linear) and getattr(module, "fp8_stats_counts", None) is not None:
-            names.append(name)
-            counts.append(module.fp8_stats_counts)
-            amaxes.append(module.fp8_stats_amax)
-            scales.append(module.fp8_stats_scale)
-    if not names:
+def collect(named: list[tuple[str, Fp8Stats]], role_names: tuple[str, ...], reset: bool = True) -> dict[str, float]:
+    """The statistics of `named` layers, keyed `fp8/<layer>/<role>/<metric>`; one host transfer in total. Roles
+    that recorded nothing since the last read are left out."""
+    if not named:
         return {}
-    all_counts = torch.stack(counts).cpu().tolist()
-    all_amax = torch.stack(amaxes).cpu().tolist()
-    all_scale = torch.stack(scales).cpu().tolist()
+    all_counts = torch.stack([st.counts for _, st in named]).cpu().tolist()
+    all_amax = torch.stack([st.amax for _, st in named]).cpu().tolist()
+    all_scale = torch.stack([st.scale for _, st in named]).cpu().tolist()
     out: dict[str, float] = {}
-    for i, name in enumerate(names):
-        for r, role in enumerate(ROLE_NAMES):
+    for i, (name, _) in enumerate(named):
+        for r, role in enumerate(role_names):
             clipped, flushed, nan, inf, numel, blocks_clipped, blocks = all_counts[i][r]
             if numel == 0:
                 continue
@@ -138,11 +102,17 @@ def collect_fp8_stats(model: nn.Module, reset: bool = True) -> dict[str, float]:
             out[f"{prefix}/nan_count"] = float(nan)
             out[f"{prefix}/inf_count"] = float(inf)
     if reset:
-        for module in model.modules():
-            if isinstance(module, Fp8Linear) and getattr(module, "fp8_stats_counts", None) is not None:
-                module.fp8_stats_counts.zero_()
-                module.fp8_stats_amax.zero_()
+        for _, st in named:
+            st.reset()
     return out
+
+
+def sqnr_db(test: torch.Tensor, reference: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio 10 log10(sum ref^2 / sum (ref - test)^2) in dB, computed in float64;
+    inf when equal. The one SQNR of the project (experiments, benchmarks and tests)."""
+    reference, test = reference.detach().double(), test.detach().double()
+    noise = (test - reference).square().sum()
+    return float("inf") if noise == 0 else 10 * math.log10(float(reference.square().sum() / noise))
 
 
 def worst_fp8_layer(stats: dict[str, float]) -> tuple[str, float] | None:

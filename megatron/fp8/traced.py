@@ -1,7 +1,7 @@
 """`Fp8Linear` traced into a compiled transformer block: one graph per block, no graph break per linear.
 
 A compiled block (`--torch-compile`, megatron/model/compile.py) used to run each `Fp8Linear` eagerly (a graph
-break): dynamo cannot trace the eager autograd function, which keeps the module and a Python-side FP8 weight
+break): dynamo cannot trace the eager autograd function, which keeps the layer's state and a Python-side FP8 weight
 cache on its context. A block with four linears was then five graphs, and inductor could not fuse an FP8 cast
 into the op that produced its operand (the RMSNorm before qkv and fc1, the SwiGLU product before fc2): the
 fusion Transformer Engine writes by hand (its LayerNormLinear) and torchao gets from a traced Float8Linear.
@@ -46,19 +46,16 @@ which autograd's in-place checks have not been tried against.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from megatron.fp8 import fused, gemm_steps
 from megatron.fp8.backends import STATELESS_BACKENDS, select_backend
+from megatron.fp8.layer_state import Fp8LayerState
 from megatron.fp8.quantize import nonfinite_guard
 from megatron.fp8.recipe import Fp8Gemm
 from megatron.fp8.scaling import Fp8Role, record_step_amax
-
-if TYPE_CHECKING:
-    from megatron.fp8.backends import Backend
-    from megatron.fp8.linear import Fp8Linear
 
 # The roles as plain ints: dynamo (torch 2.13) recurses without end indexing a tuple with an IntEnum member.
 _INPUT, _WEIGHT, _GRAD = (int(role) for role in (Fp8Role.INPUT, Fp8Role.WEIGHT, Fp8Role.GRAD_OUTPUT))
@@ -70,68 +67,55 @@ def _backend_name(choice: str, device: torch.device, scaling: str) -> str:
     return select_backend(choice, device, scaling).name
 
 
-def _takes(module: "Fp8Linear") -> bool:
-    """The layer's configuration is one the traced path implements (module docstring), whatever the call."""
-    recipe = module.recipe
-    return (module.trace_in_compiled_graph and module.fused_quantization and recipe.tiles is None
-            and not recipe.grad_stochastic_rounding and not module.fp8_weight_per_call)
-
-
-def traceable(module: "Fp8Linear", x: torch.Tensor, column_scale_group: Any) -> bool:
+def traceable(state: Fp8LayerState, x: torch.Tensor, column_scale_group: Any) -> bool:
     """Whether this call can be traced into the enclosing compiled graph (module docstring); evaluated while
     tracing, so dynamo guards on what it reads and a change (statistics switched on) retraces."""
-    if not _takes(module) or module.fp8_stats_enabled or column_scale_group is not None:
+    if not state.takes_traced_path() or state.stats_enabled or column_scale_group is not None:
         return False
-    recipe = module.recipe
+    recipe = state.recipe
     return _backend_name(recipe.backend.value, x.device, recipe.scaling.value) in STATELESS_BACKENDS
 
 
-def uses_step_weight(module: "Fp8Linear", backend: "Backend") -> bool:
-    """Whether `Fp8Linear.refresh_step_weight` prepares this layer's FP8 weight (for `backend`, the layer's) for
-    the traced path (eagerly, outside the graph; a Smooth-SwiGLU fc2 still makes W diag(c) per call)."""
-    return _takes(module) and backend.name in STATELESS_BACKENDS
-
-
-def forward(module: "Fp8Linear", x: torch.Tensor, out_dtype: torch.dtype, column_scale: torch.Tensor | None,
+def forward(state: Fp8LayerState, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            out_dtype: torch.dtype, training: bool, column_scale: torch.Tensor | None,
             input_amax: torch.Tensor | None) -> torch.Tensor:
     """y = Q(x) Q(W)^T + b (W diag(c) with `column_scale`), traceable; records amaxes as the eager layer does."""
-    recipe = module.recipe
+    recipe = state.recipe
     backend = STATELESS_BACKENDS[_backend_name(recipe.backend.value, x.device, recipe.scaling.value)]
-    specs = module.fp8_specs(backend)
+    specs = state.specs(backend)
     x2d = x.reshape(-1, x.shape[-1])
-    values_dtype = gemm_steps.fused_values_dtype(module, backend)
+    values_dtype = state.values_dtype(backend)
     w_spec = specs[_WEIGHT]
-    known_valid = module.fp8_scale_known_valid  # read while tracing: a change retraces (once per run)
+    known_valid = state.known_valid  # read while tracing: a change retraces (once per run)
     with torch.autocast(x.device.type, enabled=False), torch.no_grad():
-        q_x, v_x, s_x, x_amax = module._quantize_input(backend, specs[_INPUT], x2d.detach(), input_amax,
-                                                       values_dtype, known_valid[_INPUT])
+        q_x, v_x, s_x, x_amax = state.quantize_input(backend, specs[_INPUT], x2d.detach(), input_amax, values_dtype,
+                                                     training, known_valid[_INPUT])
         w_t = None  # dgrad's row-major W^T (backends that want one): from the step's cache, else made in backward
-        if column_scale is None and module._step_weight is not None:  # made once per step, outside the graph
-            (q_w, s_w, w_amax, w_t), v_w = module._step_weight, None
+        if column_scale is None and state.step_weight is not None:  # made once per step, outside the graph
+            (q_w, s_w, w_amax, w_t), v_w = state.step_weight, None
         elif column_scale is None:
-            q_w, v_w, s_w, w_amax = module._fused_quantize(_WEIGHT, module.weight.detach(), w_spec,
-                                                           module._weight_values_dtype(backend), record=False,
-                                                           known_valid=known_valid[_WEIGHT])
+            q_w, v_w, s_w, w_amax = state.fused_quantize(_WEIGHT, weight.detach(), w_spec,
+                                                         state.weight_values_dtype(backend), False,
+                                                         known_valid=known_valid[_WEIGHT])
         else:  # W diag(c): the amax from the step's column maxima (the pre-hook's), else reduced here
-            maxima = module._step_column_maxima
+            maxima = state.step_column_maxima
             if maxima is None:
-                maxima = fused.column_maxima(module.weight.detach())
-            q_w, v_w, s_w, w_amax = module._column_scaled_weight(backend, w_spec, column_scale, None, maxima)
-        module._note_weight_use(s_w, w_amax)
+                maxima = fused.column_maxima(weight.detach())
+            q_w, v_w, s_w, w_amax = state.column_scaled_weight(weight, backend, w_spec, column_scale, None, maxima)
+        state.note_weight_use(s_w, w_amax, training)
         s_x = nonfinite_guard(s_x, x_amax)
         s_w = nonfinite_guard(s_w, w_amax)
     g_spec = specs[_GRAD]
-    consts = (backend.name, out_dtype, x.dtype, module.weight.dtype, recipe.power_of_two_scales, recipe.fp8_wgrad,
-              module.training, recipe.scaling.value == "delayed", recipe.scaling.value == "tensorwise",
+    consts = (backend.name, out_dtype, x.dtype, weight.dtype, recipe.power_of_two_scales, recipe.fp8_wgrad,
+              training, recipe.scaling.value == "delayed", recipe.scaling.value == "tensorwise",
               recipe.margin, g_spec.max, g_spec.torch_dtype, values_dtype,
               tuple(recipe.fast_accum_for(g) for g in Fp8Gemm),  # fprop, dgrad, wgrad
               known_valid[_GRAD])
     # What wgrad reads: Q(x) (1 byte per element), or x itself for a high-precision wgrad. None: the GEMM operand
     # itself (dynamo refuses one tensor passed twice).
     saved_x = (None if v_x is None else q_x) if recipe.fp8_wgrad else x2d.detach()
-    y2d = _Gemms.apply(x2d, module.weight, module.bias, q_x if v_x is None else v_x, s_x, q_w if v_w is None else v_w,
-                       s_w, w_t, saved_x, column_scale, module.fp8_scale, module.fp8_scale_valid,
-                       module.fp8_step_amax, consts)
+    y2d = _Gemms.apply(x2d, weight, bias, q_x if v_x is None else v_x, s_x, q_w if v_w is None else v_w, s_w, w_t,
+                       saved_x, column_scale, state.scale, state.scale_valid, state.step_amax, consts)
     return y2d.reshape(*x.shape[:-1], y2d.shape[-1])
 
 

@@ -195,7 +195,7 @@ def part_sqnr(mlp: MLP, x: torch.Tensor, variant: Variant,
     got = {"output": y.detach(), **_grad_parts(model.linear_fc1.weight.grad, model.linear_fc2.weight.grad)}
     model.eval()
     masked = _KMaskedBackend(OUTLIER_CHANNEL)
-    model.linear_fc2.fp8_backend = lambda device: masked  # this instance only: drop the outlier's K index
+    model.linear_fc2.fp8.backend = lambda device: masked  # this layer only: drop the outlier's K index
     with torch.no_grad():
         got["fwd others"] = model(x)
     return {part: sqnr_db(got[part], reference[part]) for part in PARTS}

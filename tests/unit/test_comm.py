@@ -292,7 +292,7 @@ def test_every_reduction_goes_through_comm_on_the_communication_device(monkeypat
         assert c["op"] == "barrier" or c["devices"] == expected, c  # no CPU tensor reached an "nccl" group
     sites = wire.sites()
     for site in ("engine.py:train_batch", "engine.py:evaluate", "loop.py:_any_rank", "step.py:fp8_optimizer_step",
-                 "smooth_swiglu.py:channel_split_scales", "linear.py:_quantized_scaled_weight",
+                 "smooth_swiglu.py:channel_split_scales", "layer_state.py:quantized_scaled_weight",
                  "grads.py:clip_grad_norm", "tensor_parallel.py:_all_gather", "tensor_parallel.py:_reduce_scatter",
                  "tensor_parallel.py:_all_reduce", "pipeline_engine.py:step"):
         assert site in sites, (site, sorted(sites))

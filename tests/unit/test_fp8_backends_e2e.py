@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import megatron.fp8.linear as fp8_linear
+import megatron.fp8.layer_state as layer_state
 from megatron.arguments import parse_config
 from megatron.fp8.backends import HpuBackend
 from megatron.fp8.recipe import Fp8Backend
@@ -55,14 +55,14 @@ def _assert_tracks(losses: list[float], reference: tuple[list[float], list[float
 
 def test_scaled_mm_backend_trains_on_cpu_and_tracks_emulation(reference, monkeypatch) -> None:
     used = []
-    real = fp8_linear.select_backend
+    real = layer_state.select_backend
 
     def spy(choice, device, scaling="delayed"):
         backend = real(choice, device, scaling)
         used.append(backend.name)
         return backend
 
-    monkeypatch.setattr(fp8_linear, "select_backend", spy)
+    monkeypatch.setattr(layer_state, "select_backend", spy)
     _assert_tracks(_losses("--fp8-format", "hybrid", "--fp8-backend", "scaled_mm"), reference)
     assert used and set(used) == {"scaled_mm"}
 
@@ -72,8 +72,8 @@ def _hpu_run(monkeypatch, ops_patch=None) -> tuple[list[float], fake_hpu.FakeHpu
     if ops_patch is not None:
         ops_patch(ops)
     backend = HpuBackend()
-    real = fp8_linear.select_backend
-    monkeypatch.setattr(fp8_linear, "select_backend",
+    real = layer_state.select_backend
+    monkeypatch.setattr(layer_state, "select_backend",
                         lambda choice, device, scaling="delayed":
                         backend if Fp8Backend(choice) is Fp8Backend.HPU else real(choice, device, scaling))
     return _losses("--fp8-format", "hybrid", "--fp8-backend", "hpu"), ops

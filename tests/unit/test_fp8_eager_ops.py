@@ -71,7 +71,7 @@ def test_a_steady_state_micro_batch_dispatches_at_most_40_ops(backend, bf16):
 
 @pytest.mark.parametrize("backend", ["scaled_mm", "emulated"])
 def test_the_history_scale_path_equals_the_general_one_bitwise(backend):
-    """A role known to be valid skips the current-scale arithmetic (`Fp8Linear._scale_for`); the general path
+    """A role known to be valid skips the current-scale arithmetic (`Fp8LayerState.scale_for`); the general path
     selects the same history scale with a `where`: the same y, dx and dW, bit for bit. The general path is the
     control of the count: it dispatches the scale arithmetic of x and dy again."""
     _, known, want = _steady_state(backend, "delayed", False)

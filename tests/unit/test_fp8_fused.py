@@ -112,7 +112,7 @@ def _linear_run(scaling: str, stats: bool, fused_quantization: bool) -> list[tor
         fp8_optimizer_step(lin)
     out += [lin.fp8_amax_history.clone(), lin.fp8_scale.clone()]
     if stats:
-        out += [lin.fp8_stats_counts.clone(), lin.fp8_stats_amax.clone()]
+        out += [lin.fp8.stats.counts.clone(), lin.fp8.stats.amax.clone()]
     return out
 
 

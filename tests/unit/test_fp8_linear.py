@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-import megatron.fp8.linear as fp8_linear
+import megatron.fp8.layer_state as layer_state
 from megatron.fp8 import Fp8Linear, Fp8Recipe, fp8_optimizer_step
 from megatron.fp8.backends import (CudaScaledMmBackend, EmulatedBackend, backend_format_spec,
                                    select_backend)
@@ -40,9 +40,9 @@ def _data(scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
 class _E5M2Forward(Fp8Linear):
     """Wrong on purpose: E5M2 for the forward operands too."""
 
-    def fp8_specs(self, backend):  # type: ignore[no-untyped-def]
-        e5m2 = backend_format_spec(backend, "e5m2")
-        return e5m2, e5m2, e5m2
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.fp8.specs = lambda backend: (backend_format_spec(backend, "e5m2"),) * 3
 
 
 def test_hybrid_sqnr_of_the_three_gemms() -> None:
@@ -190,7 +190,7 @@ def test_fp8_linear_with_scaled_mm_backend_matches_emulation(monkeypatch: pytest
     x, dy = _data()
     results = {}
     for backend in (EmulatedBackend(), CudaScaledMmBackend()):
-        monkeypatch.setattr(fp8_linear, "select_backend", lambda choice, device, scaling=None, b=backend: b)
+        monkeypatch.setattr(layer_state, "select_backend", lambda choice, device, scaling=None, b=backend: b)
         _, fp8 = _pair(Fp8Recipe(), in_f=256, out_f=200)  # 200: not a multiple of 16 -> padding
         xa = x.clone().requires_grad_()
         y = fp8(xa)
@@ -214,7 +214,7 @@ def _per_call_run(recipe: Fp8Recipe, per_call: bool, fused: bool, column_scale: 
             x = (torch.randn(64, 256, generator=g) * 3).requires_grad_(True)
             y = layer(x, weight_column_scale=c)
             if per_call:  # nothing FP8 of the weight outlives the forward
-                assert layer._weight_cache is None and y.grad_fn.weight_fp8 is None
+                assert layer.fp8.weight_cache is None and y.grad_fn.weight_fp8 is None
             (y.float() * torch.linspace(-1, 1, 128)).square().sum().backward()
             out += [y.detach(), x.grad]
         out.append(layer.weight.grad.clone())

@@ -16,6 +16,7 @@ import torch
 
 from megatron.arguments import parse_config
 from megatron.fp8 import Fp8Linear, Fp8Recipe, Fp8Scaling, fp8_optimizer_step, fp8_state_dict, load_fp8_state_dict
+from megatron.fp8 import collect_fp8_stats, enable_fp8_stats
 from megatron.fp8 import stats as fp8_stats
 from megatron.fp8.accuracy import fprop_operands, recipe_specs, wgrad_layout_sqnr
 from megatron.fp8.backends import CudaScaledMmBackend, EmulatedBackend, select_backend
@@ -254,19 +255,19 @@ def test_stats_summarize_clipping_per_tile():
     448 (which rounds to 448 anyway), so the count starts half an FP8 ulp above the max (`clip_threshold`)."""
     torch.manual_seed(0)
     layer = Fp8Linear(64, 32, bias=False, recipe=Fp8Recipe(scaling="blockwise"))
-    fp8_stats.enable_fp8_stats(layer)
+    enable_fp8_stats(layer)
     for _ in range(20):
         layer(torch.randn(10, 64)).sum().backward()
-    stats = fp8_stats.collect_fp8_stats(layer)
+    stats = collect_fp8_stats(layer)
     for role in ("input", "weight", "grad_output"):
         assert stats[f"fp8/{role}/clipped_block_frac"] == 0 and stats[f"fp8/{role}/clipped_frac"] == 0, stats
     assert fp8_stats.clip_threshold(E4M3) == 464 and fp8_stats.clip_threshold(E5M2) == 61440
     # A grid of scales too large for 2 of its 4 tiles: per-tile and per-value fractions.
-    fp8_stats.enable_fp8_stats(layer)
+    enable_fp8_stats(layer)
     t = torch.ones(2, 256)
     scale = torch.tensor([[1.0, 1000.0], [1.0, 1000.0]])
-    fp8_stats.record(layer, 0, t, quantize_tiles(t, Tile(1, 128), E4M3).data, scale, E4M3, tile=Tile(1, 128))
-    stats = fp8_stats.collect_fp8_stats(layer)
+    layer.fp8.stats.record(0, t, quantize_tiles(t, Tile(1, 128), E4M3).data, scale, E4M3, tile=Tile(1, 128))
+    stats = collect_fp8_stats(layer)
     assert stats["fp8/input/clipped_block_frac"] == 0.5 and stats["fp8/input/clipped_frac"] == 0.5
 
 

@@ -5,6 +5,7 @@ from torch import nn
 
 from megatron.arguments import parse_config
 from megatron.fp8 import Fp8Linear
+from megatron.fp8.layer_state import Fp8LayerState
 from megatron.training.loop import pretrain
 from tests.support.config import tiny_argv
 from tests.support.training import assert_resume_is_exact
@@ -14,9 +15,9 @@ FP8 = ("--fp8-format", "hybrid", "--fp8-amax-history-len", "4", "--fp8-amax-comp
 
 def _stale_fp8_weights(monkeypatch) -> None:
     """A broken FP8 layer for the negative control: it keeps quantizing the weights of its first forward."""
-    quantized_weight = Fp8Linear._quantized_weight
-    monkeypatch.setattr(Fp8Linear, "_quantized_weight",
-                        lambda self, backend, spec: self._weight_cache or quantized_weight(self, backend, spec))
+    quantized_weight = Fp8LayerState.quantized_weight
+    monkeypatch.setattr(Fp8LayerState, "quantized_weight", lambda self, weight, backend, spec: (
+        self.weight_cache or quantized_weight(self, weight, backend, spec)))
     monkeypatch.setattr(Fp8Linear, "invalidate_fp8_weight_cache", lambda self: None)
 
 
