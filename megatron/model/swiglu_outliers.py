@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
-import torch.nn.functional as F
 
 from megatron.config import ModelConfig, SmoothSwiGLUGranularity
 from megatron.fp8 import Fp8Linear, Fp8Recipe, Fp8Scaling, fp8_optimizer_step

@@ -15,7 +15,6 @@ attention heads of 18) and every dgrad/wgrad passes transposed views; E5M2 gradi
 from __future__ import annotations
 
 import pytest
-import torch
 
 import megatron.fp8.layer_state as layer_state
 from megatron.arguments import parse_config
