@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from megatron.compat import HabanaKernels
-from megatron.model.layers import RMSNorm, activation_dtype, at_least_fp32
+from megatron.dtypes import at_least_fp32
+from megatron.model.layers import RMSNorm, activation_dtype
 from megatron.model.transformer import SelfAttention
 
 logger = logging.getLogger("megatron")

@@ -37,7 +37,7 @@ def torch_reference(torch_reference_save) -> tuple[list[float], dict]:
     """`pretrain_gpt.py` on the torch engine, one process, tests/support/launch.py's BASE (4 micro-batches of 2 per
     step): its training losses and final weights. The reference of the DDP, DeepSpeed ZeRO 0-2 and ZeRO-3
     comparisons."""
-    from megatron.training import checkpointing as ckpt
+    from megatron.checkpoint import store as ckpt
     from tests.support.logs import losses
 
     log = (torch_reference_save / "log.txt").read_text()
@@ -48,7 +48,7 @@ def torch_reference(torch_reference_save) -> tuple[list[float], dict]:
 def torch_control(tmp_path_factory) -> tuple[list[float], dict]:
     """`torch_reference`'s noise (tests/support/run_noise.py): the same run with micro-batches of 1 and 8
     accumulation steps, the same math in another summation order."""
-    from megatron.training import checkpointing as ckpt
+    from megatron.checkpoint import store as ckpt
     from tests.support.launch import run
     from tests.support.logs import losses
 

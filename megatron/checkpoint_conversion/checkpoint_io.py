@@ -8,34 +8,26 @@ rebuilds `ModelConfig`/`DataConfig`/`TrainingConfig` from the checkpoint's `conf
 resolved `MegatronConfig.to_dict()`, never a pickled Namespace) and loads the weights strictly.
 Optimizer, RNG and FP8 scaling state are ignored.
 
-`save_converted_checkpoint` writes iteration 0 in the layout of `megatron.training.checkpointing`,
+`save_converted_checkpoint` writes iteration 0 in the layout of `megatron.checkpoint.store`,
 so `pretrain_gpt.py --load DIR` (optionally with `--finetune`) starts from converted weights.
 """
 from __future__ import annotations
 
-import dataclasses
-import enum
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
+from megatron.checkpoint import store as ckpt
+from megatron.checkpoint.configs import config_from_dict, data_config_from_dict, model_config_from_dict
+from megatron.checkpoint.layouts import detect_layout, read_model_state
+from megatron.checkpoint.train_state import TrainState
 from megatron.config import (
-    CheckpointConfig, DataConfig, LoggingConfig, LrDecayStyle, MegatronConfig, ModelConfig, Normalization,
-    OptimizerConfig, ParallelConfig, PositionEmbedding, RecomputeGranularity, SchedulerConfig,
-    SmoothSwiGLUGranularity, TrainingConfig,
+    CheckpointConfig, DataConfig, LoggingConfig, LrDecayStyle, MegatronConfig, ModelConfig, OptimizerConfig,
+    ParallelConfig, SchedulerConfig, TrainingConfig,
 )
-from megatron.checkpoint_conversion.layouts import detect_layout, read_model_state
 from megatron.model import GPTModel
-from megatron.training import checkpointing as ckpt
-from megatron.training.train_state import TrainState
-
-_MODEL_ENUMS: dict[str, type[enum.Enum]] = {
-    "normalization": Normalization, "position_embedding_type": PositionEmbedding,
-    "recompute_granularity": RecomputeGranularity, "smooth_swiglu": SmoothSwiGLUGranularity,
-}
-
 
 @dataclass
 class LoadedCheckpoint:
@@ -49,37 +41,6 @@ class LoadedCheckpoint:
     path: Path
     train_state: dict
     raw_config: dict
-
-
-def _from_dict(cls: type, data: dict[str, Any], source: Path, enums: Optional[dict] = None):
-    """`cls(**data)` for a frozen config dataclass: enum values back to enums, lists to tuples."""
-    enums = enums or {}
-    known = {f.name for f in dataclasses.fields(cls)}
-    kwargs = {}
-    for name, value in data.items():
-        if name not in known:
-            continue  # written by a newer version: a field we do not need to rebuild the model
-        if name in enums and value is not None:
-            value = enums[name](value)
-        elif isinstance(value, list):
-            value = tuple(value)
-        kwargs[name] = value
-    try:
-        return cls(**kwargs)
-    except (TypeError, ValueError) as err:
-        raise ckpt.CheckpointError(f"{source}: cannot rebuild {cls.__name__} from its config.json ({err}); "
-                                   "was the checkpoint written by megatron-fp8?") from None
-
-
-def model_config_from_dict(config: dict[str, Any], source: Path) -> ModelConfig:
-    if "model" not in config:
-        raise ckpt.CheckpointError(f"{source} has no model section in config.json: cannot rebuild the model "
-                                   "(checkpoints written by pretrain_gpt.py always have one)")
-    return _from_dict(ModelConfig, config["model"], source, _MODEL_ENUMS)
-
-
-def data_config_from_dict(config: dict[str, Any], source: Path) -> DataConfig:
-    return _from_dict(DataConfig, config.get("data", {}), source)
 
 
 def resolve_checkpoint_dir(load: str | Path, iteration: Optional[int] = None) -> Path:
@@ -124,7 +85,7 @@ def load_gpt_checkpoint(load: str | Path, iteration: Optional[int] = None,
     model_config = model_config_from_dict(config, path)
     data_config = data_config_from_dict(config, path)
     training = config.get("training")
-    training_config = _from_dict(TrainingConfig, training, path) if training else None
+    training_config = config_from_dict(TrainingConfig, training, path) if training else None
     model = GPTModel(model_config)
     ckpt.load_model_state(model, payload["model"], path)
     model.to(device).eval()

@@ -17,8 +17,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from megatron.config import ModelConfig, PositionEmbedding, RecomputeGranularity
+from megatron.dtypes import at_least_fp32
 from megatron.model.init import materialize
-from megatron.model.layers import RotaryEmbedding, at_least_fp32, build_norm
+from megatron.model.layers import RotaryEmbedding, build_norm
 from megatron.model.transformer import TransformerLayer
 from megatron.partitioned import full_numel
 

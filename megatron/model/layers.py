@@ -5,11 +5,7 @@ import torch
 from torch import nn
 
 from megatron.config import ModelConfig, Normalization
-
-
-def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
-    """`x` in FP32 when it is narrower (BF16, FP16), unchanged when FP32 or wider: float64 runs stay float64."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
+from megatron.dtypes import at_least_fp32
 
 
 def activation_dtype(x: torch.Tensor) -> torch.dtype:

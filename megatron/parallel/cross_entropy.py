@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from megatron.model.layers import at_least_fp32
+from megatron.dtypes import at_least_fp32
 from megatron.parallel.tensor_parallel import all_reduce_max, all_reduce_sum, group_rank
 
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from megatron import comm
-from megatron.model.layers import at_least_fp32
+from megatron.dtypes import at_least_fp32
 from megatron.parallel.layers import SEQUENCE_PARALLEL_GRAD, TP_SHARD_DIM
 from megatron.parallel.tensor_parallel import all_reduce_sum, group_rank
 

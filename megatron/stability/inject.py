@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from megatron.training.checkpointing import TRACKER_FILE, iteration_dir, model_file, read_tracker
+from megatron.checkpoint.store import TRACKER_FILE, iteration_dir, model_file, read_tracker
 
 _FC1 = "mlp.linear_fc1.weight"
 

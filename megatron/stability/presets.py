@@ -22,7 +22,7 @@ from megatron.stability import analysis
 from megatron.stability.inject import checkpoint_alignment, copy_checkpoint, inject_aligned_channels
 from megatron.stability.runs import (TINY_MODEL, Fp8Settings, RunRecord, command_text, data_flags, run_pretrain,
                                      variant_flags)
-from megatron.training.checkpointing import read_tracker
+from megatron.checkpoint.store import read_tracker
 
 
 @dataclass(frozen=True)

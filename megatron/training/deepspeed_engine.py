@@ -56,22 +56,20 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from pathlib import Path
 from typing import Callable, ContextManager, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron import comm
 from megatron.accelerator import Accelerator
+from megatron.checkpoint import deepspeed_io
 from megatron.optimizer.lr_scheduler import LrScheduler
 from megatron.parallel import clip_grad_norm
 from megatron.parallel.layers import SEQUENCE_PARALLEL_GRAD, TP_SHARD_DIM
 from megatron.parallel.tensor_parallel import all_reduce_sum
 from megatron.parallel_state import ParallelState
 from megatron.partitioned import full_numel, full_shape, zero3_partitions_in_groups
-from megatron.training import checkpointing as ckpt
 from megatron.training.deepspeed_config import build_deepspeed_config, zero_stage
 from megatron.training.deepspeed_shm import release_deepspeed_shm
 from megatron.training.engine import MicroBatchEngine
@@ -263,7 +261,7 @@ class DeepSpeedBase:
 
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.ds_config, mpu=mpu)
         release_deepspeed_shm()  # after DeepSpeed's backend is up (initialize starts it if nothing did)
-        _use_weights_only_loading(self.engine)
+        deepspeed_io.use_weights_only_loading(self.engine)
         # The loop calls `module(...)`, `.train()` and `.eval()`: the DeepSpeed engine is itself an nn.Module
         # whose forward runs ZeRO-3 gathering and the torch_autocast section around our model.
         self.module: nn.Module = self.engine
@@ -288,15 +286,16 @@ class DeepSpeedBase:
 
     def save_checkpoint(self, save_dir: str, iteration: int, extras: dict, train_state: dict,
                         config: dict) -> None:
-        save_checkpoint(self.engine, save_dir, iteration, extras, train_state, config)
+        deepspeed_io.save_checkpoint(self.engine, save_dir, iteration, extras, train_state, config)
 
     def load_checkpoint(self, load_dir: str, load_optimizer: bool, module_only: bool) -> Optional[dict]:
-        from megatron.training import reshard
+        from megatron.checkpoint import reshard
 
         folder = reshard.newest_folder(load_dir)
         if folder is not None and not reshard.deepspeed_layout_matches(self, reshard.saved_layout(folder)):
             return reshard.load_into_deepspeed(self, folder, load_optimizer=load_optimizer, module_only=module_only)
-        return load_checkpoint(self.engine, load_dir, load_optimizer=load_optimizer, module_only=module_only)
+        return deepspeed_io.load_checkpoint(self.engine, load_dir, load_optimizer=load_optimizer,
+                                            module_only=module_only)
 
 
 class DeepSpeedEngine(DeepSpeedBase, MicroBatchEngine):
@@ -368,121 +367,3 @@ class DeepSpeedEngine(DeepSpeedBase, MicroBatchEngine):
         if not stepped:
             self._restore_lr(previous_lrs)
         return grad_norm, stepped
-
-
-# ------------------------------------------------------------------------------------------ checkpoints
-# Layout under --save (our tracker and folder names, DeepSpeed's files inside):
-#     latest_checkpointed_iteration.txt            our tracker: the newest complete checkpoint
-#     latest                                       DeepSpeed's tracker (same tag), for its tools
-#     iter_0000100/
-#         mp_rank_00_model_states.pt               weights + {"megatron": scheduler, RNG, FP8 state}; one
-#                                                  mp_rank_<tp> per TP rank (a pipeline: stage x TP + TP rank)
-#                                                  (ZeRO-3: zero_pp_rank_<dp>_mp_rank_00_model_states.pt)
-#         zero_pp_rank_<dp>_mp_rank_<tp>_optim_states.pt   one per rank: its ZeRO partition (ZeRO >= 1)
-#         train_state.json, config.json            as in our own layout
-#         zero_to_fp32.py                          DeepSpeed's script to consolidate the partitions
-# Atomicity as in `checkpointing.save_checkpoint`: every rank writes into a hidden temporary tag,
-# rank 0 fsyncs the files, adds our JSON files and renames the folder, then replaces the trackers.
-# A crash before the rename leaves the previous checkpoint and trackers untouched. Assumes a file
-# system shared by all ranks, as DeepSpeed's own loader does (rank r reads the files rank 0 wrote).
-DS_MODEL_FILE = "mp_rank_00_model_states.pt"
-DS_TRACKER_FILE = "latest"
-CLIENT_KEY = "megatron"
-
-
-def _fsync_tree(folder) -> None:
-    for path in sorted(folder.rglob("*")):
-        if path.is_file():
-            ckpt.fsync_path(path)
-    for path in sorted(p for p in folder.rglob("*") if p.is_dir()):
-        ckpt.fsync_path(path)
-    ckpt.fsync_path(folder)
-
-
-
-def save_checkpoint(engine, save_dir: str, iteration: int, client_state: dict, train_state: dict,
-                    config: dict) -> None:
-    """Collective: every rank writes its part; rank 0 commits the folder and the trackers."""
-    root = Path(save_dir)
-    rank0 = dist.get_rank() == 0
-    tmp_tag = f"{ckpt.TMP_PREFIX}{iteration:07d}"  # same name on every rank (DeepSpeed checks it)
-    if rank0:
-        root.mkdir(parents=True, exist_ok=True)
-        ckpt.sweep_stale_saves(root)
-    comm.barrier(comm.world_group())
-    with ckpt.checkpoint_write_errors(root / tmp_tag):  # ENOSPC and other write errors named, partial folder removed
-        engine.save_checkpoint(str(root), tag=tmp_tag, client_state={CLIENT_KEY: client_state}, save_latest=False)
-    # DeepSpeed's save ends with a barrier: every rank's files are complete here.
-    if rank0:
-        tmp = root / tmp_tag
-        _fsync_tree(tmp)
-        ckpt.commit_checkpoint(root, tmp, iteration, train_state, config,
-                               pointers={DS_TRACKER_FILE: ckpt.iteration_dir(root, iteration).name})
-    comm.barrier(comm.world_group())
-
-
-def load_checkpoint(engine, load_dir: str, load_optimizer: bool, module_only: bool) -> Optional[dict]:
-    """Restore weights (and optimizer partitions) in place; return our part like `load_checkpoint_files`.
-
-    The dict has 'payload' (scheduler, RNG, FP8 state), 'train_state', 'config' and 'path'; weights and
-    optimizer are already in the engine when it returns. None: no checkpoint.
-    """
-    iteration = ckpt.read_tracker(load_dir)
-    if iteration is None:
-        return None
-    folder = ckpt.iteration_dir(load_dir, iteration)
-    if not any(folder.glob("*" + DS_MODEL_FILE)):  # ZeRO-3 writes one zero_pp_rank_<dp>_<name> per rank
-        raise ckpt.CheckpointError(f"{Path(load_dir) / ckpt.TRACKER_FILE} points at iteration {iteration} but "
-                                   f"{folder} holds no DeepSpeed *{DS_MODEL_FILE}; restore that folder or fix the "
-                                   "tracker")
-    load_path, client = engine.load_checkpoint(str(load_dir), tag=folder.name, load_module_strict=True,
-                                               load_optimizer_states=load_optimizer, load_lr_scheduler_states=False,
-                                               load_module_only=module_only)
-    if load_path is None:
-        raise ckpt.CheckpointError(f"DeepSpeed could not load the checkpoint in {folder}")
-    train_state = ckpt.read_json(folder / "train_state.json")
-    config_path = folder / "config.json"
-    config = ckpt.read_json(config_path) if config_path.exists() else {}
-    return {"payload": (client or {}).get(CLIENT_KEY, {}), "train_state": train_state, "config": config,
-            "path": folder}
-
-
-def _deepspeed_safe_globals() -> list:
-    """The DeepSpeed classes its checkpoint files pickle besides tensors and plain containers.
-
-    All are data holders: a namedtuple of two ints, an Enum, and the (static) loss scaler, whose
-    state is a dict of numbers. Allowing exactly these keeps `weights_only=True` (no code objects).
-    """
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    return [fragment_address, ZeroStageEnum, LossScaler, DynamicLossScaler]
-
-
-def _use_weights_only_loading(engine) -> None:
-    """Make DeepSpeed read checkpoints with `torch.load(weights_only=True)`, as our own loader does.
-
-    DeepSpeed's TorchCheckpointEngine loads with `weights_only=False`, i.e. it would run code pickled
-    into a checkpoint. We swap in a subclass that loads with `weights_only=True` and an allowlist of
-    DeepSpeed's few data classes. Other checkpoint engines (fast/decoupled writers, DataStates) are
-    refused rather than left unchecked.
-    """
-    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
-
-    class WeightsOnlyCheckpointEngine(TorchCheckpointEngine):
-        def load(self, path: str, map_location=None):
-            try:
-                with torch.serialization.safe_globals(_deepspeed_safe_globals()):
-                    return torch.load(path, map_location=map_location, weights_only=True)
-            except Exception as exc:  # pickle.UnpicklingError for code objects, RuntimeError for corruption
-                raise ckpt.CheckpointError(f"refusing to load {path}: {exc.__class__.__name__}: {str(exc)[:300]}. "
-                                           "Checkpoints may only hold tensors and plain data.") from exc
-
-    current = engine.checkpoint_engine
-    if type(current) is not TorchCheckpointEngine:
-        raise ValueError(f"DeepSpeed checkpoint engine {type(current).__name__} is not supported: megatron-fp8 loads "
-                         "checkpoints with weights_only=True; remove the `checkpoint.writer` / `datastates` section")
-    safe = WeightsOnlyCheckpointEngine.__new__(WeightsOnlyCheckpointEngine)
-    safe.__dict__.update(current.__dict__)  # same settings (serialization format) as the one DeepSpeed built
-    engine.checkpoint_engine = safe

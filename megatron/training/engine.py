@@ -28,15 +28,15 @@ from torch import nn
 
 from megatron import comm
 from megatron.accelerator import Accelerator
+from megatron.checkpoint import layouts
+from megatron.checkpoint import store as ckpt
+from megatron.checkpoint import reshard
+from megatron.checkpoint.tp_shards import save_tensor_parallel_checkpoint
 from megatron.data.provider import Batch
 from megatron.optimizer.lr_scheduler import LrScheduler
 from megatron.optimizer.main_params import MainParams, ModelIsMaster
-from megatron.checkpoint_conversion import layouts
 from megatron.parallel import clip_grad_norm, reduce_sequence_parallel_grads
-from megatron.parallel.checkpoint import save_tensor_parallel_checkpoint
 from megatron.parallel_state import ParallelState
-from megatron.training import checkpointing as ckpt
-from megatron.training import reshard
 
 logger = logging.getLogger("megatron")
 
@@ -221,21 +221,3 @@ class TorchEngine(MicroBatchEngine):
                                            "pass --no-load-optim or --finetune")
             self.optimizer.load_state_dict(payload["optimizer"])
         return loaded
-
-
-def build_engine(config, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: LrScheduler,
-                 parallel: ParallelState, accel: Accelerator) -> Engine:
-    from megatron.model.compile import apply_torch_compile
-
-    apply_torch_compile(config, model, accel.device)  # --torch-compile: blocks compiled in place, warmed up
-    if config.parallel.pipeline_model_parallel_size > 1:
-        from megatron.training.pipeline_engine import PipelineEngine
-
-        return PipelineEngine(config, model, optimizer, scheduler, parallel)
-    if config.parallel.deepspeed:
-        from megatron.training.deepspeed_engine import DeepSpeedEngine
-
-        return DeepSpeedEngine(config, model, optimizer, scheduler, parallel, accel)
-    return TorchEngine(model, optimizer, scheduler, parallel, config.optimizer.clip_grad, accel=accel,
-                       save_optimizer=not config.checkpoint.no_save_optim,
-                       bf16_params=config.training.params_dtype == "bf16")

@@ -26,6 +26,8 @@ from torch import nn
 
 from megatron import comm
 from megatron.accelerator import Accelerator, get_accelerator
+from megatron.checkpoint import store as ckpt
+from megatron.checkpoint.train_state import TrainState
 from megatron.config import MegatronConfig
 from megatron.data.provider import Batch, build_loader, make_batch
 from megatron.hpu_kernels import apply_habana_kernels
@@ -33,16 +35,14 @@ from megatron.model.build import build_model
 from megatron.optimizer import build_optimizer
 from megatron.optimizer.lr_scheduler import LrScheduler
 from megatron.parallel_state import ParallelState, initialize_parallel_state
-from megatron.training import checkpointing as ckpt
 from megatron.training.datasets import build_datasets
 from megatron.training.deepspeed_engine import zero3_partitioner
 from megatron.training.divergence import DivergenceGuard, max_abs_weight
-from megatron.training.engine import build_engine
+from megatron.training.engines import build_engine
 from megatron.training.flops import flops_per_iteration
 from megatron.training.fp8_hooks import Fp8Hooks
 from megatron.training.log import TrainingLogger, host_floats, setup_logging
 from megatron.training.swiglu_hooks import STATE_KEY as SWIGLU_STATE_KEY, SwiGLUHooks
-from megatron.training.train_state import TrainState
 
 logger = logging.getLogger("megatron")
 

@@ -26,9 +26,9 @@ from typing import Optional
 
 from torch import nn
 
+from megatron.checkpoint.store import CheckpointError
 from megatron.config import ModelConfig
 from megatron.model.swiglu_diagnostics import ActivationRecorder, JumpDetector, layer_diagnostics
-from megatron.training.checkpointing import CheckpointError
 
 logger = logging.getLogger("megatron")
 

@@ -1,4 +1,4 @@
-"""One checkpoint reader for every layout the trainer writes (megatron/checkpoint_conversion/layouts.py).
+"""One checkpoint reader for every layout the trainer writes (megatron/checkpoint/layouts.py).
 
 Each layout is written by a real run of pretrain_gpt.py from the same seed with the learning rate at 0: one
 step changes no weight (AdamW with lr 0 also decays nothing), and every layout starts from the same full
@@ -15,9 +15,9 @@ import sys
 import pytest
 import torch
 
+from megatron.checkpoint.layouts import detect_layout
 from megatron.checkpoint_conversion import export_to_hf, load_gpt_checkpoint
 from megatron.checkpoint_conversion.checkpoint_io import read_checkpoint, resolve_checkpoint_dir
-from megatron.checkpoint_conversion.layouts import detect_layout
 from tests.support.config import REPO, load_tool, tiny_argv
 from tests.support.launch import free_port, launch_checked
 from tests.support.data import VOCAB, write_indexed

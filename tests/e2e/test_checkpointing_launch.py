@@ -5,7 +5,7 @@ import sys
 
 import torch
 
-from megatron.training import checkpointing as ckpt
+from megatron.checkpoint import store as ckpt
 from tests.support.config import REPO, tiny_argv
 from tests.support.launch import launch as _launch, pretrain_cli as _pretrain_cli
 from tests.support.training import save_tiny_checkpoint as _save
@@ -16,7 +16,7 @@ def test_killed_save_process_leaves_previous_checkpoint(tmp_path):
     _save(tmp_path, 1, 1.0)
     script = (
         "import os, signal, torch, sys\n"
-        "from megatron.training import checkpointing as c\n"
+        "from megatron.checkpoint import store as c\n"
         "def die(tmp): os.kill(os.getpid(), signal.SIGKILL)\n"
         f"c.save_checkpoint({str(tmp_path)!r}, 2, {{'model': {{'w': torch.zeros(1000)}}}}, {{}}, {{}}, _before_commit=die)\n"
     )
@@ -32,7 +32,7 @@ def _kill_between_resave_renames(root, iteration, value) -> None:
     its place: the exact point between the two renames of `commit_checkpoint`."""
     script = (
         "import os, signal, torch\n"
-        "from megatron.training import checkpointing as c\n"
+        "from megatron.checkpoint import store as c\n"
         "def die(path): os.kill(os.getpid(), signal.SIGKILL)\n"
         "die.between_renames = True\n"
         f"c.save_checkpoint({str(root)!r}, {iteration}, {{'model': {{'w': torch.full((4,), {value})}}}}, "

@@ -1,7 +1,7 @@
 """torch DDP (2 processes, gloo): DP=2 equals one process with twice the gradient accumulation."""
 import pytest
 
-from megatron.training import checkpointing as ckpt
+from megatron.checkpoint import store as ckpt
 from tests.support.launch import run
 from tests.support.logs import losses
 from tests.support.run_noise import assert_losses_within_noise, assert_weights_within_noise

@@ -11,8 +11,8 @@ import re
 import pytest
 import torch
 
-from megatron.training import checkpointing as ckpt
-from megatron.training.deepspeed_engine import _deepspeed_safe_globals
+from megatron.checkpoint import store as ckpt
+from megatron.checkpoint.deepspeed_io import deepspeed_safe_globals
 from tests.support.flags import EAGER_FP8ADAM as EAGER
 from tests.support.launch import run
 from tests.support.logs import losses
@@ -153,7 +153,7 @@ def test_fp8adam_and_fp8_linears_under_zero1_state(fp8adam_runs):
                      r"FP32 states for 1 tensors", log), log[-3000:]
     client = torch.load(save / "iter_0000008" / "mp_rank_00_model_states.pt", weights_only=True)["megatron"]
     assert "fp8" in client
-    with torch.serialization.safe_globals(_deepspeed_safe_globals()):  # our loader's allowlist suffices
+    with torch.serialization.safe_globals(deepspeed_safe_globals()):  # our loader's allowlist suffices
         optim = torch.load(save / "iter_0000008" / "zero_pp_rank_0_mp_rank_00_optim_states.pt",
                            weights_only=True)["optimizer_state_dict"]["base_optimizer_state"]
     moments = [s["exp_avg"].dtype for s in optim["state"].values()]

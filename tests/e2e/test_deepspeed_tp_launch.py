@@ -22,8 +22,8 @@ import shutil
 import pytest
 import torch
 
-from megatron.checkpoint_conversion.checkpoint_io import (model_config_from_dict, read_checkpoint,
-                                                         resolve_checkpoint_dir)
+from megatron.checkpoint.configs import model_config_from_dict
+from megatron.checkpoint_conversion.checkpoint_io import read_checkpoint, resolve_checkpoint_dir
 from megatron.parallel.layout import shard_state_dict
 from tests.support.config import load_tool
 from tests.support.data import data_argv, write_indexed
@@ -191,7 +191,7 @@ def test_pipeline_tp2_pp2_resume_at_the_same_layout_is_exact(runs, pipeline):
 
 def _shards_on_disk(folder, pipeline_stages: int) -> list[dict]:
     """Each TP rank's weights as DeepSpeed wrote them, under full-model names."""
-    from megatron.checkpoint_conversion.layouts import load_file
+    from megatron.checkpoint.layouts import load_file
 
     if not pipeline_stages:
         return [dict(load_file(folder / f"mp_rank_{t:02d}_model_states.pt")["module"]) for t in range(2)]

@@ -3,7 +3,7 @@ import subprocess
 
 import torch
 
-from megatron.training import checkpointing as ckpt
+from megatron.checkpoint import store as ckpt
 from tests.support.config import tiny_argv
 from tests.support.launch import pretrain_cli
 

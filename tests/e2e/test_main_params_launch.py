@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron.training import checkpointing as ckpt
+from megatron.checkpoint import store as ckpt
 from tests.support.flags import MAIN_PARAMS_FP8 as FP8, PARAMS_BF16 as MAIN
 
 
@@ -12,7 +12,7 @@ from tests.support.flags import MAIN_PARAMS_FP8 as FP8, PARAMS_BF16 as MAIN
 def test_deepspeed_zero1_bf16_params_resume_exactly_and_checkpoints_hold_fp32_masters(tmp_path):
     """2 gloo processes, ZeRO-1 (DeepSpeed's BF16_Optimizer around Fp8AdamW): the module states are BF16, the
     layout-free reader returns the FP32 masters of the partitions, and resuming continues bit for bit."""
-    from megatron.checkpoint_conversion.full_state import read_full_state
+    from megatron.checkpoint.full_state import read_full_state
     from tests.support.launch import run
     from tests.support.logs import losses
 

@@ -23,8 +23,8 @@ import shutil
 
 import pytest
 
-from megatron.checkpoint_conversion.full_state import read_full_state
-from megatron.training import checkpointing as ckpt
+from megatron.checkpoint import store as ckpt
+from megatron.checkpoint.full_state import read_full_state
 from tests.support.config import tiny_argv
 from tests.support.logs import losses
 from tests.support.reshard import FP8, V256, Z1, assert_same_state, run
@@ -40,7 +40,7 @@ SOURCES = {"tp2": (2, TP2), "zero1_dp2": (2, (*Z1, *V256)), "pp2": (2, (*PP2, *V
 class Sources:
     """The source checkpoints, each trained on first use (CI's AVX2 pass needs three of the four): 3 iterations
     saving at 2, then the folder points back at iteration 2 (the documented way to resume from an older one,
-    megatron/training/checkpointing.py). `sources / name` is the folder; `straight[name]` the run's 3 losses."""
+    megatron/checkpoint/store.py). `sources / name` is the folder; `straight[name]` the run's 3 losses."""
 
     def __init__(self, root) -> None:
         self.root, self.straight = root, {}

@@ -1,4 +1,4 @@
-"""Resharding on resume into and out of DeepSpeed ZeRO-3 (megatron/training/reshard.py, full_state.py).
+"""Resharding on resume into and out of DeepSpeed ZeRO-3 (megatron/checkpoint/reshard.py, full_state.py).
 
 Two source runs (3 iterations saving at 2, then pointed back at 2, as in tests/e2e/test_reshard.py; FP8 linears +
 Fp8AdamW with blocks of 24, which straddle the ZeRO-3 pieces of every parameter): ZeRO-3 at DP = 2 and ZeRO-1
@@ -20,8 +20,8 @@ import shutil
 import pytest
 import torch
 
-from megatron.checkpoint_conversion.full_state import read_full_state
-from megatron.training import checkpointing as ckpt
+from megatron.checkpoint import store as ckpt
+from megatron.checkpoint.full_state import read_full_state
 from tests.support.config import write_zero3_config
 from tests.support.logs import losses
 from tests.support.reshard import V256, Z1, assert_same_state, run

@@ -289,7 +289,7 @@ def test_pretrain_gpt_tp2_matches_tp1(tmp_path):
       error of zero, and those elements change the next loss by second-order amounts.
     """
     from megatron.parallel import merge_state_dicts
-    from megatron.training import checkpointing as ckpt
+    from megatron.checkpoint import store as ckpt
 
     # The padded vocabulary is a multiple of 128 x tp: give the TP=1 run the same 256 rows.
     single = _pretrain(1, "--save", str(tmp_path / "tp1"), "--make-vocab-size-divisible-by", "256",
@@ -326,7 +326,7 @@ def test_pretrain_gpt_tp2_matches_tp1(tmp_path):
 
 
 def test_tp2_fp8_sequence_parallel_resume_is_exact(tmp_path):
-    from megatron.training import checkpointing as ckpt
+    from megatron.checkpoint import store as ckpt
 
     flags = ("--tensor-model-parallel-size", "2", "--sequence-parallel", "--fp8-format", "hybrid")
     straight = _pretrain(2, *flags, "--save", str(tmp_path / "a"), "--save-interval", "2")

@@ -26,8 +26,8 @@ import pytest
 import torch
 
 from megatron.arguments import parse_config
-from megatron.checkpoint_conversion.layouts import load_file
-from megatron.training import checkpointing as ckpt
+from megatron.checkpoint import store as ckpt
+from megatron.checkpoint.layouts import load_file
 from tests.support.config import tiny_argv, write_zero3_config
 from tests.support.flags import EAGER_FP8ADAM as EAGER, ZERO3_BF16_PARAMS as LAYOUT
 from tests.support.launch import BASE, base_run_weights as _weights, run

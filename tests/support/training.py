@@ -26,7 +26,7 @@ def save_tiny_checkpoint(root, iteration: int, value: float, **kw):
     state {"iteration": iteration}, config {"note": "test"}; `kw` goes to `save_checkpoint`."""
     import torch
 
-    from megatron.training import checkpointing as ckpt
+    from megatron.checkpoint import store as ckpt
 
     return ckpt.save_checkpoint(root, iteration, {"model": {"w": torch.full((4,), float(value))}},
                                 {"iteration": iteration}, {"note": "test"}, **kw)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megatron.arguments import parse_config
-from megatron.training import checkpointing as ckpt
+from megatron.checkpoint import store as ckpt
 from megatron.training.loop import pretrain
 from tests.support.config import tiny_argv
 from tests.support.training import save_tiny_checkpoint as _save

@@ -5,8 +5,8 @@ import statistics
 import pytest
 import torch
 
+from megatron.checkpoint import store as ckpt
 from megatron.config import DivergenceConfig
-from megatron.training import checkpointing as ckpt
 from megatron.training.divergence import DivergenceGuard
 
 WARMUP = 5

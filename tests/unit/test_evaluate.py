@@ -184,7 +184,7 @@ def test_rolling_perplexity_equals_lm_evals_hf_model_on_the_export(tmp_path):
     from megatron.model import GPTModel
     from megatron.tokenizer import GPTSentencePieceTokenizer
     from megatron.tokenizer.train import train_sentencepiece
-    from megatron.training.checkpointing import save_checkpoint
+    from megatron.checkpoint.store import save_checkpoint
 
     words = "in the beginning god created heavens and earth light darkness water day night said let be".split()
     rng = np.random.default_rng(0)

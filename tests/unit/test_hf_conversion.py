@@ -12,9 +12,9 @@ from megatron.checkpoint_conversion import (
     NotLlamaCompatibleError, check_llama_compatible, export_to_hf, fold_smooth_swiglu_scales, import_from_hf,
     load_gpt_checkpoint, training_flags,
 )
+from megatron.checkpoint.store import save_checkpoint
 from megatron.config import Normalization, PositionEmbedding, SmoothSwiGLUGranularity
 from megatron.model import GPTModel
-from megatron.training.checkpointing import save_checkpoint
 from tests.support.config import tiny_argv
 
 transformers = pytest.importorskip("transformers")

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from megatron.arguments import parse_config
+from megatron.checkpoint import store as ckpt
 from megatron.optimizer.main_params import MainParams
-from megatron.training import checkpointing as ckpt
 from megatron.training.flops import memory_estimate_bytes
 from megatron.training.loop import pretrain
 from tests.support.config import tiny_argv

@@ -1,4 +1,4 @@
-"""Resharding's reader (`megatron.checkpoint_conversion.full_state.read_full_state`) against a state known in advance.
+"""Resharding's reader (`megatron.checkpoint.full_state.read_full_state`) against a state known in advance.
 
 tests/e2e/test_reshard.py compares a resharded checkpoint with its source, both read by this reader: a reader that
 merges the TP pieces of a tensor wrongly reads the source wrongly, hands that to the loading run, which saves it
@@ -13,9 +13,9 @@ import json
 import torch
 
 from megatron.arguments import parse_config
-from megatron.checkpoint_conversion.full_state import read_full_state
+from megatron.checkpoint import store as ckpt
+from megatron.checkpoint.full_state import read_full_state
 from megatron.model import GPTModel
-from megatron.training import checkpointing as ckpt
 from tests.support.config import tiny_argv
 
 TP = 2

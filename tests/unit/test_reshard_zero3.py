@@ -1,10 +1,10 @@
-"""Resharding into DeepSpeed ZeRO-3 (megatron/training/reshard.py): what is refused before any state is touched.
+"""Resharding into DeepSpeed ZeRO-3 (megatron/checkpoint/reshard.py): what is refused before any state is touched.
 The resharding runs into and out of ZeRO-3 are in tests/e2e/test_reshard_zero3_launch.py."""
 from __future__ import annotations
 
 import pytest
 
-from megatron.training import checkpointing as ckpt
+from megatron.checkpoint import store as ckpt
 
 pytest.importorskip("deepspeed")
 
@@ -16,7 +16,7 @@ def test_resharding_into_offloaded_zero3_is_refused(offload):
     not write; resharding into it is one CheckpointError, before any state is touched."""
     import types
 
-    from megatron.training.reshard import _load_zero3_optimizer
+    from megatron.checkpoint.reshard import _load_zero3_optimizer
 
     zero = types.SimpleNamespace(offload_param=False, swap_optimizer=False, fp32_partitioned_groups_flat=None)
     setattr(zero, offload, True)

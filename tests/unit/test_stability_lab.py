@@ -82,7 +82,7 @@ def test_report_merges_split_invocations_and_pairs_by_seed(tmp_path, capsys):
 
 def test_a_rerun_reuses_only_runs_finished_with_the_same_command(tmp_path):
     from megatron.stability.runs import command_text
-    from megatron.training.checkpointing import TRACKER_FILE
+    from megatron.checkpoint.store import TRACKER_FILE
 
     run = tmp_path / "bf16_s1"
     flags = ["--train-iters", "20", "--test-data-path", "x", "--save", str(run / "ckpt")]

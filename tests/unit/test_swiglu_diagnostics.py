@@ -17,7 +17,7 @@ from megatron.config import ModelConfig
 from megatron.model import GPTModel
 from megatron.model.swiglu_diagnostics import (ActivationRecorder, JumpDetector, alignment_summary,
                                                outlier_summary, up_gate_alignment)
-from megatron.training.checkpointing import CheckpointError, model_file
+from megatron.checkpoint.store import CheckpointError, model_file
 from megatron.training.loop import pretrain
 from megatron.training.swiglu_hooks import STATE_KEY, SwiGLUHooks
 from tests.support.config import load_tool, tiny_argv

@@ -186,7 +186,7 @@ def test_env_recipe_error_says_what_the_environment_added():
 
 
 def test_env_recipe_is_recorded_in_the_checkpoint_config(tmp_path):
-    from megatron.training import checkpointing as ckpt
+    from megatron.checkpoint import store as ckpt
     from megatron.training.loop import pretrain
 
     env = {"FP8_LINEAR": "true", "SCALED_SWIGLU": "true", "DETACH_SCALED_SWIGLU": "true"}

@@ -9,7 +9,7 @@ The ranks of data-parallel rank 0 write their shards into one shared temporary f
 global rank 0 renames it to `iter_*` and replaces the tracker file, so a crash leaves either the complete
 new checkpoint or the previous one (the same guarantee as `checkpointing.save_checkpoint` at TP = 1).
 Each shard is loaded back by the rank with the same TP rank: loading at the same layout is exact.
-Loading at another TP size (or from another engine's layout) goes through `megatron.training.reshard`.
+Loading at another TP size (or from another engine's layout) goes through `megatron.checkpoint.reshard`.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import torch
 
 from megatron import comm
 from megatron.parallel_state import ParallelState
-from megatron.training.checkpointing import (
+from megatron.checkpoint.store import (
     CHECKPOINT_VERSION,
     TMP_PREFIX,
     CheckpointError,

@@ -30,13 +30,13 @@ from typing import Any, Iterator
 
 import torch
 
+from megatron.checkpoint import store as ckpt
+from megatron.checkpoint.deepspeed_io import CLIENT_KEY, DS_MODEL_FILE, deepspeed_safe_globals
 from megatron.config import ModelConfig
 from megatron.parallel.layout import merge_state_dicts
-from megatron.training import checkpointing as ckpt
 
 SINGLE, TENSOR_PARALLEL, DEEPSPEED, DEEPSPEED_ZERO3, PIPELINE = (
     "single", "tensor_parallel", "deepspeed", "deepspeed_zero3", "pipeline")
-_DS_MODEL_FILE = "mp_rank_00_model_states.pt"
 _PIPE_LAYER = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt")
 
 
@@ -50,16 +50,14 @@ def detect_layout(path: Path) -> str | None:
         return PIPELINE
     if (path / "zero_pp_rank_0_mp_rank_00_model_states.pt").exists():
         return DEEPSPEED_ZERO3
-    if (path / _DS_MODEL_FILE).exists():
+    if (path / DS_MODEL_FILE).exists():
         return DEEPSPEED
     return None
 
 
 def _safe_globals() -> list:
     try:
-        from megatron.training.deepspeed_engine import _deepspeed_safe_globals
-
-        return _deepspeed_safe_globals()
+        return deepspeed_safe_globals()
     except ImportError:  # no deepspeed installed: our own layouts need no extra classes
         return []
 
@@ -160,8 +158,6 @@ def _zero3_state(path: Path) -> dict[str, torch.Tensor]:
 def _deepspeed_state(path: Path, model_config: ModelConfig) -> tuple[dict[str, torch.Tensor], dict]:
     """The "module" weights of every TP rank's mp_rank_<t>_model_states.pt, merged (one file: TP = 1), and our
     client state from TP rank 0's file."""
-    from megatron.training.deepspeed_engine import CLIENT_KEY
-
     modules, extras = [], {}
     for rank, file in enumerate(deepspeed_model_files(path)):
         data = load_file(file)
@@ -183,7 +179,7 @@ def read_model_state(path: Path, model_config: ModelConfig) -> tuple[dict[str, t
     layout = detect_layout(path)
     if layout is None:
         raise ckpt.CheckpointError(f"{path} holds no checkpoint file of a known layout (mp_rank_00/model_optim_rng.pt, "
-                                   f"{_DS_MODEL_FILE}, zero_pp_rank_0_mp_rank_00_model_states.pt or pipeline "
+                                   f"{DS_MODEL_FILE}, zero_pp_rank_0_mp_rank_00_model_states.pt or pipeline "
                                    "layer_*-model_00-model_states.pt)")
     if layout in (SINGLE, TENSOR_PARALLEL):
         shards = list(_tensor_parallel_shards(path))
@@ -196,11 +192,9 @@ def read_model_state(path: Path, model_config: ModelConfig) -> tuple[dict[str, t
         return *_deepspeed_state(path, model_config), layout
     extras: dict = {}
     # Our client state (LR schedule, RNG, FP8) sits in DeepSpeed's model-states file (rank 0's under ZeRO-3).
-    model_states = path / (_DS_MODEL_FILE if layout != DEEPSPEED_ZERO3 else "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    model_states = path / (DS_MODEL_FILE if layout != DEEPSPEED_ZERO3 else "zero_pp_rank_0_mp_rank_00_model_states.pt")
     if model_states.exists():
-        from megatron.training.deepspeed_engine import CLIENT_KEY
-
-        extras = load_file(model_states).get(CLIENT_KEY, {}) or {}
+            extras = load_file(model_states).get(CLIENT_KEY, {}) or {}
     if layout == PIPELINE:
         return _pipeline_state(path, model_config), extras, layout
     return _zero3_state(path), extras, layout

@@ -31,11 +31,11 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from megatron.checkpoint_conversion import layouts
-from megatron.checkpoint_conversion.full_state import MOMENTS, FullState, read_full_state, tensor_parallel_piece
+from megatron.checkpoint import layouts
+from megatron.checkpoint import store as ckpt
+from megatron.checkpoint.full_state import MOMENTS, FullState, read_full_state, tensor_parallel_piece
 from megatron.config import ModelConfig
 from megatron.partitioned import full_shape, zero3_partitions_in_groups
-from megatron.training import checkpointing as ckpt
 
 logger = logging.getLogger("megatron")
 
@@ -302,7 +302,7 @@ def deepspeed_layout_matches(engine, saved: dict) -> bool:
 
 def load_into_deepspeed(engine, folder: Path, *, load_optimizer: bool, module_only: bool) -> dict:
     """`load_resharded` for DeepSpeedEngine (ZeRO 0-3) and PipelineEngine (ZeRO 0-2)."""
-    from megatron.checkpoint_conversion.full_state import full_to_pipeline_name, pipeline_to_full_name
+    from megatron.checkpoint.full_state import full_to_pipeline_name, pipeline_to_full_name
     from megatron.fp8 import Fp8Linear
 
     p = engine.parallel

@@ -41,20 +41,19 @@ from typing import Any, Optional
 
 import torch
 
-from megatron.checkpoint_conversion import layouts
-from megatron.checkpoint_conversion.checkpoint_io import model_config_from_dict
+from megatron.checkpoint import layouts
+from megatron.checkpoint import store as ckpt
+from megatron.checkpoint.configs import model_config_from_dict
+from megatron.checkpoint.deepspeed_io import CLIENT_KEY, DS_MODEL_FILE
 from megatron.config import ModelConfig
 from megatron.optimizer.fp8_state_quant import dequantize
 from megatron.parallel.layout import ShardSpec, merge_shards, shard_spec
-from megatron.training import checkpointing as ckpt
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 # ZeRO partitions also hold each slice's FP32 master weights: with --params-dtype bf16 the module states are
 # BF16, and the master (what resume continues from) is read from the partitions instead (`_use_masters`).
 MASTER = "master"
 _PARTITIONED = (*MOMENTS, MASTER)
-DS_MODEL_FILE = "mp_rank_00_model_states.pt"
-CLIENT_KEY = "megatron"  # our client state inside DeepSpeed's model-states files (deepspeed_engine.CLIENT_KEY)
 # DeepSpeed's BF16_Optimizer (ZeRO-1 with --params-dtype bf16) prefixes its partition files with "bf16_".
 _ZERO_OPTIM = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
 
