@@ -14,7 +14,7 @@ INSTALL_REQUIRES = [
 
 EXTRAS = {
     "deepspeed": ["deepspeed>=0.14"],
-    "test": ["pytest>=7", "pytest-timeout", "pytest-xdist>=3"],
+    "test": ["pytest>=7", "pytest-timeout", "pytest-xdist>=3", "import-linter>=2"],
     # lm-eval pinned: its `hf` model is the reference of tests/unit/test_evaluate.py (0.4.9.1 fails to import under
     # transformers 5, 0.4.13 works); accelerate is what its `hf` model imports.
     "eval": ["lm-eval==0.4.13", "accelerate>=1.0"],

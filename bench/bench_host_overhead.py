@@ -32,7 +32,6 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron.fp8 import Fp8Linear, Fp8Recipe, fp8_optimizer_step, set_fused_quantization  # noqa: E402
-from megatron.fp8 import step as fp8_step  # noqa: E402
 from megatron.model.compile import register_fp8_weight_refresh  # noqa: E402
 from megatron.optimizer import fp8_adam  # noqa: E402
 
@@ -102,17 +101,11 @@ def bench_linear(device: torch.device, rounds: int) -> None:
 def bench_fp8_step(device: torch.device, rounds: int) -> None:
     recipe = Fp8Recipe(amax_history_len=16, amax_compute_algo="max")
     model = nn.Sequential(*[Fp8Linear(8, 8, bias=False, recipe=recipe, device=device) for _ in range(128)])
-    batched_key = fp8_step._update_key
-
     def step(batched: bool) -> Callable[[], None]:
         def call() -> None:
-            fp8_step._update_key = batched_key if batched else id  # id: a batch per module
-            try:
-                for m in model:
-                    m.fp8_step_amax.fill_(1.5)
-                fp8_optimizer_step(model)
-            finally:
-                fp8_step._update_key = batched_key
+            for m in model:
+                m.fp8_step_amax.fill_(1.5)
+            fp8_optimizer_step(model, batched=batched)
         return call
 
     _print("fp8_step: fp8_optimizer_step, 128 delayed-scaling layers (16-long max history)",

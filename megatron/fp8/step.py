@@ -45,8 +45,9 @@ def _update_key(module: Fp8Linear) -> tuple:
 
 
 @torch.no_grad()
-def fp8_optimizer_step(model: nn.Module) -> None:
-    """Reduce amaxes (one all-reduce per amax group), update delayed scales, invalidate FP8 weight caches."""
+def fp8_optimizer_step(model: nn.Module, batched: bool = True) -> None:
+    """Reduce amaxes (one all-reduce per amax group), update delayed scales, invalidate FP8 weight caches.
+    `batched=False` updates each module on its own (the same bits; bench/bench_host_overhead.py times both)."""
     groups: dict[int, tuple[Any, list[Fp8Linear]]] = {}
     for module in model.modules():
         if not isinstance(module, Fp8Linear):
@@ -66,7 +67,7 @@ def fp8_optimizer_step(model: nn.Module) -> None:
         comm.all_reduce(amaxes, group if group is not None else comm.world_group(), comm.ReduceOp.MAX)
         batches: dict[tuple, list[int]] = {}
         for i, m in enumerate(modules):
-            batches.setdefault(_update_key(m), []).append(i)
+            batches.setdefault(_update_key(m) if batched else id(m), []).append(i)
         for rows in batches.values():
             _delayed_update_batch([modules[i] for i in rows], amaxes[rows])
     _learn_scale_validity([m for _, modules in groups.values() for m in modules])

@@ -186,3 +186,24 @@ def test_batched_update_equals_the_per_module_update() -> None:
             assert not m.fp8_step_amax.any()
     assert [m.fp8_num_updates for m in model] == [4 if r.scaling.value == "delayed" else 0
                                                   for r in (m.recipe for m in model)]
+
+
+def test_the_unbatched_update_is_the_batched_one() -> None:
+    """`fp8_optimizer_step(model, batched=False)` (each module on its own, what bench_host_overhead compares) writes
+    the same bits as the batched default."""
+    import copy
+
+    recipes = [Fp8Recipe(amax_history_len=4, amax_compute_algo="max"), Fp8Recipe(margin=1)]
+    a = nn.Sequential(*[Fp8Linear(4, 4, bias=False, recipe=recipes[i % 2]) for i in range(6)])
+    b = copy.deepcopy(a)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        amaxes = torch.rand(len(a), 3, generator=g) * 100
+        for ma, mb, amax in zip(a, b, amaxes):
+            ma.fp8_step_amax.copy_(amax)
+            mb.fp8_step_amax.copy_(amax)
+        fp8_optimizer_step(a)
+        fp8_optimizer_step(b, batched=False)
+    for ma, mb in zip(a, b):
+        for name in ("fp8_amax_history", "fp8_scale", "fp8_scale_valid", "fp8_nonfinite_steps"):
+            assert torch.equal(getattr(ma, name), getattr(mb, name)), name
