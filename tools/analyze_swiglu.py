@@ -21,8 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron.checkpoint.layouts import detect_layout  # noqa: E402
-from megatron.checkpoint_conversion.checkpoint_io import read_checkpoint  # noqa: E402
+from megatron.checkpoint.layouts import detect_layout, read_checkpoint  # noqa: E402
 from megatron.model.swiglu_diagnostics import alignment_summary, up_gate_alignment  # noqa: E402
 
 _FC1 = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.linear_fc1\.weight$")

@@ -26,11 +26,12 @@ from __future__ import annotations
 import contextlib
 import re
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 
 from megatron.checkpoint import store as ckpt
+from megatron.checkpoint.configs import model_config_from_dict
 from megatron.checkpoint.deepspeed_io import CLIENT_KEY, DS_MODEL_FILE, deepspeed_safe_globals
 from megatron.config import ModelConfig
 from megatron.parallel.layout import merge_state_dicts
@@ -198,3 +199,37 @@ def read_model_state(path: Path, model_config: ModelConfig) -> tuple[dict[str, t
     if layout == PIPELINE:
         return _pipeline_state(path, model_config), extras, layout
     return _zero3_state(path), extras, layout
+
+
+def resolve_checkpoint_dir(load: str | Path, iteration: Optional[int] = None) -> Path:
+    """The `iter_XXXXXXX` folder meant by `--load DIR [--iteration N]`; raises naming what is missing."""
+    root = Path(load)
+    if detect_layout(root) is not None:  # already an iteration folder
+        if iteration is not None:
+            raise ValueError(f"--load {root} is an iteration folder itself: drop --iteration, or pass its run folder")
+        return root
+    if not root.is_dir():
+        raise FileNotFoundError(f"--load {root} does not exist")
+    if iteration is None:
+        iteration = ckpt.read_tracker(root)
+        if iteration is None:
+            raise FileNotFoundError(f"--load {root} holds no {ckpt.TRACKER_FILE} and no checkpoint files: pass a "
+                                    "run's --save folder or one of its iter_* folders")
+    path = ckpt.iteration_dir(root, iteration)
+    if detect_layout(path) is None:
+        available = sorted(p.name for p in root.glob("iter_*"))
+        raise FileNotFoundError(f"{path} holds no checkpoint (iteration {iteration}); available: {available or 'none'}")
+    return path
+
+
+def read_checkpoint(path: Path) -> tuple[dict, dict, dict]:
+    """(payload, config dict, train state) of an iteration folder of any layout (this file), loaded without
+    running code; payload["model"] is the merged full-model state dict, payload["layout"] the layout's name."""
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise ckpt.CheckpointError(f"{config_file} is missing: the model shape cannot be known without it")
+    config = ckpt.read_json(config_file)
+    state, extras, layout = read_model_state(path, model_config_from_dict(config, path))
+    state_file = path / "train_state.json"
+    train_state = ckpt.read_json(state_file) if state_file.exists() else {}
+    return {**extras, "model": state, "layout": layout}, config, train_state

@@ -1,7 +1,8 @@
 """Checkpoint conversion: our GPT checkpoints <-> Hugging Face Llama, and rebuilding models from checkpoints.
 
 * `llama`: config and state-dict mapping (pure functions, layouts documented there);
-* `checkpoint_io`: `load_gpt_checkpoint` (a `GPTModel` + config slices from any of our checkpoints),
+* `checkpoint_io`: `load_gpt_checkpoint` (a `GPTModel` + config slices from any of our checkpoints, read by
+  `megatron.checkpoint.layouts`),
   `save_converted_checkpoint`;
 * `hf_folder`: HF folder reading/writing (safetensors, config.json, tokenizer files), atomic;
 * `convert`: `export_to_hf` and `import_from_hf`, used by tools/convert_to_hf.py and tools/convert_from_hf.py.

@@ -21,13 +21,17 @@ import torch
 
 from megatron.checkpoint import store as ckpt
 from megatron.checkpoint.configs import config_from_dict, data_config_from_dict, model_config_from_dict
-from megatron.checkpoint.layouts import detect_layout, read_model_state
+from megatron.checkpoint.layouts import read_checkpoint, resolve_checkpoint_dir
 from megatron.checkpoint.train_state import TrainState
 from megatron.config import (
     CheckpointConfig, DataConfig, LoggingConfig, LrDecayStyle, MegatronConfig, ModelConfig, OptimizerConfig,
     ParallelConfig, SchedulerConfig, TrainingConfig,
 )
 from megatron.model import GPTModel
+
+__all__ = ["LoadedCheckpoint", "load_gpt_checkpoint", "read_checkpoint", "resolve_checkpoint_dir",
+           "save_converted_checkpoint"]
+
 
 @dataclass
 class LoadedCheckpoint:
@@ -41,40 +45,6 @@ class LoadedCheckpoint:
     path: Path
     train_state: dict
     raw_config: dict
-
-
-def resolve_checkpoint_dir(load: str | Path, iteration: Optional[int] = None) -> Path:
-    """The `iter_XXXXXXX` folder meant by `--load DIR [--iteration N]`; raises naming what is missing."""
-    root = Path(load)
-    if detect_layout(root) is not None:  # already an iteration folder
-        if iteration is not None:
-            raise ValueError(f"--load {root} is an iteration folder itself: drop --iteration, or pass its run folder")
-        return root
-    if not root.is_dir():
-        raise FileNotFoundError(f"--load {root} does not exist")
-    if iteration is None:
-        iteration = ckpt.read_tracker(root)
-        if iteration is None:
-            raise FileNotFoundError(f"--load {root} holds no {ckpt.TRACKER_FILE} and no checkpoint files: pass a "
-                                    "run's --save folder or one of its iter_* folders")
-    path = ckpt.iteration_dir(root, iteration)
-    if detect_layout(path) is None:
-        available = sorted(p.name for p in root.glob("iter_*"))
-        raise FileNotFoundError(f"{path} holds no checkpoint (iteration {iteration}); available: {available or 'none'}")
-    return path
-
-
-def read_checkpoint(path: Path) -> tuple[dict, dict, dict]:
-    """(payload, config dict, train state) of an iteration folder of any layout (`layouts.py`), loaded without
-    running code; payload["model"] is the merged full-model state dict, payload["layout"] the layout's name."""
-    config_file = path / "config.json"
-    if not config_file.exists():
-        raise ckpt.CheckpointError(f"{config_file} is missing: the model shape cannot be known without it")
-    config = ckpt.read_json(config_file)
-    state, extras, layout = read_model_state(path, model_config_from_dict(config, path))
-    state_file = path / "train_state.json"
-    train_state = ckpt.read_json(state_file) if state_file.exists() else {}
-    return {**extras, "model": state, "layout": layout}, config, train_state
 
 
 def load_gpt_checkpoint(load: str | Path, iteration: Optional[int] = None,

@@ -10,7 +10,7 @@ stage its own layers, where building the full model first cost every rank all of
 FP32 for a 70B model). The values do not depend on the layout: a TP=2 shard equals the slice of the TP=1
 tensor, a stage's layers equal the PP=1 model's (tests/unit/test_model_construction.py checks both bitwise).
 
-ZeRO-3 (`partition`, from `deepspeed_engine.zero3_partitioner`): TP is 1 there, so the piece of every parameter is the
+ZeRO-3 (`partition`, from `deepspeed_zero3.zero3_partitioner`): TP is 1 there, so the piece of every parameter is the
 whole tensor. Instead of materializing all of them and letting `deepspeed.initialize` partition them (every rank
 would first hold the whole model: 280 GB of FP32 for 70B), the model is materialized one part at a time, the
 embedding, each transformer layer, the final norm, the head, and each part is handed to `partition` (DeepSpeed's

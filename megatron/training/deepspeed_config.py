@@ -127,7 +127,7 @@ def _check_bf16_params(ds: dict, stage: int, source: str) -> None:
     """--params-dtype bf16: DeepSpeed's own bf16 mode (module cast to BF16, FP32 master partitions in its
     optimizer wrapper) with FP32 gradient accumulation. ZeRO-1 then runs DeepSpeed's BF16_Optimizer (FP32
     accumulation buffer, FP32 master partition), ZeRO-2 and ZeRO-3 their ZeRO optimizers over BF16 weights
-    (ZeRO-3: FP32 gradient partitions, `grad_accum_dtype` being their dtype; deepspeed_engine casts the
+    (ZeRO-3: FP32 gradient partitions, `grad_accum_dtype` being their dtype; deepspeed_zero3 casts the
     partitions to BF16, `zero3_cast_partitions_to_bf16`)."""
     if stage not in (1, 2, 3):
         raise DeepSpeedConfigError(f"{source}: --params-dtype bf16 needs ZeRO stage 1, 2 or 3 (the config gives "

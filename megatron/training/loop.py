@@ -36,7 +36,7 @@ from megatron.optimizer import build_optimizer
 from megatron.optimizer.lr_scheduler import LrScheduler
 from megatron.parallel_state import ParallelState, initialize_parallel_state
 from megatron.training.datasets import build_datasets
-from megatron.training.deepspeed_engine import zero3_partitioner
+from megatron.training.deepspeed_zero3 import zero3_partitioner
 from megatron.training.divergence import DivergenceGuard, max_abs_weight
 from megatron.training.engines import build_engine
 from megatron.training.flops import flops_per_iteration

@@ -15,9 +15,8 @@ import sys
 import pytest
 import torch
 
-from megatron.checkpoint.layouts import detect_layout
+from megatron.checkpoint.layouts import detect_layout, read_checkpoint, resolve_checkpoint_dir
 from megatron.checkpoint_conversion import export_to_hf, load_gpt_checkpoint
-from megatron.checkpoint_conversion.checkpoint_io import read_checkpoint, resolve_checkpoint_dir
 from tests.support.config import REPO, load_tool, tiny_argv
 from tests.support.launch import free_port, launch_checked
 from tests.support.data import VOCAB, write_indexed

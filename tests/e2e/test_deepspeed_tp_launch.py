@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from megatron.checkpoint.configs import model_config_from_dict
-from megatron.checkpoint_conversion.checkpoint_io import read_checkpoint, resolve_checkpoint_dir
+from megatron.checkpoint.layouts import read_checkpoint, resolve_checkpoint_dir
 from megatron.parallel.layout import shard_state_dict
 from tests.support.config import load_tool
 from tests.support.data import data_argv, write_indexed

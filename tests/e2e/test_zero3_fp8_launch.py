@@ -25,8 +25,7 @@ import torch
 
 from megatron.arguments import parse_config
 from megatron.checkpoint import store as ckpt
-from megatron.checkpoint.layouts import load_file
-from megatron.checkpoint_conversion.checkpoint_io import read_checkpoint
+from megatron.checkpoint.layouts import load_file, read_checkpoint
 from tests.support.config import tiny_argv, write_zero3_config
 from tests.support.flags import EAGER_FP8ADAM as EAGER, ZERO3_FP8 as FP8
 from tests.support.launch import BASE, base_run_weights as _weights, run

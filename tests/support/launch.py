@@ -100,7 +100,7 @@ def run(nproc: int, *switches, script: str = "pretrain_gpt.py", base: dict = BAS
 def base_run_weights(save) -> dict:
     """The full model's weights (through the one checkpoint reader) of a BASE run's newest checkpoint, which must be
     its last iteration."""
-    from megatron.checkpoint_conversion.checkpoint_io import read_checkpoint, resolve_checkpoint_dir
+    from megatron.checkpoint.layouts import read_checkpoint, resolve_checkpoint_dir
 
     payload, _, train_state = read_checkpoint(resolve_checkpoint_dir(save))
     assert train_state["iteration"] == BASE["train_iters"]

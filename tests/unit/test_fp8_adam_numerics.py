@@ -25,7 +25,7 @@ LAYOUTS = {"tensor": 0, "block128": 128, "zero": 0}
 def _fp8_adamw(p: nn.Parameter, layout: str, beta2: float) -> Fp8AdamW:
     group = {"params": [p]}
     if layout == "zero":
-        group["fp8_states"] = True  # as deepspeed_engine.tag_fp8_state_groups does for a flat partition
+        group["fp8_states"] = True  # as deepspeed_fp8.tag_fp8_state_groups does for a flat partition
     return Fp8AdamW([group], lr=LR, betas=(BETA1, beta2), eps=EPS, weight_decay=0.0, block_size=LAYOUTS[layout])
 
 
