@@ -8,9 +8,11 @@ not implemented yet are rejected with a clear "not supported yet" error, never s
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
+from pathlib import Path
 from typing import Optional, Sequence
 
 from megatron.config import (
@@ -25,6 +27,8 @@ from megatron.compat import (
 from megatron.fp8.recipe import DEFAULT_FAST_ACCUM, AmaxComputeAlgo, Fp8Backend, Fp8Format, Fp8Recipe, Fp8Scaling
 from megatron.model.compile import check_torch_compile_supported
 from megatron.parallel_state import world_size_from_env
+
+DEFAULT_VOCAB_DIVISOR = 128  # --make-vocab-size-divisible-by's default (Megatron's)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,7 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--use-rotary-position-embeddings", action="store_true", help="same as --position-embedding-type rope")
     g.add_argument("--rotary-position-embeddings-theta", "--rope-theta", "--rotary-base", dest="rotary_base",
                    type=float, default=10000.0)
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=None,
+                   help="pad the vocabulary to a multiple of this x --tensor-model-parallel-size (default 128; with "
+                        "--load, the checkpoint's padded vocabulary is kept)")
     g.add_argument("--normalization", type=normalization_type, choices=["LayerNorm", "RMSNorm"], default="LayerNorm",
                    help="also the upstream lowercase spellings layernorm, rmsnorm")
     g.add_argument("--norm-epsilon", "--layernorm-epsilon", dest="norm_epsilon", type=float, default=1e-5)
@@ -391,13 +397,17 @@ def _data_config(a: argparse.Namespace) -> DataConfig:
         data_cache_path=a.data_cache_path, data_cache_shared=a.data_cache_shared, mock_data=a.mock_data,
         tokenizer_type=a.tokenizer_type,
         tokenizer_model=a.tokenizer_model, vocab_file=a.vocab_file, merge_file=a.merge_file, vocab_size=a.vocab_size,
-        make_vocab_size_divisible_by=a.make_vocab_size_divisible_by, eod_mask_loss=a.eod_mask_loss,
+        make_vocab_size_divisible_by=a.make_vocab_size_divisible_by or DEFAULT_VOCAB_DIVISOR,
+        eod_mask_loss=a.eod_mask_loss,
         reset_position_ids=a.reset_position_ids, reset_attention_mask=a.reset_attention_mask,
         num_workers=a.num_workers,
     )
 
 
-def _padded_vocab_size(a: argparse.Namespace, data: DataConfig) -> int:
+def _padded_vocab_size(a: argparse.Namespace, data: DataConfig) -> tuple[int, Optional[str]]:
+    """(the padded vocabulary, a note for the log or None). Without an explicit `--make-vocab-size-divisible-by`, a
+    run resuming from `--load` keeps the checkpoint's padded vocabulary (its padding rows take part in the
+    softmax) when this run's tensor-parallel size divides it: a TP=2 checkpoint resumes at TP=1 unchanged."""
     if data.mock_data:
         vocab = data.vocab_size
     else:
@@ -406,7 +416,27 @@ def _padded_vocab_size(a: argparse.Namespace, data: DataConfig) -> int:
         vocab = build_tokenizer(data).vocab_size
     from megatron.tokenizer import pad_vocab_size
 
-    return pad_vocab_size(vocab, a.make_vocab_size_divisible_by, a.tensor_model_parallel_size)
+    tp = a.tensor_model_parallel_size
+    padded = pad_vocab_size(vocab, a.make_vocab_size_divisible_by or DEFAULT_VOCAB_DIVISOR, tp)
+    saved = _saved_padded_vocab(a.load) if a.load and a.make_vocab_size_divisible_by is None else None
+    if saved is None or saved == padded or saved < vocab or saved % tp:
+        return padded, None  # a checkpoint this run cannot keep: the loader names the flag that would
+    return saved, (f"--load {a.load}: keeping the checkpoint's padded vocabulary of {saved} rows (--make-vocab-size-"
+                   f"divisible-by {DEFAULT_VOCAB_DIVISOR} x --tensor-model-parallel-size {tp} would pad {vocab} to "
+                   f"{padded}); pass --make-vocab-size-divisible-by to choose")
+
+
+def _saved_padded_vocab(load: str) -> Optional[int]:
+    """The padded vocabulary recorded in the config.json of `load`'s newest checkpoint; None when there is none to
+    read (a fresh run, another writer): the loader reports what is wrong with the folder itself."""
+    from megatron.checkpoint import store
+
+    try:  # read only (every rank parses the flags): the tracker's iteration, that folder's config.json
+        iteration = int((Path(load) / store.TRACKER_FILE).read_text().strip())
+        config = store.read_json(store.iteration_dir(load, iteration) / "config.json")
+        return int(config["model"]["padded_vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _fp8_recipe(a: argparse.Namespace, model: ModelConfig) -> Optional[Fp8Recipe]:
@@ -540,7 +570,10 @@ def _resolve(a: argparse.Namespace, world_size: Optional[int], recipe: list) -> 
         if opt_defaults != ("e4m3", "e5m2", 0, True, True):
             raise ValueError("--fp8-optimizer-* flags need --optimizer fp8adam (or --fp8-optimizer)")
     data = _data_config(a)
-    model = _model_config(a, _padded_vocab_size(a, data))
+    padded_vocab, vocab_note = _padded_vocab_size(a, data)
+    if vocab_note:
+        compat = dataclasses.replace(compat, notes=compat.notes + (vocab_note,))
+    model = _model_config(a, padded_vocab)
     _tensor_parallel_checks(a, model)
     _pipeline_parallel_checks(a, model)
     config = MegatronConfig(

@@ -345,9 +345,11 @@ def test_tp2_fp8_sequence_parallel_resume_is_exact(tmp_path):
         for name, entry in a["fp8"]["layers"].items():
             assert torch.equal(entry["weight"]["scale"], c["fp8"]["layers"][name]["weight"]["scale"]), name
 
-    # At another tensor-parallel size it is resharded (tests/e2e/test_reshard.py), but the padded vocabulary (a multiple
-    # of 128 x TP) must stay: the error names the flag that keeps it.
+    # At another tensor-parallel size it is resharded (tests/e2e/test_reshard.py), keeping the padded vocabulary (a
+    # multiple of 128 x TP); an explicit --make-vocab-size-divisible-by that would change it is refused, naming the
+    # value that keeps it.
     from megatron.training.loop import Trainer
 
     with pytest.raises(ckpt.CheckpointError, match="--make-vocab-size-divisible-by 256"):
-        Trainer(parse_config(tiny_argv("--load", str(tmp_path / "c"), "--fp8-format", "hybrid"), world_size=1))
+        Trainer(parse_config(tiny_argv("--load", str(tmp_path / "c"), "--fp8-format", "hybrid",
+                                       "--make-vocab-size-divisible-by", "128"), world_size=1))

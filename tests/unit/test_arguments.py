@@ -152,3 +152,38 @@ def test_zero_stage_from_the_json_counts_as_the_flag(tmp_path):
     path.write_text(json.dumps({"zero_optimization": {"stage": "three"}}))
     with pytest.raises(ValueError, match="zero_optimization.stage"):
         parse_config(argv, world_size=2)
+
+
+def _saved_run(root, padded_vocab_size: int):
+    """A --save folder as far as the flags read it: the tracker and the newest iteration's config.json."""
+    import json
+
+    (root / "iter_0000002").mkdir(parents=True)
+    (root / "latest_checkpointed_iteration.txt").write_text("2\n")
+    (root / "iter_0000002" / "config.json").write_text(json.dumps({"model": {"padded_vocab_size": padded_vocab_size}}))
+    return str(root)
+
+
+@pytest.mark.parametrize("saved, tp, kept", [(256, 1, True), (256, 2, True), (384, 2, True), (100, 1, False),
+                                             (129, 2, False), (128, 1, False)])
+def test_a_resumed_run_keeps_the_checkpoints_padded_vocabulary(tmp_path, saved, tp, kept):
+    """Without --make-vocab-size-divisible-by, --load keeps the saved padded vocabulary (one note for the log) when it
+    holds the vocabulary (128 here) and this TP size divides it; otherwise the default padding stands and the loader
+    names the flag. An explicit flag always wins."""
+    load = _saved_run(tmp_path / "run", saved)
+    cfg = parse_config(tiny_argv("--load", load, "--tensor-model-parallel-size", str(tp)), world_size=tp)
+    default = 128 * tp
+    assert cfg.model.padded_vocab_size == (saved if kept else default)
+    notes = [n for n in cfg.compat.notes if "padded vocabulary" in n]
+    assert len(notes) == (1 if kept and saved != default else 0), notes  # a note only when it changes something
+    explicit = parse_config(tiny_argv("--load", load, "--tensor-model-parallel-size", str(tp),
+                                      "--make-vocab-size-divisible-by", "128"), world_size=tp)
+    assert explicit.model.padded_vocab_size == default
+    assert cfg.data.make_vocab_size_divisible_by == explicit.data.make_vocab_size_divisible_by == 128
+
+
+def test_a_fresh_or_unreadable_load_folder_pads_by_default(tmp_path):
+    assert parse_config(tiny_argv("--load", str(tmp_path / "none"))).model.padded_vocab_size == 128
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "latest_checkpointed_iteration.txt").write_text("garbage")
+    assert parse_config(tiny_argv("--load", str(tmp_path / "bad"))).model.padded_vocab_size == 128
