@@ -10,7 +10,7 @@ Layout under --save (our tracker and folder names, DeepSpeed's files inside):
                                                  (ZeRO-3: zero_pp_rank_<dp>_mp_rank_00_model_states.pt)
         zero_pp_rank_<dp>_mp_rank_<tp>_optim_states.pt   one per rank: its ZeRO partition (ZeRO >= 1)
         train_state.json, config.json            as in our own layout
-        zero_to_fp32.py                          DeepSpeed's script to consolidate the partitions
+    zero_to_fp32.py                              DeepSpeed's script to consolidate the partitions (it reads `latest`)
 Atomicity as in `store.save_checkpoint`: every rank writes into a hidden temporary tag,
 rank 0 fsyncs the files, adds our JSON files and renames the folder, then replaces the trackers.
 A crash before the rename leaves the previous checkpoint and trackers untouched. Assumes a file

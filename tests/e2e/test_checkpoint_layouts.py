@@ -108,3 +108,21 @@ def test_the_7b_scripts_checkpoints_export(tmp_path) -> None:
     with torch.no_grad():
         ours, theirs = loaded.model(tokens), hf(tokens).logits
     assert ((ours - theirs).abs().max() / ours.abs().max()).item() <= 1e-5
+
+
+@pytest.mark.parametrize("name", ["deepspeed", "deepspeed_zero3"])
+def test_deepspeeds_zero_to_fp32_consolidates_our_zero_checkpoints(checkpoints, name) -> None:
+    """DeepSpeed's own consolidation (its zero_to_fp32.py, which DeepSpeed copies beside the iteration folders of every
+    --save folder we write) reads our folders through its `latest` tracker and gives the FP32 weights our reader
+    gives, bit for bit."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from megatron.checkpoint.full_state import read_full_state
+
+    folder = resolve_checkpoint_dir(checkpoints[name])
+    assert (checkpoints[name] / "zero_to_fp32.py").exists()
+    theirs = get_fp32_state_dict_from_zero_checkpoint(str(checkpoints[name]))
+    ours = read_full_state(folder).model
+    assert theirs.keys() == ours.keys(), set(theirs) ^ set(ours)
+    for key, tensor in ours.items():
+        assert theirs[key].dtype == torch.float32 and torch.equal(theirs[key], tensor.float()), key
