@@ -592,7 +592,8 @@ def _resolve(a: argparse.Namespace, world_size: Optional[int], recipe: list) -> 
             torch_compile=a.torch_compile),
         checkpoint=CheckpointConfig(
             save=a.save, load=a.load, save_interval=a.save_interval, no_save_optim=a.no_save_optim,
-            no_save_rng=a.no_save_rng, no_load_optim=a.no_load_optim, no_load_rng=a.no_load_rng, finetune=a.finetune),
+            no_save_rng=a.no_save_rng, no_load_optim=a.no_load_optim, no_load_rng=a.no_load_rng, finetune=a.finetune,
+            verify=a.verify_checkpoint),
         logging=LoggingConfig(log_interval=a.log_interval, tensorboard_dir=a.tensorboard_dir,
                               log_fp8_stats=a.log_fp8_stats, log_swiglu_diagnostics=not a.no_swiglu_diagnostics,
                               log_batch_size=a.log_batch_size_to_tensorboard,

@@ -6,7 +6,8 @@ This file owns, in one place, everything that exists only because Microsoft's an
 * upstream spellings of values we have under another name (`--normalization rmsnorm`, `--optimizer fusedadamw`);
 * flags accepted as documented no-ops (they ask for what we always do, or switch off fusions we do not have),
   each logged once at startup with the reason (`NOOP_FLAGS`);
-* flags refused with a reason (`--verify-checkpoint*`, compiled autograd) rather than ignored;
+* flags refused with a reason (compiled autograd) rather than ignored;
+* Habana's `--verify-checkpoint` (and its `--verify-checkpoint-model-type`): megatron/checkpoint/verify.py;
 * the Habana kernel switches (`--use-fused-sdpa`, `--use-fused-rmsnorm`, ...): `HabanaKernels`, applied to the
   model on HPU by `megatron.hpu_kernels`, logged as not applicable elsewhere;
 * the reference code's environment-variable FP8 recipe (FP8_LINEAR, SCALED_SWIGLU, ...): `env_recipe_flags`
@@ -38,12 +39,6 @@ NOOP_FLAGS = {
     "--no-gradient-accumulation-fusion": "there is no gradient-accumulation fusion here (grads accumulate in "
                                          "the parameters' .grad)",
     "--log-validation-ppl-to-tensorboard": "validation perplexity is always written to TensorBoard here",
-}
-REFUSED_FLAGS = {
-    "--verify-checkpoint": "Habana's checkpoint verification (reloading the saved files into a reference model) "
-                           "does not exist here; checkpoints are written atomically (staging folder, then rename) "
-                           "and tools/convert_to_hf.py checks an export's logits. Drop --verify-checkpoint and "
-                           "--verify-checkpoint-model-type",
 }
 ENV_RECIPE_VARS = ("FP8_LINEAR", "DISABLE_FP8", "DISABLE_FP8_MLP_LINEAR2", "SCALED_SWIGLU", "DETACH_SCALED_SWIGLU",
                    "DELAYED_SCALED_SWIGLU", "FP8_OPTIMIZER", "MW_DTYPE", "M1_DTYPE", "M2_DTYPE", "SFTZ")
@@ -111,8 +106,12 @@ def add_compat_arguments(p: argparse.ArgumentParser) -> None:
                    help="HPU: FusedSDPA in its recompute mode")
     g.add_argument("--use-fused-rmsnorm", type=upstream_bool, default=None, help="HPU: Habana's FusedRMSNorm")
     g.add_argument("--use-fast-softmax", action="store_true", help="HPU: FusedSDPA's fast softmax mode")
-    g.add_argument("--verify-checkpoint", action="store_true", help="refused: " + REFUSED_FLAGS["--verify-checkpoint"])
-    g.add_argument("--verify-checkpoint-model-type", type=str, default=None, help="refused, as --verify-checkpoint")
+    g.add_argument("--verify-checkpoint", action="store_true",
+                   help="after each save, read every file back and compare it with what was written (bit for bit) "
+                        "before the checkpoint is committed (megatron/checkpoint/verify.py)")
+    g.add_argument("--verify-checkpoint-model-type", type=str, default=None,
+                   help="with --verify-checkpoint: GPT or LLAMA (Habana's names for the model verified; this "
+                        "project's model is both)")
 
 
 def parse_collecting_problems(parser: argparse.ArgumentParser,
@@ -276,10 +275,23 @@ def env_recipe_flags(env: Mapping[str, str]) -> tuple[list[str], list[tuple[str,
     return flags, mapping
 
 
+VERIFY_MODEL_TYPES = ("GPT", "LLAMA")  # --verify-checkpoint-model-type values that name this project's model
+
+
+def _check_verify_checkpoint(a: argparse.Namespace) -> None:
+    kind = a.verify_checkpoint_model_type
+    if kind is not None and not a.verify_checkpoint:
+        raise ValueError("--verify-checkpoint-model-type needs --verify-checkpoint (it names the model verified)")
+    if kind is not None and kind.upper() not in VERIFY_MODEL_TYPES:
+        raise ValueError(f"--verify-checkpoint-model-type {kind}: this project trains a Llama-style GPT; use one of "
+                         f"{', '.join(VERIFY_MODEL_TYPES)}")
+    if a.verify_checkpoint and not a.save:
+        raise ValueError("--verify-checkpoint checks the checkpoints of --save: pass --save DIR or drop it")
+
+
 def resolve_compat(a: argparse.Namespace, device: str) -> CompatConfig:
     """Check the compatibility flags of parsed `a`; returns the kernels and the notes to log at startup."""
-    if a.verify_checkpoint or a.verify_checkpoint_model_type is not None:
-        raise ValueError(f"--verify-checkpoint is not supported: {REFUSED_FLAGS['--verify-checkpoint']}")
+    _check_verify_checkpoint(a)
     if a.use_torch_compiled_autograd:
         raise ValueError("--use-torch-compiled-autograd true is not supported (no compiled autograd here): "
                          "pass false or drop it")

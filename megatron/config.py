@@ -151,6 +151,7 @@ class CheckpointConfig:
     no_load_optim: bool = False
     no_load_rng: bool = False
     finetune: bool = False
+    verify: bool = False  # --verify-checkpoint: each file read back and compared before the commit
 
 
 @dataclass(frozen=True)

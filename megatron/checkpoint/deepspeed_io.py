@@ -18,14 +18,16 @@ system shared by all ranks, as DeepSpeed's own loader does (rank r reads the fil
 """
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from megatron import comm
 from megatron.checkpoint import store as ckpt
+from megatron.checkpoint.verify import verify_file
 
 DS_MODEL_FILE = "mp_rank_00_model_states.pt"
 DS_TRACKER_FILE = "latest"
@@ -42,8 +44,10 @@ def _fsync_tree(folder) -> None:
 
 
 def save_checkpoint(engine, save_dir: str, iteration: int, client_state: dict, train_state: dict,
-                    config: dict) -> None:
-    """Collective: every rank writes its part; rank 0 commits the folder and the trackers."""
+                    config: dict, verify_group: Any = None, verify: bool = False) -> None:
+    """Collective: every rank writes its part; rank 0 commits the folder and the trackers. With `verify`
+    (`--verify-checkpoint`) every rank reads back each file DeepSpeed wrote for it and compares it with the state
+    DeepSpeed handed to `torch.save`; the ranks agree over `verify_group` (a CPU group) before anything is committed."""
     root = Path(save_dir)
     rank0 = dist.get_rank() == 0
     tmp_tag = f"{ckpt.TMP_PREFIX}{iteration:07d}"  # same name on every rank (DeepSpeed checks it)
@@ -51,9 +55,13 @@ def save_checkpoint(engine, save_dir: str, iteration: int, client_state: dict, t
         root.mkdir(parents=True, exist_ok=True)
         ckpt.sweep_stale_saves(root)
     comm.barrier(comm.world_group())
+    written = engine.checkpoint_engine.written = [] if verify else None
     with ckpt.checkpoint_write_errors(root / tmp_tag):  # ENOSPC and other write errors named, partial folder removed
         engine.save_checkpoint(str(root), tag=tmp_tag, client_state={CLIENT_KEY: client_state}, save_latest=False)
     # DeepSpeed's save ends with a barrier: every rank's files are complete here.
+    if verify:
+        _verify_written(root / tmp_tag, written, verify_group)
+        engine.checkpoint_engine.written = None
     if rank0:
         tmp = root / tmp_tag
         _fsync_tree(tmp)
@@ -88,6 +96,27 @@ def load_checkpoint(engine, load_dir: str, load_optimizer: bool, module_only: bo
             "path": folder}
 
 
+def _verify_written(staging: Path, written: list, group: Any) -> None:
+    """Every rank checks the files it wrote; if any rank's check fails, every rank raises and nothing is committed."""
+    error = None
+    try:
+        if not written and dist.get_rank() == 0:  # rank 0 always writes the model states; others may write none
+            raise ckpt.CheckpointError(f"--verify-checkpoint: DeepSpeed wrote no file through its checkpoint engine "
+                                       f"into {staging}; nothing could be checked")
+        for path, state in written:
+            verify_file(Path(path), state, deepspeed_safe_globals)
+    except ckpt.CheckpointError as exc:
+        error = exc
+    failed = torch.tensor([0.0 if error is None else 1.0])
+    comm.all_reduce(failed, group, comm.ReduceOp.MAX)
+    if failed.item() > 0:
+        comm.barrier(comm.world_group())  # every rank has stopped reading before the folder goes
+        if dist.get_rank() == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise error or ckpt.CheckpointError(f"--verify-checkpoint: another rank's files in {staging} do not hold what "
+                                            "was written (see that rank's error); nothing was committed")
+
+
 def deepspeed_safe_globals() -> list:
     """The DeepSpeed classes its checkpoint files pickle besides tensors and plain containers.
 
@@ -112,6 +141,14 @@ def use_weights_only_loading(engine) -> None:
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
     class WeightsOnlyCheckpointEngine(TorchCheckpointEngine):
+        written: Optional[list] = None  # (path, state) of each save while `save_checkpoint` verifies
+
+        def save(self, state_dict, path: str):
+            result = super().save(state_dict, path)
+            if self.written is not None:
+                self.written.append((path, state_dict))
+            return result
+
         def load(self, path: str, map_location=None):
             try:
                 with torch.serialization.safe_globals(deepspeed_safe_globals()):

@@ -119,11 +119,13 @@ def checkpoint_write_errors(staging: Path) -> Iterator[None]:
 
 def save_checkpoint(save_dir: str | os.PathLike, iteration: int, payload: dict, train_state: dict,
                     config: dict, mp_rank: int = 0,
-                    _before_commit: Optional[Callable[[Path], None]] = None) -> Path:
+                    _before_commit: Optional[Callable[[Path], None]] = None,
+                    verify: Optional[Callable[[Path, Any], None]] = None) -> Path:
     """Write checkpoint `iteration` atomically and point the tracker file at it.
 
     `payload` holds tensors and plain data only. `_before_commit` is a test hook called with the
-    temporary folder just before the rename (to simulate a crash mid-save).
+    temporary folder just before the rename (to simulate a crash mid-save). `verify(file, written)`
+    (`--verify-checkpoint`, verify.py) checks the file before the commit; when it raises, nothing is committed.
     """
     root = Path(save_dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -138,6 +140,12 @@ def save_checkpoint(save_dir: str | os.PathLike, iteration: int, payload: dict, 
             f.flush()
             os.fsync(f.fileno())
         fsync_path(target.parent)
+    if verify is not None:
+        try:
+            verify(target, body)
+        except CheckpointError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return commit_checkpoint(root, tmp, iteration, train_state, config, _before_commit=_before_commit)
 
 

@@ -17,7 +17,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -38,8 +38,10 @@ logger = logging.getLogger(__name__)
 
 
 def save_tensor_parallel_checkpoint(save_dir: str | os.PathLike, iteration: int, payload: Optional[dict],
-                                    train_state: dict, config: dict, parallel: ParallelState) -> None:
-    """Collective (every rank calls it); `payload` is this rank's shard, used on data-parallel rank 0 only."""
+                                    train_state: dict, config: dict, parallel: ParallelState,
+                                    verify: Optional[Callable[[Path, Any], None]] = None) -> None:
+    """Collective (every rank calls it); `payload` is this rank's shard, used on data-parallel rank 0 only.
+    `verify(file, written)` (`--verify-checkpoint`) checks each shard before the commit."""
     root = Path(save_dir)
     staging = root / f"{TMP_PREFIX}{iteration:07d}_tp{parallel.tensor_parallel_size}"
     if parallel.rank == 0:
@@ -53,11 +55,14 @@ def save_tensor_parallel_checkpoint(save_dir: str | os.PathLike, iteration: int,
         try:
             with checkpoint_write_errors(staging):
                 target.parent.mkdir(parents=True)
+                body = dict(payload, checkpoint_version=CHECKPOINT_VERSION, iteration=iteration)
                 with open(target, "wb") as f:
-                    torch.save(dict(payload, checkpoint_version=CHECKPOINT_VERSION, iteration=iteration), f)
+                    torch.save(body, f)
                     f.flush()
                     os.fsync(f.fileno())
                 fsync_path(target.parent)
+            if verify is not None:
+                verify(target, body)
         except CheckpointError as exc:
             error = exc
     # Every rank learns whether any shard failed (a CPU flag on the host group), so none waits for a commit.
@@ -65,7 +70,7 @@ def save_tensor_parallel_checkpoint(save_dir: str | os.PathLike, iteration: int,
     comm.all_reduce(failed, parallel.host_group, comm.ReduceOp.MAX)
     if failed.item() > 0:
         shutil.rmtree(staging, ignore_errors=True)
-        raise error or CheckpointError(f"another tensor-parallel rank could not write its shard into {staging}; "
+        raise error or CheckpointError(f"another tensor-parallel rank could not write or verify its shard in {staging}; "
                                        "the previous checkpoint is intact (see that rank's error)")
     if parallel.rank == 0:
         commit_checkpoint(root, staging, iteration, train_state, config)

@@ -117,7 +117,8 @@ class DeepSpeedBase:
 
     def save_checkpoint(self, save_dir: str, iteration: int, extras: dict, train_state: dict,
                         config: dict) -> None:
-        deepspeed_io.save_checkpoint(self.engine, save_dir, iteration, extras, train_state, config)
+        deepspeed_io.save_checkpoint(self.engine, save_dir, iteration, extras, train_state, config,
+                                     verify_group=self.parallel.host_group, verify=self.config.checkpoint.verify)
 
     def load_checkpoint(self, load_dir: str, load_optimizer: bool, module_only: bool) -> Optional[dict]:
         from megatron.checkpoint import reshard

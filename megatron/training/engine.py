@@ -32,6 +32,7 @@ from megatron.checkpoint import layouts
 from megatron.checkpoint import store as ckpt
 from megatron.checkpoint import reshard
 from megatron.checkpoint.tp_shards import save_tensor_parallel_checkpoint
+from megatron.checkpoint.verify import verify_file
 from megatron.data.provider import Batch
 from megatron.optimizer.lr_scheduler import LrScheduler
 from megatron.optimizer.main_params import MainParams, ModelIsMaster
@@ -132,7 +133,7 @@ class TorchEngine(MicroBatchEngine):
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: LrScheduler,
                  parallel: ParallelState, clip_grad: float, *, accel: Optional[Accelerator] = None,
-                 save_optimizer: bool = True, bf16_params: bool = False) -> None:
+                 save_optimizer: bool = True, bf16_params: bool = False, verify_checkpoints: bool = False) -> None:
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -141,6 +142,7 @@ class TorchEngine(MicroBatchEngine):
         self.accel = accel or Accelerator(next(model.parameters()).device.type)
         self.clip_grad = clip_grad
         self.save_optimizer = save_optimizer
+        self.verify = verify_file if verify_checkpoints else None  # --verify-checkpoint (checkpoint/verify.py)
         self.module: nn.Module = model
         # The weight layout: --params-dtype bf16 = BF16 weights, FP32 main gradients (all-reduced in step), FP32
         # masters in the optimizer; fp32 = the model's parameters are the masters.
@@ -188,9 +190,10 @@ class TorchEngine(MicroBatchEngine):
             if self.save_optimizer:
                 payload["optimizer"] = self.optimizer.state_dict()
         if self.parallel.tensor_parallel_size > 1:
-            save_tensor_parallel_checkpoint(save_dir, iteration, payload, train_state, config, self.parallel)
+            save_tensor_parallel_checkpoint(save_dir, iteration, payload, train_state, config, self.parallel,
+                                            verify=self.verify)
         elif self.parallel.is_logging_rank:
-            ckpt.save_checkpoint(save_dir, iteration, payload, train_state, config)
+            ckpt.save_checkpoint(save_dir, iteration, payload, train_state, config, verify=self.verify)
         comm.barrier(comm.world_group())
 
     def load_checkpoint(self, load_dir: str, load_optimizer: bool, module_only: bool) -> Optional[dict]:

@@ -26,4 +26,5 @@ def build_engine(config, model: nn.Module, optimizer: torch.optim.Optimizer, sch
         return DeepSpeedEngine(config, model, optimizer, scheduler, parallel, accel)
     return TorchEngine(model, optimizer, scheduler, parallel, config.optimizer.clip_grad, accel=accel,
                        save_optimizer=not config.checkpoint.no_save_optim,
-                       bf16_params=config.training.params_dtype == "bf16")
+                       bf16_params=config.training.params_dtype == "bf16",
+                       verify_checkpoints=config.checkpoint.verify)

@@ -37,8 +37,8 @@ def _commands(p: dict) -> dict:
         "microsoft": microsoft_llama2(f"{r}/data/bookcorpus", tok, f"{r}/ckpt", f"{r}/ds.json", False),
         "microsoft-activation-checkpoint": microsoft_llama2(f"{r}/data/bookcorpus", tok, f"{r}/ckpt",
                                                             f"{r}/ds.json", True),
-        # HL_SAVE=0: the default HL_SAVE=1 adds --verify-checkpoint, refused (test below)
-        "habana-7b": habana_llama2(7, f"{r}/data", tok, f"{r}/out", hl={"HL_SAVE": 0}),
+        # the default HL_SAVE=1: --save with --verify-checkpoint --verify-checkpoint-model-type LLAMA
+        "habana-7b": habana_llama2(7, f"{r}/data", tok, f"{r}/out"),
         "habana-70b": habana_llama2(70, f"{r}/data", tok, f"{r}/out", hl={"HL_SAVE": 0}),
         # MW_DTYPE=fp16_pts is refused (test below); everything else of the recipe is honoured
         "reference-fp8": reference_fp8(f"{r}/data", tok, f"{r}/out", f"{r}/cache"),
@@ -95,12 +95,9 @@ def test_what_the_upstream_flags_became(paths):
                         env={}).model.recompute_granularity is RecomputeGranularity.SELECTIVE
 
 
-def test_verify_checkpoint_is_the_only_problem_of_habanas_default_command(paths):
+def test_habanas_default_command_verifies_its_checkpoints(paths):
     argv, world, _ = habana_llama2(7, f"{paths['root']}/data", paths["tokenizer"], f"{paths['root']}/out")
-    with pytest.raises(ValueError) as err:
-        parse_config(argv, world_size=world, env={})
-    message = str(err.value)
-    assert message.startswith("--verify-checkpoint is not supported:") and "problems" not in message
+    assert "--verify-checkpoint" in argv and parse_config(argv, world_size=world, env={}).checkpoint.verify
 
 
 @pytest.mark.parametrize("switches, message", [
