@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from megatron.config import (
-    CheckpointConfig, DataConfig, DivergenceConfig, LoggingConfig, LrDecayStyle, MegatronConfig, ModelConfig,
-    Normalization, OptimizerConfig, ParallelConfig, PositionEmbedding, RecomputeGranularity, SchedulerConfig,
-    SmoothSwiGLUGranularity, TrainingConfig,
+    CheckpointConfig, DataConfig, DivergenceConfig, Fp8AutohealConfig, LoggingConfig, LrDecayStyle, MegatronConfig,
+    ModelConfig, Normalization, OptimizerConfig, ParallelConfig, PositionEmbedding, RecomputeGranularity,
+    SchedulerConfig, SmoothSwiGLUGranularity, TrainingConfig,
 )
 from megatron.compat import (
     CompatConfig, add_compat_arguments, env_recipe_flags, normalization_type, optimizer_type,
@@ -153,6 +153,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: fprop, as Transformer Engine and torchao). The emulation and Gaudi accumulate in "
                         "FP32 either way")
     g.add_argument("--log-fp8-stats", action="store_true", help="per-layer FP8 amax/clipping statistics")
+    g.add_argument("--fp8-autoheal", action="store_true",
+                   help="at log iterations, raise the margin of an FP8 tensor that keeps clipping (megatron/fp8/"
+                        "autoheal.py; docs/stability.md)")
+    g.add_argument("--fp8-autoheal-clip-threshold", type=float, default=1e-3,
+                   help="clipped fraction of a tensor's values that counts against it (default 1e-3)")
+    g.add_argument("--fp8-autoheal-patience", type=int, default=2,
+                   help="consecutive log iterations over the threshold before acting (default 2)")
+    g.add_argument("--fp8-autoheal-max-margin", type=int, default=4,
+                   help="the most extra margin (powers of two) one tensor may get (default 4)")
+    g.add_argument("--fp8-autoheal-undo-after", type=int, default=0,
+                   help="clean log iterations after which an extra margin is lowered by one (default 0: never)")
     g.add_argument("--smooth-swiglu", action="store_true",
                    help="scale the SwiGLU output per channel/token before its FP8 quantization (needs --swiglu, FP8)")
     g.add_argument("--smooth-swiglu-granularity", choices=["channel", "token"], default="channel",
@@ -439,12 +450,26 @@ def _saved_padded_vocab(load: str) -> Optional[int]:
         return None
 
 
+def _fp8_autoheal(a: argparse.Namespace) -> Fp8AutohealConfig:
+    tuned = {"--fp8-autoheal-clip-threshold": a.fp8_autoheal_clip_threshold != 1e-3,
+             "--fp8-autoheal-patience": a.fp8_autoheal_patience != 2,
+             "--fp8-autoheal-max-margin": a.fp8_autoheal_max_margin != 4,
+             "--fp8-autoheal-undo-after": a.fp8_autoheal_undo_after != 0}
+    unused = [flag for flag, given in tuned.items() if given and not a.fp8_autoheal]
+    if unused:
+        raise ValueError(f"{', '.join(unused)} only apply with --fp8-autoheal: add it or drop them")
+    return Fp8AutohealConfig(enabled=a.fp8_autoheal, clip_threshold=a.fp8_autoheal_clip_threshold,
+                             patience=a.fp8_autoheal_patience, max_margin=a.fp8_autoheal_max_margin,
+                             undo_after=a.fp8_autoheal_undo_after)
+
+
 def _fp8_recipe(a: argparse.Namespace, model: ModelConfig) -> Optional[Fp8Recipe]:
     aliases = [f for f, on in (("hybrid", a.fp8_hybrid), ("e4m3", a.fp8_e4m3)) if on]
     if len(aliases) > 1 or (aliases and a.fp8_format and a.fp8_format != aliases[0]):
         raise ValueError("conflicting FP8 formats: use one of --fp8-format, --fp8-hybrid, --fp8-e4m3")
     fmt = a.fp8_format or (aliases[0] if aliases else None)
     fp8_only = {"--fp8-mlp-fc2-bf16": a.fp8_mlp_fc2_bf16, "--log-fp8-stats": a.log_fp8_stats,
+                "--fp8-autoheal": a.fp8_autoheal,
                 "--fp8-first-last-layers-bf16": a.fp8_first_last_layers_bf16 > 0,
                 "--no-fp8-wgrad": a.no_fp8_wgrad, "--fp8-power-of-two-scales": a.fp8_power_of_two_scales,
                 "--fp8-grad-stochastic-rounding": a.fp8_grad_stochastic_rounding,
@@ -465,6 +490,9 @@ def _fp8_recipe(a: argparse.Namespace, model: ModelConfig) -> Optional[Fp8Recipe
         mlp_fc2_bf16=a.fp8_mlp_fc2_bf16, grad_stochastic_rounding=a.fp8_grad_stochastic_rounding,
         fast_accum=DEFAULT_FAST_ACCUM if a.fp8_fast_accum is None else a.fp8_fast_accum,
     )
+    if a.fp8_autoheal and recipe.scaling.fine_grained:
+        raise ValueError(f"--fp8-autoheal raises per-tensor scales' margins; --fp8-recipe {recipe.scaling.value} "
+                         "scales every tile by its own amax (nothing to raise): drop one")
     recipe.check_tensor_parallel(a.tensor_model_parallel_size, {
         "--num-attention-heads x --kv-channels (queries, attention output)":
             model.num_attention_heads * model.kv_channels,
@@ -612,6 +640,7 @@ def _resolve(a: argparse.Namespace, world_size: Optional[int], recipe: list) -> 
             enabled=a.divergence_guard, loss_factor=a.divergence_loss_factor, patience=a.divergence_patience,
             window=a.divergence_window, zero_grad_iters=a.divergence_zero_grad_iters,
             max_weight=a.divergence_max_weight),
+        fp8_autoheal=_fp8_autoheal(a),
         compat=compat,
     )
     if config.training.torch_compile == "on":  # refused here, before any process group or model is built

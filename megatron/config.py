@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
 from megatron.compat import CompatConfig
-from megatron.fp8.recipe import Fp8Recipe
+from megatron.fp8.recipe import Fp8AutohealConfig, Fp8Recipe
 
 
 class Normalization(str, enum.Enum):
@@ -242,6 +242,7 @@ class MegatronConfig:
     fp8: Optional[Fp8Recipe] = None
     device: str = "auto"
     divergence: DivergenceConfig = DivergenceConfig()
+    fp8_autoheal: Fp8AutohealConfig = Fp8AutohealConfig()
     compat: CompatConfig = CompatConfig()  # upstream flags / env recipe (megatron/compat.py)
 
     def to_dict(self) -> dict:

@@ -117,6 +117,9 @@ class Fp8LayerState:
         self.known_valid: tuple[bool, bool, bool] = (False, False, False)
         self.validity_read_at: int | None = None  # num_updates when the buffer was last read
         self.stats: fp8_stats.Fp8Stats | None = None  # made when statistics are first switched on
+        # Per role: powers of two of margin on top of the recipe's, raised by the FP8 controller (autoheal.py) for a
+        # tensor that keeps clipping; checkpointed with the scaling state.
+        self.extra_margin: list[int] = [0, 0, 0]
         self._rows: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = None  # `role_rows`
         self.buffers: dict[str, torch.Tensor] = {}
 
@@ -166,6 +169,10 @@ class Fp8LayerState:
             return torch.bfloat16
         return values_dtype
 
+    def margin(self, role: Fp8Role) -> int:
+        """The role's margin: the recipe's plus what the controller added (`extra_margin`)."""
+        return self.recipe.margin + self.extra_margin[int(role)]
+
     def role_rows(self, role: Fp8Role) -> tuple[torch.Tensor, torch.Tensor]:
         """The role's entries of `fp8_scale` and `fp8_step_amax` as 0-d views, made once per buffer (indexing
         the buffers is a dispatched op each time, and an eager layer indexes them for every tensor it casts)."""
@@ -209,7 +216,7 @@ class Fp8LayerState:
             if record:
                 self.record_amax(role, amax)
             return scale_row
-        current = compute_scale(amax, spec.max, self.recipe.margin, self.recipe.power_of_two_scales,
+        current = compute_scale(amax, spec.max, self.margin(role), self.recipe.power_of_two_scales,
                                 previous=scale_row)
         if record:
             self.record_amax(role, amax, current)
@@ -220,7 +227,7 @@ class Fp8LayerState:
 
     def own_amax_scale(self, role: Fp8Role, amax: torch.Tensor, spec: Fp8FormatSpec) -> torch.Tensor:
         """The just-in-time scale of a tensor whose exact amax is known, under every scaling recipe."""
-        return compute_scale(amax, spec.max, self.recipe.margin, self.recipe.power_of_two_scales,
+        return compute_scale(amax, spec.max, self.margin(role), self.recipe.power_of_two_scales,
                              previous=self.scale[role])
 
     def refresh_scale_validity(self) -> None:
@@ -254,7 +261,7 @@ class Fp8LayerState:
         recipe = self.recipe
         q, values, scale, amax = fused.quantize_tensor(
             t.detach(), self.scale[role], self.scale_valid[role], recipe.scaling is Fp8Scaling.DELAYED,
-            spec.max, recipe.margin, recipe.power_of_two_scales, spec.torch_dtype, values_dtype, known_valid)
+            spec.max, self.margin(role), recipe.power_of_two_scales, spec.torch_dtype, values_dtype, known_valid)
         if record:
             self.record_amax(role, amax, scale)
         return q, values, scale, amax

@@ -163,3 +163,24 @@ class Fp8Recipe:
     def from_dict(cls, values: dict[str, object]) -> "Fp8Recipe":
         """Inverse of `to_dict`; unknown keys raise (a newer checkpoint), missing keys take defaults."""
         return cls(**values)  # __post_init__ turns strings back into enums
+
+
+@dataclass(frozen=True)
+class Fp8AutohealConfig:
+    """The FP8 controller's rules (megatron/fp8/autoheal.py); `enabled` is --fp8-autoheal."""
+
+    enabled: bool = False
+    clip_threshold: float = 1e-3  # clipped fraction of a tensor's values that counts against it at a log iteration
+    patience: int = 2  # consecutive log iterations over the threshold before the controller acts
+    max_margin: int = 4  # the most powers of two of extra margin one tensor may get
+    undo_after: int = 0  # clean log iterations after which an extra margin is lowered again by one (0: never)
+
+    def __post_init__(self) -> None:
+        checks = ((0 < self.clip_threshold < 1, f"--fp8-autoheal-clip-threshold must be in (0, 1), got "
+                                                f"{self.clip_threshold}"),
+                  (self.patience >= 1, f"--fp8-autoheal-patience must be >= 1, got {self.patience}"),
+                  (1 <= self.max_margin <= 16, f"--fp8-autoheal-max-margin must be in [1, 16], got {self.max_margin}"),
+                  (self.undo_after >= 0, f"--fp8-autoheal-undo-after must be >= 0, got {self.undo_after}"))
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)

@@ -9,7 +9,8 @@ checkpoint loads into an FP8 model and back. The FP8 state is saved next to it a
                     "num_updates": 12,
                     "input":       {"amax_history": Tensor[L], "scale": Tensor[], "scale_valid": Tensor[]},
                     "weight":      {...},
-                    "grad_output": {...}},
+                    "grad_output": {...},
+                    "extra_margin": [0, 1, 0]},   # only when the FP8 controller raised a margin (autoheal.py)
                 ...}}
 
 Only tensors, ints, strings and dicts: loadable with `torch.load(..., weights_only=True)`, keyed by layer
@@ -45,6 +46,8 @@ def fp8_state_dict(model: nn.Module, recipe: Fp8Recipe) -> dict[str, Any]:
     layers: dict[str, Any] = {}
     for name, m in _fp8_modules(model).items():
         entry: dict[str, Any] = {"num_updates": int(m.fp8_num_updates)}
+        if any(m.fp8.extra_margin):  # the FP8 controller's margins (autoheal.py); absent = none raised
+            entry["extra_margin"] = [int(e) for e in m.fp8.extra_margin]
         for r, role in enumerate(ROLE_NAMES):
             entry[role] = {
                 "amax_history": m.fp8_amax_history[r].detach().cpu().clone(),
@@ -98,5 +101,6 @@ def load_fp8_state_dict(model: nn.Module, recipe: Fp8Recipe, state: dict[str, An
             m.fp8_scale_valid[r].copy_(entry[role]["scale_valid"])
         m.fp8_step_amax.zero_()
         m.fp8_num_updates = int(entry["num_updates"])
+        m.fp8.extra_margin = [int(e) for e in entry.get("extra_margin", (0, 0, 0))]
         m.invalidate_fp8_weight_cache()
         m.forget_scale_validity()

@@ -26,15 +26,16 @@ from megatron.fp8.scaling import delayed_update
 
 
 def _fp8_maxes(module: Fp8Linear) -> torch.Tensor:
-    """The three roles' FP8 maxima on the module's device, made once per module and device (not a host-to-device
-    copy per layer and step)."""
+    """The three roles' FP8 maxima on the module's device, each divided by 2^(the controller's extra margin, exact),
+    made once per module, device and extra margins (not a host-to-device copy per layer and step)."""
     device = module.fp8_scale.device
+    extra = tuple(module.fp8.extra_margin)
     cached = getattr(module, "_fp8_maxes_cache", None)
-    if cached is None or cached.device != device:
+    if cached is None or cached[0] != (device, extra):
         specs = module.fp8_specs(module.fp8_backend(module.weight.device))
-        cached = torch.tensor([s.max for s in specs], dtype=torch.float32, device=device)
-        module._fp8_maxes_cache = cached
-    return cached
+        maxes = torch.tensor([s.max / 2.0**e for s, e in zip(specs, extra)], dtype=torch.float32, device=device)
+        cached = module._fp8_maxes_cache = ((device, extra), maxes)
+    return cached[1]
 
 
 def _update_key(module: Fp8Linear) -> tuple:

@@ -108,7 +108,7 @@ def forward(state: Fp8LayerState, x: torch.Tensor, weight: torch.Tensor, bias: t
     g_spec = specs[_GRAD]
     consts = (backend.name, out_dtype, x.dtype, weight.dtype, recipe.power_of_two_scales, recipe.fp8_wgrad,
               training, recipe.scaling.value == "delayed", recipe.scaling.value == "tensorwise",
-              recipe.margin, g_spec.max, g_spec.torch_dtype, values_dtype,
+              state.margin(_GRAD), g_spec.max, g_spec.torch_dtype, values_dtype,
               tuple(recipe.fast_accum_for(g) for g in Fp8Gemm),  # fprop, dgrad, wgrad
               known_valid[_GRAD])
     # What wgrad reads: Q(x) (1 byte per element), or x itself for a high-precision wgrad. None: the GEMM operand

@@ -9,16 +9,19 @@ from typing import Optional
 
 from torch import nn
 
-from megatron.fp8.recipe import Fp8Recipe
+from megatron.fp8.recipe import Fp8AutohealConfig, Fp8Recipe
 
 logger = logging.getLogger("megatron")
 
 
 class Fp8Hooks:
-    def __init__(self, model: nn.Module, recipe: Optional[Fp8Recipe], amax_group, stats: bool) -> None:
+    def __init__(self, model: nn.Module, recipe: Optional[Fp8Recipe], amax_group, stats: bool,
+                 autoheal: Fp8AutohealConfig = Fp8AutohealConfig()) -> None:
         self.model = model
         self.recipe = recipe
-        self.stats = stats and recipe is not None
+        self.log_stats = stats and recipe is not None  # --log-fp8-stats: statistics in the log line and TensorBoard
+        self.controller = None  # --fp8-autoheal (megatron/fp8/autoheal.py), fed by the same statistics
+        self.stats = self.log_stats or (autoheal.enabled and recipe is not None)
         self.converted: list[str] = []
         self.nonfinite_iterations = 0  # skipped steps in which an FP8 layer quantized an inf/NaN (this process)
         if recipe is None:
@@ -26,8 +29,18 @@ class Fp8Hooks:
         from megatron.fp8 import convert_to_fp8, enable_fp8_stats
 
         self.converted = convert_to_fp8(model, recipe, amax_group=amax_group)
+        if autoheal.enabled:
+            from megatron.fp8.autoheal import Fp8Controller
+
+            self.controller = Fp8Controller(model, autoheal, amax_group)
         if self.stats:
             enable_fp8_stats(model, True)
+
+    def set_model(self, model: nn.Module) -> None:
+        """The model the hooks act on from now on (a pipeline rank's stage, cut out after the FP8 swap)."""
+        self.model = model
+        if self.controller is not None:
+            self.controller.bind(model)
 
     @property
     def enabled(self) -> bool:
@@ -85,7 +98,13 @@ class Fp8Hooks:
             return values, text
         from megatron.fp8 import collect_fp8_stats, worst_fp8_layer
 
-        values.update(collect_fp8_stats(self.model, reset=True))
+        stats = collect_fp8_stats(self.model, reset=True)
+        if self.controller is not None:
+            self.controller.step(iteration, stats)
+            values["fp8/autoheal-actions"] = self.controller.actions
+        if not self.log_stats:
+            return values, text
+        values.update(stats)
         worst = worst_fp8_layer(values)
         text += f" fp8 worst clipping: {worst[0]} {worst[1]:.2e} |" if worst else ""
         return values, text
@@ -95,7 +114,10 @@ class Fp8Hooks:
             return None
         from megatron.fp8 import fp8_state_dict
 
-        return fp8_state_dict(self.model, self.recipe)
+        state = fp8_state_dict(self.model, self.recipe)
+        if self.controller is not None:
+            state["autoheal"] = self.controller.state_dict()
+        return state
 
     def load_state(self, state: Optional[dict], source) -> None:
         if not self.enabled:
@@ -106,3 +128,5 @@ class Fp8Hooks:
         from megatron.fp8 import load_fp8_state_dict
 
         load_fp8_state_dict(self.model, self.recipe, state)
+        if self.controller is not None:
+            self.controller.load_state_dict(state.get("autoheal", {}))

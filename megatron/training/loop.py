@@ -120,14 +120,15 @@ class Trainer:
         self.model = build_model(config.model, self.accel.device, t.seed, self.parallel,
                                  config.parallel.sequence_parallel, stage, zero3_partitioner(config, self.parallel))
         apply_habana_kernels(self.model, config.compat.kernels, self.accel.device_type)
-        self.fp8 = Fp8Hooks(self.model, config.fp8, self.parallel.amax_group, config.logging.log_fp8_stats)
+        self.fp8 = Fp8Hooks(self.model, config.fp8, self.parallel.amax_group, config.logging.log_fp8_stats,
+                            config.fp8_autoheal)
         logger.info("> number of parameters: %d", self.model.num_parameters())
         layers_view = self.model
         if self.parallel.pipeline_parallel_size > 1:  # keep this rank's stage only (after the FP8 swap)
             from megatron.training.pipeline_engine import build_pipeline_module, stage_layers_view
 
             self.model = build_pipeline_module(self.model, self.parallel)
-            self.fp8.model = self.model
+            self.fp8.set_model(self.model)
             layers_view = stage_layers_view(self.model)
         self.swiglu = SwiGLUHooks(layers_view, config.model,
                                   config.logging.log_swiglu_diagnostics and self.parallel.is_logging_rank)
