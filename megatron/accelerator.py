@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import logging
 import os
 import resource
 from dataclasses import dataclass
@@ -17,10 +18,23 @@ import torch
 from megatron import cpu_bf16
 
 
+def prepare_habana_environment(environ: Optional[dict] = None) -> None:
+    """What Gaudi's bridge reads when `habana_frameworks` is imported. `PT_ENABLE_INT64_SUPPORT=1`: without it the
+    bridge computes int64 tensors in int32, and Fp8AdamW's stochastic-rounding noise (`counter_uniform`, 32-bit
+    hash products held in int64) would overflow and stop being uniform. Set unless the user set it; a user's "0"
+    is kept, with a warning naming the flag that then avoids the noise."""
+    environ = os.environ if environ is None else environ
+    if environ.setdefault("PT_ENABLE_INT64_SUPPORT", "1") == "0":
+        logging.getLogger("megatron").warning(
+            "PT_ENABLE_INT64_SUPPORT=0: Gaudi computes int64 in int32, which breaks Fp8AdamW's stochastic rounding "
+            "of v; unset it, or pass --no-fp8-optimizer-stochastic-rounding")
+
+
 def _hpu_available() -> bool:
     try:
         if importlib.util.find_spec("habana_frameworks") is None:
             return False
+        prepare_habana_environment()  # before the bridge reads it, at its import
         import habana_frameworks.torch.core  # noqa: F401  (registers the hpu device)
         import habana_frameworks.torch.hpu as hthpu
 

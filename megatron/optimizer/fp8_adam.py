@@ -66,6 +66,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
+from megatron.fp8.formats import format_backend_of
 from megatron.fp8.fused import CompiledOrEager
 from megatron.partitioned import full_numel, full_shape
 from megatron.optimizer.fp8_state_quant import (
@@ -185,16 +186,22 @@ class Fp8AdamW(torch.optim.Optimizer):
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.01, m_dtype: str = "e4m3",
                  v_dtype: str = "e5m2", block_size: int = 0, stochastic_rounding: bool = True,
-                 compile: bool = False) -> None:
+                 compile: bool = False, format_backend: Optional[str] = None) -> None:
         _validate(lr, betas, eps, weight_decay, m_dtype, v_dtype, block_size)
         if v_dtype == MomentDtype.E4M3.value:
             logger.warning("Fp8AdamW: v in E4M3 lacks the range 1/sqrt(v) needs; E5M2 is recommended")
-        self.m_format = moment_format(m_dtype, block_size)
-        self.v_format = moment_format(v_dtype, block_size)
         self.block_size = block_size
         self.stochastic_rounding = bool(stochastic_rounding)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, fp8_states=None)
         super().__init__(params, defaults)
+        # The FP8 limits of the device the moments live on (Gaudi2's E4M3 maximum is 240, not 448): from the
+        # parameters unless `format_backend` says ("cpu" = OCP, "hpu").
+        if format_backend is None:
+            devices = [p.device for group in self.param_groups for p in group["params"]]
+            format_backend = format_backend_of(devices[0]) if devices else "cpu"
+        self.format_backend = format_backend
+        self.m_format = moment_format(m_dtype, block_size, format_backend)
+        self.v_format = moment_format(v_dtype, block_size, format_backend)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.dtype != torch.float32:

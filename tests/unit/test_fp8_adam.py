@@ -354,3 +354,33 @@ def test_compiled_matches_eager(block_size):
     change = torch.cat([(a - i).abs().flatten() for a, i in zip(model_a.parameters(), init)])
     assert (diff > steps * lr * 2**-10).float().mean().item() <= 0.01
     assert diff.sum().item() < 0.01 * change.sum().item()
+
+
+def test_moments_take_the_devices_fp8_limits():
+    """Gaudi2's E4M3 maximum is 240, not OCP's 448: moments of parameters on an HPU are scaled to it (the format
+    follows the parameters' device, `megatron.fp8.formats.format_backend_of`), so no block's largest m clips."""
+    from megatron.fp8.formats import format_backend_of
+
+    assert format_backend_of("hpu") == "hpu" and format_backend_of("cpu") == format_backend_of("cuda") == "cpu"
+    w = torch.nn.Parameter(torch.randn(64, 64))
+    assert Fp8AdamW([w]).m_format.max == 448.0
+    gaudi = Fp8AdamW([w], lr=1e-3, format_backend="hpu", block_size=128)
+    assert gaudi.m_format.max == 240.0 and gaudi.v_format.max == 57344.0
+    for _ in range(3):
+        w.grad = torch.randn(64, 64) * 1e3
+        gaudi.step()
+    m = gaudi.state[w]["exp_avg"]
+    assert m.dtype == torch.float8_e4m3fn and m.float().abs().max() <= 240.0
+
+
+def test_the_gaudi_environment_keeps_the_noise_in_int64():
+    """Gaudi's bridge computes int64 in int32 unless PT_ENABLE_INT64_SUPPORT=1; the HPU path sets it before the bridge
+    is imported (stochastic rounding's hash products need 64 bits), and keeps a user's explicit choice."""
+    from megatron.accelerator import prepare_habana_environment
+
+    env: dict = {}
+    prepare_habana_environment(env)
+    assert env == {"PT_ENABLE_INT64_SUPPORT": "1"}
+    mine = {"PT_ENABLE_INT64_SUPPORT": "0"}
+    prepare_habana_environment(mine)
+    assert mine == {"PT_ENABLE_INT64_SUPPORT": "0"}
