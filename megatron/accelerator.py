@@ -30,6 +30,16 @@ def prepare_habana_environment(environ: Optional[dict] = None) -> None:
             "of v; unset it, or pass --no-fp8-optimizer-stochastic-rounding")
 
 
+def hpu_is_lazy(environ: Optional[dict] = None) -> bool:
+    """Whether Gaudi's bridge runs in lazy mode (`Accelerator.lazy_mode`)."""
+    try:
+        from habana_frameworks.torch.utils.internal import is_lazy
+
+        return bool(is_lazy())
+    except (ImportError, AttributeError):
+        return (os.environ if environ is None else environ).get("PT_HPU_LAZY_MODE", "0") == "1"
+
+
 def _hpu_available() -> bool:
     try:
         if importlib.util.find_spec("habana_frameworks") is None:
@@ -84,14 +94,19 @@ class Accelerator:
 
     @property
     def lazy_mode(self) -> bool:
-        """Gaudi's lazy mode (PT_HPU_LAZY_MODE unset or not "0"): ops accumulate into a graph until mark_step."""
-        return self.device_type == "hpu" and os.environ.get("PT_HPU_LAZY_MODE", "1") != "0"
+        """Gaudi's lazy mode: ops accumulate into a graph until mark_step. Asked of Habana's bridge, as Habana's own
+        code does (`habana_frameworks.torch.utils.internal.is_lazy`); without that function, PT_HPU_LAZY_MODE=1
+        (unset means eager: the default of current Gaudi software, where lazy mode is the legacy fallback)."""
+        if self.device_type != "hpu":
+            return False
+        return hpu_is_lazy()
 
     def mark_step(self) -> None:
         """Cut and launch the accumulated graph in Gaudi's lazy mode; a no-op elsewhere (CUDA, CPU, HPU eager).
 
-        The training loop calls it where Habana's Megatron-DeepSpeed does: after each backward, after the
-        optimizer step, and after each evaluation forward, so no graph spans more than one of them.
+        The training loop calls it after each backward, after the optimizer step and after each evaluation
+        forward, so no lazy graph spans two of them. (Habana's Megatron-DeepSpeed has no calls of its own: it
+        relies on DeepSpeed's step closure on HPU. Ours run with every engine, DeepSpeed's included.)
         """
         if self.lazy_mode:
             import habana_frameworks.torch.core as htcore

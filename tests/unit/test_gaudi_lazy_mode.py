@@ -1,5 +1,6 @@
-"""Gaudi lazy mode: `Accelerator.mark_step` cuts the graph where Habana's Megatron-DeepSpeed does (after each
-backward, after the optimizer step, after each evaluation forward), only on HPU in lazy mode."""
+"""Gaudi lazy mode: `Accelerator.mark_step` cuts the graph after each backward, after the optimizer step and after
+each evaluation forward, only on HPU in lazy mode, which is asked of Habana's bridge (`is_lazy`) when it has the
+function, else read from PT_HPU_LAZY_MODE (unset: eager, current Gaudi software's default)."""
 from __future__ import annotations
 
 import importlib.machinery
@@ -14,19 +15,25 @@ from megatron.training.loop import Trainer
 from tests.support.config import tiny_argv
 
 
-def _fake_htcore(monkeypatch) -> list[str]:
+def _fake_htcore(monkeypatch, is_lazy=None) -> list[str]:
+    """A stand-in bridge: `core.mark_step` recorded; `utils.internal.is_lazy` only when `is_lazy` is given."""
     calls: list[str] = []
     names = ("habana_frameworks", "habana_frameworks.torch", "habana_frameworks.torch.core")
+    if is_lazy is not None:
+        names += ("habana_frameworks.torch.utils", "habana_frameworks.torch.utils.internal")
     modules = [types.ModuleType(n) for n in names]
     for module in modules:
         module.__spec__ = importlib.machinery.ModuleSpec(module.__name__, None, is_package=True)
         monkeypatch.setitem(sys.modules, module.__name__, module)
     modules[0].torch, modules[1].core = modules[1], modules[2]
     modules[2].mark_step = lambda: calls.append("mark_step")
+    if is_lazy is not None:
+        modules[1].utils, modules[3].internal = modules[3], modules[4]
+        modules[4].is_lazy = lambda: is_lazy
     return calls
 
 
-@pytest.mark.parametrize("device,env,expected", [("hpu", None, True), ("hpu", "1", True), ("hpu", "0", False),
+@pytest.mark.parametrize("device,env,expected", [("hpu", None, False), ("hpu", "1", True), ("hpu", "0", False),
                                                  ("cpu", None, False), ("cuda", "1", False)])
 def test_mark_step_only_in_hpu_lazy_mode(monkeypatch, device, env, expected) -> None:
     calls = _fake_htcore(monkeypatch)
@@ -38,6 +45,17 @@ def test_mark_step_only_in_hpu_lazy_mode(monkeypatch, device, env, expected) -> 
     assert accel.lazy_mode is expected
     accel.mark_step()
     assert calls == (["mark_step"] if expected else [])
+
+
+@pytest.mark.parametrize("bridge_says", [True, False])
+def test_the_bridge_decides_when_it_can_say(monkeypatch, bridge_says) -> None:
+    """Habana's code asks `is_lazy()`; the environment variable is only the fallback (here it says the opposite)."""
+    calls = _fake_htcore(monkeypatch, is_lazy=bridge_says)
+    monkeypatch.setenv("PT_HPU_LAZY_MODE", "0" if bridge_says else "1")
+    accel = Accelerator("hpu")
+    assert accel.lazy_mode is bridge_says
+    accel.mark_step()
+    assert calls == (["mark_step"] if bridge_says else [])
 
 
 def test_training_loop_marks_steps_after_backward_optimizer_step_and_eval_forward(monkeypatch) -> None:
