@@ -217,7 +217,7 @@ class HpuBackend:
         b_arg, trans_b = (b.t(), False) if b_is_view_t else (b.contiguous(), True)
         return torch.ops.hpu.fp8_gemm_v2(
             a_arg, trans_a, b_arg, trans_b, None, out_dtype,
-            a_scale.float().reciprocal().reshape(1), b_scale.float().reciprocal().reshape(1), None, False,
+            _dequantization_factor(a_scale), _dequantization_factor(b_scale), None, False,  # 0-d, as Habana's code
         )
 
 

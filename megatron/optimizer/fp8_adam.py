@@ -211,6 +211,9 @@ class Fp8AdamW(torch.optim.Optimizer):
         # Shapes are static for the first chunk length and become dynamic on the second (torch's automatic
         # dynamic shapes): full chunks and every tensor's tail then share two graphs per variant (pass 1 /
         # pass 2 / blockwise) instead of one graph per distinct tail length.
+        if compile and self.format_backend == "hpu":  # inductor is not Gaudi's graph compiler: eager (lazy mode fuses)
+            logger.info("Fp8AdamW: --fp8-optimizer-compile does not apply on Gaudi; the update runs eagerly")
+            compile = False
         self._kernel: Optional[CompiledOrEager] = (
             CompiledOrEager(_chunk_step, "Fp8AdamW's update", dynamic=None, fullgraph=False) if compile else None)
 

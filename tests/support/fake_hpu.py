@@ -48,10 +48,12 @@ class FakeHpuOps:
         assert d is None and not accumulate
         a_ = (a.t() if trans_a else a).float()
         b_ = (b.t() if trans_b else b).float()
+        for inv in (a_scale_inv, b_scale_inv):  # 0-d fp32, as the paper's reference code passes them
+            assert inv is None or (inv.dim() == 0 and inv.dtype == torch.float32), inv
         if a_scale_inv is not None:
-            a_ = a_ * a_scale_inv.float().reshape(())
+            a_ = a_ * a_scale_inv
         if b_scale_inv is not None:
-            b_ = b_ * b_scale_inv.float().reshape(())
+            b_ = b_ * b_scale_inv
         out = a_ @ b_
         if bias is not None:
             out = out + bias.float()
