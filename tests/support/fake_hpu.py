@@ -6,9 +6,11 @@
         op(A) @ op(B) with op = transpose when its flag is set, each operand multiplied by its scale-inverse
         (dequantization factor), FP32 accumulation, one rounding to out_dtype, + bias
 
-The fakes are strict where the hardware is: FP8 operands only, 2-D, contiguous (layouts are expressed through
-the transpose flags, not strided views), and an E4M3 value beyond Gaudi2's 240 is an error (it would be inf
-there), so a backend that forgot to clamp at the backend's maximum fails. `calls` records every call.
+Written from Habana's documented semantics, not from this project's quantization code: rounding is torch's own
+FP8 cast (nearest-even) or a stochastic choice between the two neighbouring FP8 values, and the limits are Gaudi2's
+(E4M3 240, E5M2 57344). The fakes are strict where the hardware is: FP8 operands only, 2-D, row-major or a
+transposed view, 0-d FP32 scale inverses, and a value beyond Gaudi2's maximum is an error (it would be inf there),
+so a backend that forgot to clamp at the backend's maximum fails. `calls` records every call.
 """
 from __future__ import annotations
 
@@ -18,10 +20,22 @@ import types
 
 import torch
 
-from megatron.fp8.formats import format_spec
-from megatron.fp8.quantize import quantize
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+# Gaudi2's limits, from Habana's documentation (not from this project's format tables): E4M3 reserves its top
+# exponent, so its largest value is 240; E5M2 is IEEE-like, largest 57344.
+GAUDI2_MAX = {torch.float8_e4m3fn: 240.0, torch.float8_e5m2: 57344.0}
+
+
+def _neighbours(y: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The representable values of `dtype` just below and just above |y| (equal when |y| is representable):
+    torch's round-to-nearest-even cast, then one step of the magnitude's bit pattern (sign-magnitude codes)."""
+    a = y.abs()
+    near = a.to(dtype)
+    code = near.view(torch.uint8).to(torch.int16)
+    step = torch.where(near.float() > a, code - 1, torch.where(near.float() < a, code + 1, code))
+    other = step.clamp(0, 127).to(torch.uint8).view(dtype).float()
+    return torch.minimum(near.float(), other), torch.maximum(near.float(), other)
 
 
 class FakeHpuOps:
@@ -29,22 +43,29 @@ class FakeHpuOps:
         self.calls: list[str] = []
 
     def cast_to_fp8_v2(self, x, scale=None, stochastic_rounding=False, is_amax=False, dtype=torch.float8_e4m3fn):
+        """Round x * scale to `dtype` (nearest-even, or stochastically between the two neighbours); any value beyond
+        Gaudi2's maximum is an error here, as it would be inf on the device."""
         self.calls.append("cast_to_fp8_v2")
         assert dtype in FP8, dtype
-        spec = format_spec("e4m3" if dtype == torch.float8_e4m3fn else "e5m2", "hpu")
         y = x.float() if scale is None else x.float() * scale.float()
         finite = y[torch.isfinite(y)]
-        assert finite.numel() == 0 or float(finite.abs().max()) <= spec.max, \
-            f"value beyond the Gaudi2 maximum {spec.max} reached the cast"
-        q = quantize(y, torch.ones((), dtype=torch.float32), spec, stochastic_rounding)
+        assert finite.numel() == 0 or float(finite.abs().max()) <= GAUDI2_MAX[dtype], \
+            f"value beyond the Gaudi2 maximum {GAUDI2_MAX[dtype]} reached the cast"
+        if stochastic_rounding:
+            lo, hi = _neighbours(y, dtype)
+            up = torch.rand(y.shape) * (hi - lo) < (y.abs() - lo)
+            q = (torch.where(up, hi, lo) * torch.sign(y)).to(dtype)
+        else:
+            q = y.to(dtype)
         amax = y.abs().amax() if is_amax else torch.zeros((), dtype=torch.float32)
         return q, amax
 
     def fp8_gemm_v2(self, a, trans_a, b, trans_b, d, out_dtype, a_scale_inv=None, b_scale_inv=None, bias=None,
                     accumulate=False):
         self.calls.append("fp8_gemm_v2")
-        for t in (a, b):
-            assert t.dtype in FP8 and t.dim() == 2 and t.is_contiguous(), (t.dtype, t.shape, t.stride())
+        for t in (a, b):  # row-major or its transposed view, as the real op takes them (other strides: an error)
+            assert t.dtype in FP8 and t.dim() == 2 and (t.is_contiguous() or t.t().is_contiguous()), \
+                (t.dtype, t.shape, t.stride())
         assert d is None and not accumulate
         a_ = (a.t() if trans_a else a).float()
         b_ = (b.t() if trans_b else b).float()

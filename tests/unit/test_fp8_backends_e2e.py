@@ -15,6 +15,7 @@ attention heads of 18) and every dgrad/wgrad passes transposed views; E5M2 gradi
 from __future__ import annotations
 
 import pytest
+import torch
 
 import megatron.fp8.layer_state as layer_state
 from megatron.arguments import parse_config
@@ -95,3 +96,27 @@ def test_a_layout_error_is_caught_by_the_bound(reference, monkeypatch) -> None:
     losses, _ = _hpu_run(monkeypatch, drop_b_scale)
     emulated, bf16 = reference
     assert _mean_abs_diff(losses, emulated) > 20 * TRACKING * _mean_abs_diff(emulated, bf16)
+
+
+def test_the_ocp_limit_on_gaudi_is_caught(monkeypatch) -> None:
+    """Negative control: the Gaudi backend scaling E4M3 to OCP's 448 instead of Gaudi2's 240 reaches the stand-in
+    cast with values it would turn into inf, and the stand-in refuses them."""
+    monkeypatch.setattr(HpuBackend, "format_backend", "cpu")
+    with pytest.raises(AssertionError, match="beyond the Gaudi2 maximum 240"):
+        _hpu_run(monkeypatch)
+
+
+def test_the_stand_in_cast_rounds_as_documented() -> None:
+    """Nearest-even is torch's own cast; stochastic rounding picks one of the two neighbouring FP8 values, with the
+    probability that makes it unbiased."""
+    ops = fake_hpu.FakeHpuOps()
+    torch.manual_seed(0)
+    x = torch.randn(4096) * 30
+    nearest, _ = ops.cast_to_fp8_v2(x, None, False, False, torch.float8_e4m3fn)
+    assert torch.equal(nearest.view(torch.uint8), x.to(torch.float8_e4m3fn).view(torch.uint8))
+    lo, hi = fake_hpu._neighbours(x, torch.float8_e4m3fn)
+    assert bool((lo <= x.abs()).all() and (x.abs() <= hi).all())
+    value = torch.full((20000,), 10.3)  # between E4M3's 10 and 11: 30% up
+    draws, _ = ops.cast_to_fp8_v2(value, None, True, False, torch.float8_e4m3fn)
+    assert set(draws.float().unique().tolist()) == {10.0, 11.0}
+    assert abs(float(draws.float().mean()) - 10.3) < 4 * (0.3 * 0.7 / 20000) ** 0.5
