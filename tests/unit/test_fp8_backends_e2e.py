@@ -120,3 +120,20 @@ def test_the_stand_in_cast_rounds_as_documented() -> None:
     draws, _ = ops.cast_to_fp8_v2(value, None, True, False, torch.float8_e4m3fn)
     assert set(draws.float().unique().tolist()) == {10.0, 11.0}
     assert abs(float(draws.float().mean()) - 10.3) < 4 * (0.3 * 0.7 / 20000) ** 0.5
+
+
+def test_selection_picks_the_gaudi_backend_for_hpu_devices(monkeypatch) -> None:
+    """`select_backend` itself (the e2e run above routes CPU tensors to HpuBackend, having no hpu tensors): with
+    habana_frameworks importable, an hpu device gets HpuBackend with `auto` and `hpu`, Gaudi2's E4M3 limit with it."""
+    from megatron.fp8.backends import _make, backend_format_spec, select_backend
+
+    fake_hpu.install(monkeypatch)
+    _make.cache_clear()
+    try:
+        for choice in ("auto", "hpu"):
+            backend = select_backend(choice, torch.device("hpu"))
+            assert isinstance(backend, HpuBackend) and backend_format_spec(backend, "e4m3").max == 240.0
+        with pytest.raises(ValueError, match="--fp8-backend hpu needs a Gaudi device"):
+            select_backend("hpu", torch.device("cpu"))
+    finally:
+        _make.cache_clear()
