@@ -437,6 +437,24 @@ def _padded_vocab_size(a: argparse.Namespace, data: DataConfig) -> tuple[int, Op
                    f"{padded}); pass --make-vocab-size-divisible-by to choose")
 
 
+def _check_writable(flag: str, path: Optional[str]) -> None:
+    """A folder the run will write into must be writable now, not hours later at the first save: the folder itself,
+    or the nearest existing folder above it (where it will be created). No file is written to find out."""
+    if not path:
+        return
+    target = Path(path).expanduser().absolute()
+    if target.exists() and not target.is_dir():
+        raise ValueError(f"{flag} {path} is a file, not a folder: pass a folder")
+    existing = target
+    while not existing.exists():
+        existing = existing.parent
+    read_only = bool(os.statvfs(existing).f_flag & os.ST_RDONLY) if existing.is_dir() else False
+    if not existing.is_dir() or read_only or not os.access(existing, os.W_OK | os.X_OK):
+        where = "" if existing == target else f" (it would be created in {existing})"
+        raise ValueError(f"{flag} {path}: cannot write there{where}: a read-only file system or no permission; "
+                         "pass a folder this user can write")
+
+
 def _saved_padded_vocab(load: str) -> Optional[int]:
     """The padded vocabulary recorded in the config.json of `load`'s newest checkpoint; None when there is none to
     read (a fresh run, another writer): the loader reports what is wrong with the folder itself."""
@@ -597,6 +615,9 @@ def _resolve(a: argparse.Namespace, world_size: Optional[int], recipe: list) -> 
                         a.fp8_optimizer_stochastic_rounding, a.fp8_optimizer_compile)
         if opt_defaults != ("e4m3", "e5m2", 0, True, True):
             raise ValueError("--fp8-optimizer-* flags need --optimizer fp8adam (or --fp8-optimizer)")
+    for flag, path in (("--save", a.save), ("--tensorboard-dir", a.tensorboard_dir),
+                       ("--data-cache-path", a.data_cache_path)):
+        _check_writable(flag, path)
     data = _data_config(a)
     padded_vocab, vocab_note = _padded_vocab_size(a, data)
     if vocab_note:

@@ -187,3 +187,30 @@ def test_a_fresh_or_unreadable_load_folder_pads_by_default(tmp_path):
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "latest_checkpointed_iteration.txt").write_text("garbage")
     assert parse_config(tiny_argv("--load", str(tmp_path / "bad"))).model.padded_vocab_size == 128
+
+
+@pytest.mark.parametrize("flag", ["--save", "--tensorboard-dir", "--data-cache-path"])
+def test_an_unwritable_output_folder_is_named_at_start_up(tmp_path, monkeypatch, flag):
+    """Checked when the flags are parsed, not at the first save hours later: a folder on a read-only file system, one
+    without write permission (simulated: root passes permission checks), a file where a folder should be."""
+    import os
+
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real_statvfs, real_access = os.statvfs, os.access
+
+    class ReadOnly:
+        f_flag = os.ST_RDONLY
+
+    monkeypatch.setattr(os, "statvfs", lambda p: ReadOnly() if str(p) == str(locked) else real_statvfs(p))
+    with pytest.raises(ValueError, match=f"^{flag} .*locked/run: cannot write there \\(it would be created in "
+                                         ".*locked\\): a read-only file system or no permission"):
+        parse_config(tiny_argv(flag, str(locked / "run")))
+    monkeypatch.setattr(os, "statvfs", real_statvfs)
+    monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == str(locked) else real_access(p, mode))
+    with pytest.raises(ValueError, match=f"^{flag} .*locked: cannot write there: a read-only"):
+        parse_config(tiny_argv(flag, str(locked)))
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match=f"{flag} .*file is a file, not a folder"):
+        parse_config(tiny_argv(flag, str(tmp_path / "file")))
+    assert parse_config(tiny_argv(flag, str(tmp_path / "new" / "deeper")))  # created later, under a writable one
