@@ -41,13 +41,33 @@ logger = logging.getLogger("megatron")
 
 
 def saved_layout(folder: Path) -> dict:
-    """What the files of iteration folder `folder` say about its layout: {"layout", "mp_files", "zero_ranks"}."""
+    """What the files of iteration folder `folder` say about its layout: {"layout", "mp_files", "zero_ranks",
+    "optimizer" (the saved run's --optimizer, None when its config.json does not say)}."""
     layout = layouts.detect_layout(folder)
     mp = len(list(folder.glob("mp_rank_*_model_states.pt"))) or len(list(folder.glob("mp_rank_*/model_optim_rng.pt")))
     zero = len(list(folder.glob("*zero_pp_rank_*_mp_rank_00_optim_states.pt")))  # "bf16_" prefix: BF16_Optimizer
     if layout == layouts.DEEPSPEED_ZERO3:  # every ZeRO-3 rank writes its model-states file, optimizer or not
         zero = len(list(folder.glob("zero_pp_rank_*_mp_rank_00_model_states.pt")))
-    return {"layout": layout, "mp_files": mp, "zero_ranks": zero}
+    config_file = folder / "config.json"
+    try:
+        saved_optimizer = ckpt.read_json(config_file).get("optimizer", {}).get("optimizer") \
+            if config_file.exists() else None
+    except (ckpt.CheckpointError, AttributeError):
+        saved_optimizer = None  # the loader names a damaged config.json
+    return {"layout": layout, "mp_files": mp, "zero_ranks": zero, "optimizer": saved_optimizer}
+
+
+def optimizer_name(optimizer: torch.optim.Optimizer) -> str:
+    """The --optimizer value of a built optimizer (what config.json records)."""
+    from megatron.optimizer.fp8_adam import Fp8AdamW
+
+    return "fp8adam" if isinstance(optimizer, Fp8AdamW) else "adam"
+
+
+def optimizer_switched(saved: dict, optimizer: torch.optim.Optimizer, load_optimizer: bool) -> bool:
+    """The checkpoint's optimizer states are of the other kind (Fp8AdamW's FP8 moments vs AdamW's FP32 ones): they
+    are loaded through the full state, which converts the moments, as for a change of layout."""
+    return load_optimizer and saved.get("optimizer") not in (None, optimizer_name(optimizer))
 
 
 def newest_folder(load_dir: str) -> Optional[Path]:
@@ -289,6 +309,8 @@ def deepspeed_layout_matches(engine, saved: dict) -> bool:
     """Whether a DeepSpeed engine (`DeepSpeedBase`) can give `saved` to DeepSpeed's own loader: same engine layout,
     same number of model-parallel files and of ZeRO partitions."""
     p = engine.parallel
+    if optimizer_switched(saved, engine.optimizer, True):
+        return False
     zero_ranks = p.data_parallel_size if engine.zero_stage in (1, 2) else 0
     if p.pipeline_parallel_size > 1:
         return (saved["layout"] == layouts.PIPELINE and saved["mp_files"] == p.pipeline_parallel_size

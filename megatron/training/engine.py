@@ -201,14 +201,17 @@ class TorchEngine(MicroBatchEngine):
         if folder is not None:
             saved = reshard.saved_layout(folder)
             tp = self.parallel.tensor_parallel_size
-            if saved["layout"] is not None and not (saved["layout"] in (layouts.SINGLE, layouts.TENSOR_PARALLEL)
-                                                    and saved["mp_files"] == tp):
+            switched = reshard.optimizer_switched(saved, self.optimizer, load_optimizer and not module_only)
+            same_layout = saved["layout"] in (layouts.SINGLE, layouts.TENSOR_PARALLEL) and saved["mp_files"] == tp
+            if saved["layout"] is not None and (switched or not same_layout):
                 # --params-dtype bf16: the FP32 masters take the checkpoint's FP32 values (and key the optimizer
                 # state); the BF16 weights are rounded from them, as after every step.
                 loaded = reshard.load_resharded(
                     folder, model=self.model, full_name=lambda n: n, model_config=self.model.config,
                     tp_rank=self.parallel.tensor_parallel_rank, tp_size=tp, optimizer=self.optimizer,
-                    load_optimizer=load_optimizer, module_only=module_only, describe=f"tensor parallel {tp}",
+                    load_optimizer=load_optimizer, module_only=module_only,
+                    describe=f"tensor parallel {tp}" + (f", optimizer {saved['optimizer']} -> "
+                                                        f"{reshard.optimizer_name(self.optimizer)}" if switched else ""),
                     weights=self.weights.named_masters())
                 self.weights.copy_to_model()
                 return loaded

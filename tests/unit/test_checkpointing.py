@@ -137,3 +137,26 @@ def test_disk_full_names_enospc_and_the_folder_and_keeps_the_previous_checkpoint
         _save(tmp_path, 4, 2.0)
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp")] == []  # no partial folder left
     assert ckpt.load_checkpoint_files(tmp_path)["path"].name == "iter_0000002"
+
+
+@pytest.mark.parametrize("first, then", [("fp8adam", "adam"), ("adam", "fp8adam")])
+def test_switching_the_optimizer_between_runs_converts_its_moments(tmp_path, first, then):
+    """A checkpoint of Fp8AdamW (FP8 moments) resumed with AdamW, and the reverse: the moments come through the
+    full state, converted (dequantized, or quantized), and the run goes on; the loaded moments are the saved ones."""
+    from megatron.checkpoint.full_state import read_full_state
+    from megatron.training.loop import Trainer
+
+    pretrain(parse_config(tiny_argv("--optimizer", first, "--device", "cpu", save=tmp_path, train_iters=2,
+                                    save_interval=2, eval_iters=0)))
+    saved = read_full_state(ckpt.iteration_dir(tmp_path, 2)).optimizer["params"]
+    trainer = Trainer(parse_config(tiny_argv("--optimizer", then, "--device", "cpu", load=tmp_path, train_iters=3,
+                                             eval_iters=0)))
+    opt = trainer.optimizer
+    assert type(opt).__name__ == ("AdamW" if then == "adam" else "Fp8AdamW")
+    name, param = next((n, p) for n, p in trainer.model.named_parameters() if p.dim() == 2)
+    state = opt.state[param]
+    if then == "adam":  # the dequantized FP8 moments, exactly
+        assert torch.equal(state["exp_avg"], saved[name]["exp_avg"])
+    else:  # quantized from the FP32 ones: within E4M3's half-ulp of each block's scale
+        assert state["exp_avg"].dtype == torch.float8_e4m3fn
+    trainer.train()  # and it trains on
