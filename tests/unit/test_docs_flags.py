@@ -1,0 +1,58 @@
+"""The docs stay honest about the command lines: every `--flag` that README.md and docs/ name is a flag of
+pretrain_gpt.py or of one of the repository's tools, benches and scripts (or of the named external command), and
+every repository path they name exists."""
+from __future__ import annotations
+
+import re
+
+from megatron.compat import NOOP_FLAGS
+from tests.support.config import REPO
+
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+# Flags of the commands the docs show around ours, and flags named as what is not accepted.
+EXTERNAL = {
+    "torchrun": {"--nnodes", "--nproc_per_node", "--nproc-per-node", "--node_rank", "--master_addr", "--master_port"},
+    "deepspeed launcher": {"--hostfile", "--include", "--num_gpus", "--num_nodes", "--num_accelerators", "--no_ssh",
+                           "--no_local_rank", "--bind_cores_to_rank", "--master_port"},
+    "pytest, numactl, every CLI": {"--dist", "--durations", "--hardware", "--help"},
+    "Megatron-Core flags refused here (docs/memory.md)": {"--main-grads-dtype", "--main-params-dtype"},
+    "a mistyped flag, the example of the hint (docs/migration.md)": {"--num-layer"},
+    "bench/bench_zero3_build.py (parsed by hand: the rest of its command line is pretrain_gpt.py's)": {"--tree"},
+}
+# Folders that the GPU and Gaudi checks create for their reports; files of the upstream repositories.
+NOT_IN_THE_TREE = {"docs/gpu", "docs/gaudi", "scripts/run_llama.sh", "scripts/run_llama2_7b_fp8.sh"}
+
+
+def _defined_flags() -> set[str]:
+    flags = set(NOOP_FLAGS)
+    sources = [*REPO.glob("megatron/**/*.py"), *REPO.glob("tools/*.py"), *REPO.glob("bench/*.py"),
+               *REPO.glob("scripts/*.py"), REPO / "pretrain_gpt.py"]
+    for path in sources:
+        for call in re.finditer(r"add_argument\((.*?)\)\n", path.read_text(), re.S):
+            names = re.findall(r'"(--[a-zA-Z0-9_-]+)"', call.group(1).split("help=")[0])
+            flags.update(names)
+            if "BooleanOptionalAction" in call.group(1):
+                flags.update("--no-" + n[2:] for n in names)
+    for path in [*REPO.glob("scripts/*.sh"), *REPO.glob("examples/*.sh")]:
+        flags.update(re.findall(r"(--[a-z0-9][a-z0-9-]+)\)", path.read_text()))  # a shell `case` of its options
+    return flags
+
+
+def test_every_flag_the_docs_name_exists():
+    known = _defined_flags().union(*EXTERNAL.values())
+    unknown = {}
+    for doc in DOCS:
+        for flag in re.findall(r"(?<![\w/-])(--[a-zA-Z][a-zA-Z0-9_-]*)", doc.read_text()):
+            if flag not in known:
+                unknown.setdefault(flag, set()).add(doc.name)
+    assert not unknown, unknown
+
+
+def test_every_repository_path_the_docs_name_exists():
+    missing = {}
+    for doc in DOCS:
+        pattern = r"(?<![\w/.-])((?:megatron|tools|bench|scripts|tests|examples|docs)/[\w./-]*\w)"
+        for path in re.findall(pattern, doc.read_text()):
+            if path not in NOT_IN_THE_TREE and not (REPO / path).exists():
+                missing.setdefault(path, set()).add(doc.name)
+    assert not missing, missing
