@@ -31,8 +31,15 @@ from megatron.parallel_state import world_size_from_env
 DEFAULT_VOCAB_DIVISOR = 128  # --make-vocab-size-divisible-by's default (Megatron's)
 
 
+REQUIRED = ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length", "--micro-batch-size", "--lr")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Megatron-FP8 GPT pretraining", allow_abbrev=False)
+    p = argparse.ArgumentParser(prog="pretrain_gpt.py", allow_abbrev=False,
+                                usage="%(prog)s FLAGS  (required: " + " ".join(REQUIRED)
+                                      + " and --train-iters or --train-samples; flags by group below)",
+                                description="Megatron-FP8 GPT pretraining. Flags keep Megatron-DeepSpeed's names "
+                                            "and defaults; README.md has a first run.")
 
     g = p.add_argument_group("network size")
     g.add_argument("--num-layers", type=int, default=None)
@@ -157,13 +164,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="at log iterations, raise the margin of an FP8 tensor that keeps clipping (megatron/fp8/"
                         "autoheal.py; docs/stability.md)")
     g.add_argument("--fp8-autoheal-clip-threshold", type=float, default=1e-3,
-                   help="clipped fraction of a tensor's values that counts against it (default 1e-3)")
+                   help="clipped fraction of a tensor's values that counts against it")
     g.add_argument("--fp8-autoheal-patience", type=int, default=2,
-                   help="consecutive log iterations over the threshold before acting (default 2)")
+                   help="consecutive log iterations over the threshold before acting")
     g.add_argument("--fp8-autoheal-max-margin", type=int, default=4,
-                   help="the most extra margin (powers of two) one tensor may get (default 4)")
+                   help="the most extra margin (powers of two) one tensor may get")
     g.add_argument("--fp8-autoheal-undo-after", type=int, default=0,
-                   help="clean log iterations after which an extra margin is lowered by one (default 0: never)")
+                   help="clean log iterations after which an extra margin is lowered by one (0: never)")
     g.add_argument("--smooth-swiglu", action="store_true",
                    help="scale the SwiGLU output per channel/token before its FP8 quantization (needs --swiglu, FP8)")
     g.add_argument("--smooth-swiglu-granularity", choices=["channel", "token"], default="channel",
@@ -232,6 +239,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="passed by the deepspeed launcher; must agree with the LOCAL_RANK environment variable, "
                         "which is what is used")
     add_compat_arguments(p)
+    for action in p._actions:  # every flag with its default (argparse shows one only where the help asks for it)
+        if not action.option_strings or any(action.default is v for v in (None, False, argparse.SUPPRESS)):
+            continue
+        if action.help is None:
+            action.help = "default: %(default)s"
+        elif "%(default)" not in action.help:
+            action.help += " (default: %(default)s)"
     return p
 
 
@@ -579,7 +593,18 @@ def parse_config(argv: Optional[Sequence[str]] = None, world_size: Optional[int]
     return config
 
 
+def _missing_required(a: argparse.Namespace) -> None:
+    """Every missing required flag in one message (not one per run)."""
+    missing = [flag for flag in REQUIRED if getattr(a, flag[2:].replace("-", "_")) is None]
+    if a.train_iters is None and a.train_samples is None:
+        missing.append("--train-iters (or --train-samples)")
+    if missing:
+        raise ValueError(f"missing required flag{'s' if len(missing) > 1 else ''}: {', '.join(missing)} "
+                         "(pretrain_gpt.py --help lists every flag with its default)")
+
+
 def _resolve(a: argparse.Namespace, world_size: Optional[int], recipe: list) -> MegatronConfig:
+    _missing_required(a)
     _not_supported_yet(a)
     if a.use_torch_compile is not None:  # Habana's spelling of --torch-compile
         wanted = "on" if a.use_torch_compile else "off"

@@ -23,7 +23,7 @@ def test_tiny_config_resolves():
 
 @pytest.mark.parametrize("overrides, switches, message", [
     (dict(global_batch_size=6), [], "--global-batch-size 6 must be divisible by --micro-batch-size 4"),
-    (dict(lr=None), [], "--lr is required"),
+    (dict(lr=None), [], "missing required flag: --lr "),
     (dict(train_samples=100), [], "exactly one of --train-iters and --train-samples"),
     (dict(num_key_value_heads=3), [], "--num-key-value-heads 3"),
     (dict(hidden_size=66), [], "--hidden-size 66 must be divisible by --num-attention-heads"),
@@ -214,3 +214,22 @@ def test_an_unwritable_output_folder_is_named_at_start_up(tmp_path, monkeypatch,
     with pytest.raises(ValueError, match=f"{flag} .*file is a file, not a folder"):
         parse_config(tiny_argv(flag, str(tmp_path / "file")))
     assert parse_config(tiny_argv(flag, str(tmp_path / "new" / "deeper")))  # created later, under a writable one
+
+
+def test_every_missing_required_flag_in_one_message():
+    with pytest.raises(ValueError) as err:
+        parse_config([], env={})
+    message = str(err.value)
+    assert message.startswith("missing required flags: --num-layers, --hidden-size, --num-attention-heads, "
+                              "--seq-length, --micro-batch-size, --lr, --train-iters (or --train-samples)"), message
+
+
+def test_help_is_short_at_the_top_and_shows_every_default():
+    from megatron.arguments import build_parser
+
+    text = build_parser().format_help()
+    assert text.splitlines()[0].startswith("usage: pretrain_gpt.py FLAGS  (required: --num-layers")
+    flat = " ".join(text.split())
+    for flag, default in (("--fp8-margin FP8_MARGIN", "default: 0"), ("--fp8-amax-history-len", "default: 1"),
+                          ("--seed SEED", "default: 1234"), ("--lr-decay-style", "default: linear")):
+        assert f"{flag}" in flat and default in flat.split(flag, 1)[1][:200], (flag, default)
