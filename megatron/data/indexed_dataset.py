@@ -82,6 +82,14 @@ def data_file_path(prefix: str) -> str:
     return prefix + ".bin"
 
 
+def _near(prefix: str) -> str:
+    """A hint when the user is close: tools/preprocess_data.py appends `_<json-key>_document` (`_text_document` for
+    the default key) to its --output-prefix, and that dataset exists."""
+    found = [prefix + suffix for suffix in ("_text_document", "_content_document")
+             if os.path.isfile(index_file_path(prefix + suffix)) and os.path.isfile(data_file_path(prefix + suffix))]
+    return f". Did you mean {found[0]!r}? (tools/preprocess_data.py adds _text_document to its prefix)" if found else ""
+
+
 def index_file_path(prefix: str) -> str:
     return prefix + ".idx"
 
@@ -105,7 +113,8 @@ class MMapIndexedDataset:
             if not os.path.isfile(path):
                 raise DatasetNotFoundError(f"indexed dataset file {path} not found: check the data path "
                                            f"{self.path_prefix!r} (the prefix, without .bin/.idx) or create it "
-                                           "with tools/preprocess_data.py --output-prefix ...")
+                                           "with tools/preprocess_data.py --output-prefix ..."
+                                           + _near(self.path_prefix))
         self.recorded_token_range: Optional[TokenRange] = (
             None if manifest is None else verify_manifest(self.path_prefix, manifest))
         idx_size, bin_size = os.path.getsize(idx_path), os.path.getsize(bin_path)

@@ -105,6 +105,16 @@ def test_missing_file_names_path_and_tool(tmp_path, missing):
     assert str(tmp_path / missing) in str(err.value)
 
 
+def test_a_prefix_without_its_text_document_suffix_gets_a_hint(tmp_path):
+    """tools/preprocess_data.py writes PREFIX_text_document.bin/.idx; `--data-path PREFIX` names that one."""
+    write(tmp_path / "corpus_text_document", DOCS)
+    with pytest.raises(DatasetNotFoundError, match=r"Did you mean '.*corpus_text_document'\?"):
+        MMapIndexedDataset(str(tmp_path / "corpus"))
+    with pytest.raises(DatasetNotFoundError) as err:  # nothing close: no hint
+        MMapIndexedDataset(str(tmp_path / "other"))
+    assert "Did you mean" not in str(err.value)
+
+
 @pytest.mark.parametrize("with_manifest", [True, False])
 def test_opening_checks_the_tables_in_constant_memory(tmp_path, monkeypatch, with_manifest):
     """A merged 2T-token pair holds ~1.8B documents (36 GB of tables): opening it must not copy them. Without a
