@@ -107,9 +107,7 @@ def _verify_written(staging: Path, written: list, group: Any) -> None:
             verify_file(Path(path), state, deepspeed_safe_globals)
     except ckpt.CheckpointError as exc:
         error = exc
-    failed = torch.tensor([0.0 if error is None else 1.0])
-    comm.all_reduce(failed, group, comm.ReduceOp.MAX)
-    if failed.item() > 0:
+    if ckpt.any_rank_failed(error is not None, group):
         comm.barrier(comm.world_group())  # every rank has stopped reading before the folder goes
         if dist.get_rank() == 0:
             shutil.rmtree(staging, ignore_errors=True)

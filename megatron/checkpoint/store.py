@@ -29,6 +29,8 @@ from typing import Any, Callable, Iterator, Optional
 import numpy as np
 import torch
 
+from megatron import comm
+
 CHECKPOINT_VERSION = 1
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 TMP_PREFIX = ".tmp_iter_"
@@ -131,9 +133,22 @@ def save_checkpoint(save_dir: str | os.PathLike, iteration: int, payload: dict, 
     root.mkdir(parents=True, exist_ok=True)
     sweep_stale_saves(root)
     tmp = root / f"{TMP_PREFIX}{iteration:07d}_{os.getpid()}"
-    target = model_file(tmp, mp_rank)
+    try:
+        write_model_file(tmp, mp_rank, payload, iteration, verify)
+    except CheckpointError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return commit_checkpoint(root, tmp, iteration, train_state, config, _before_commit=_before_commit)
+
+
+def write_model_file(staging: Path, mp_rank: int, payload: dict, iteration: int,
+                     verify: Optional[Callable[[Path, Any], None]] = None) -> None:
+    """`payload` (with the format version and iteration) as `staging`'s model file of `mp_rank`, fsynced, then
+    checked by `verify` when given. A write error removes `staging` (`checkpoint_write_errors`); a failed check is
+    raised as it is, for the caller to agree with the other ranks before removing anything."""
+    target = model_file(staging, mp_rank)
     body = dict(payload, checkpoint_version=CHECKPOINT_VERSION, iteration=iteration)
-    with checkpoint_write_errors(tmp):
+    with checkpoint_write_errors(staging):
         target.parent.mkdir(parents=True)
         with open(target, "wb") as f:
             torch.save(body, f)
@@ -141,12 +156,15 @@ def save_checkpoint(save_dir: str | os.PathLike, iteration: int, payload: dict, 
             os.fsync(f.fileno())
         fsync_path(target.parent)
     if verify is not None:
-        try:
-            verify(target, body)
-        except CheckpointError:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    return commit_checkpoint(root, tmp, iteration, train_state, config, _before_commit=_before_commit)
+        verify(target, body)
+
+
+def any_rank_failed(failed_here: bool, group: Any) -> bool:
+    """Whether any rank of `group` (a CPU group: the host group) failed, so that every rank takes the same branch and
+    none waits for a commit that will not come. `group` None: this rank alone."""
+    failed = torch.tensor([1.0 if failed_here else 0.0])
+    comm.all_reduce(failed, group, comm.ReduceOp.MAX)
+    return failed.item() > 0
 
 
 def recover_interrupted_resave(root: Path) -> None:

@@ -19,20 +19,16 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-import torch
-
 from megatron import comm
-from megatron.parallel_state import ParallelState
 from megatron.checkpoint.store import (
-    CHECKPOINT_VERSION,
     TMP_PREFIX,
     CheckpointError,
-    checkpoint_write_errors,
+    any_rank_failed,
     commit_checkpoint,
-    fsync_path,
-    model_file,
     sweep_stale_saves,
+    write_model_file,
 )
+from megatron.parallel_state import ParallelState
 
 logger = logging.getLogger(__name__)
 
@@ -51,27 +47,14 @@ def save_tensor_parallel_checkpoint(save_dir: str | os.PathLike, iteration: int,
     comm.barrier(comm.world_group())
     error: Optional[CheckpointError] = None
     if parallel.data_parallel_rank == 0:
-        target = model_file(staging, parallel.tensor_parallel_rank)
         try:
-            with checkpoint_write_errors(staging):
-                target.parent.mkdir(parents=True)
-                body = dict(payload, checkpoint_version=CHECKPOINT_VERSION, iteration=iteration)
-                with open(target, "wb") as f:
-                    torch.save(body, f)
-                    f.flush()
-                    os.fsync(f.fileno())
-                fsync_path(target.parent)
-            if verify is not None:
-                verify(target, body)
+            write_model_file(staging, parallel.tensor_parallel_rank, payload, iteration, verify)
         except CheckpointError as exc:
             error = exc
-    # Every rank learns whether any shard failed (a CPU flag on the host group), so none waits for a commit.
-    failed = torch.tensor([0.0 if error is None else 1.0])
-    comm.all_reduce(failed, parallel.host_group, comm.ReduceOp.MAX)
-    if failed.item() > 0:
+    if any_rank_failed(error is not None, parallel.host_group):
         shutil.rmtree(staging, ignore_errors=True)
-        raise error or CheckpointError(f"another tensor-parallel rank could not write or verify its shard in {staging}; "
-                                       "the previous checkpoint is intact (see that rank's error)")
+        raise error or CheckpointError(f"another tensor-parallel rank could not write or verify its shard in "
+                                       f"{staging}; the previous checkpoint is intact (see that rank's error)")
     if parallel.rank == 0:
         commit_checkpoint(root, staging, iteration, train_state, config)
     comm.barrier(comm.world_group())
