@@ -29,9 +29,14 @@ def add_bias(y: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype)
 
 
 def finish_forward(ctx: Any, y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                   state: "Fp8LayerState", backend: "Backend", specs: tuple, weight_fp8: Any) -> torch.Tensor:
-    """Keep on `ctx` what backward needs besides the saved tensors; y with x's leading dims."""
-    ctx.state, ctx.backend, ctx.specs, ctx.weight_fp8 = state, backend, specs, weight_fp8
+                   state: "Fp8LayerState", backend: "Backend", specs: tuple, weight_fp8: Any,
+                   training: bool) -> torch.Tensor:
+    """Keep on `ctx` what backward needs besides the saved tensors; y with x's leading dims. The FP8 weight is
+    kept unless it is made per call (ZeRO-3: backward makes it again from `ctx.weight`, the weight object, which
+    DeepSpeed re-gathers)."""
+    ctx.state, ctx.backend, ctx.specs = state, backend, specs
+    ctx.weight_fp8 = None if state.weight_per_call else weight_fp8
+    ctx.weight, ctx.training = weight, training
     ctx.x_shape, ctx.x_dtype, ctx.w_dtype, ctx.has_bias = x.shape, x.dtype, weight.dtype, bias is not None
     return y.reshape(*x.shape[:-1], y.shape[-1])
 

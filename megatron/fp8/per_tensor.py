@@ -48,9 +48,7 @@ class Fp8LinearFunction(torch.autograd.Function):
         saved_x = q_x if recipe.fp8_wgrad else x2d
         ctx.save_for_backward(saved_x, s_x, column_scale)
         ctx.weight_scale, ctx.weight_amax = w.scale, w.amax  # a per-call weight is requantized with them
-        ctx.weight, ctx.training = weight, training  # the weight object: re-gathered by backward under ZeRO-3
-        return gemm_steps.finish_forward(ctx, y, x, weight, bias, state, backend, specs,
-                                         None if state.weight_per_call else w)
+        return gemm_steps.finish_forward(ctx, y, x, weight, bias, state, backend, specs, w, training)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:

@@ -138,9 +138,7 @@ class TiledFp8LinearFunction(torch.autograd.Function):
             else:
                 ctx.save_for_backward(x2d, None, column_scale)
         ctx.wgrad_fp8 = wgrad_fp8
-        ctx.weight, ctx.training = weight, training  # the weight object: re-gathered by backward under ZeRO-3
-        return gemm_steps.finish_forward(ctx, y, x, weight, bias, state, backend, specs,
-                                         None if state.weight_per_call else w)
+        return gemm_steps.finish_forward(ctx, y, x, weight, bias, state, backend, specs, w, training)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
