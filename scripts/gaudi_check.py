@@ -28,7 +28,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
-from gpu_check import run_stage  # noqa: E402  (the same stage runner: streaming, a limit, partial output kept)
+from gpu_check import run_stages  # noqa: E402  (the same stage runner: streaming, limits, partial output kept)
 
 DEADLINE_S = 280
 PY = sys.executable
@@ -116,20 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     results: dict = {"env": info}
     json_path = out / "gaudi_check.json"
     json_path.write_text(json.dumps(results, indent=1))
-    deadline = time.time() + DEADLINE_S
-    for stage in plan():
-        left = deadline - time.time()
-        if left < 10:
-            results[stage["name"]] = {"rc": 124, "seconds": 0, "summary": "skipped: the check's time ran out",
-                                      "output_tail": ""}
-            continue
-        print(f"[gaudi_check] {stage['name']} ...", flush=True)
-        results[stage["name"]] = run_stage(stage, out, min(stage["limit"], left))
-        print(f"[gaudi_check] {stage['name']}: rc {results[stage['name']]['rc']} in "
-              f"{results[stage['name']]['seconds']} s", flush=True)
-        json_path.write_text(json.dumps(results, indent=1))
+    passed = run_stages(plan(), results, out, json_path, DEADLINE_S, "gaudi_check")
     write_markdown(results, out / "gaudi_check.md")
-    return 0 if all(r["rc"] == 0 for k, r in results.items() if k != "env") else 1
+    return 0 if passed else 1
 
 
 if __name__ == "__main__":

@@ -135,6 +135,23 @@ def run_stage(stage: dict, out: Path, limit: float, echo=print) -> dict:
             "output_tail": output[-6000:]}
 
 
+def run_stages(stages: list[dict], results: dict, out: Path, json_path: Path, deadline_s: float, tag: str) -> bool:
+    """Run `stages` in order within `deadline_s` (a stage starts only with 10 s left, and gets at most what is left),
+    rewriting `json_path` with `results` after each: a later stage may not finish. Whether every stage passed."""
+    deadline = time.time() + deadline_s
+    for stage in stages:
+        left = deadline - time.time()
+        if left < 10:
+            results[stage["name"]] = {"rc": 124, "seconds": 0, "summary": "skipped: the check's time ran out",
+                                      "output_tail": ""}
+            continue
+        print(f"[{tag}] {stage['name']} ...", flush=True)
+        result = results[stage["name"]] = run_stage(stage, out, min(stage["limit"], left))
+        print(f"[{tag}] {stage['name']}: rc {result['rc']} in {result['seconds']} s {result['summary']}", flush=True)
+        json_path.write_text(json.dumps(results, indent=1))
+    return all(r["rc"] == 0 for k, r in results.items() if k != "env")
+
+
 def write_markdown(results: dict, path: Path) -> None:
     env = results.get("env", {})
     lines = ["# GPU check", "", f"- GPU: {env.get('name', '?')} x{env.get('gpus', '?')} (sm {env.get('capability')}), "
@@ -174,20 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     results: dict = {"env": info}
     json_path = out / "gpu_check.json"
     json_path.write_text(json.dumps(results, indent=1))
-    deadline = time.time() + DEADLINE_S
-    for stage in plan(info["gpus"]):
-        left = deadline - time.time()
-        if left < 10:
-            results[stage["name"]] = {"rc": 124, "seconds": 0, "summary": "skipped: the check's time ran out",
-                                      "output_tail": ""}
-            continue
-        print(f"[gpu_check] {stage['name']} ...", flush=True)
-        results[stage["name"]] = run_stage(stage, out, min(stage["limit"], left))
-        print(f"[gpu_check] {stage['name']}: rc {results[stage['name']]['rc']} in "
-              f"{results[stage['name']]['seconds']} s {results[stage['name']]['summary']}", flush=True)
-        json_path.write_text(json.dumps(results, indent=1))  # at once: a later stage may not finish
+    passed = run_stages(plan(info["gpus"]), results, out, json_path, DEADLINE_S, "gpu_check")
     write_markdown(results, out / "gpu_check.md")
-    return 0 if all(r["rc"] == 0 for k, r in results.items() if k != "env") else 1
+    return 0 if passed else 1
 
 
 if __name__ == "__main__":
