@@ -277,7 +277,7 @@ class _Server:
 
 
 _server: _Server | None = None
-# What this session's launches were: forked, real processes (an import-time variable differed), servers started.
+# What this pytest process's launches were: forked, real processes (an import-time variable differed), servers started.
 COUNTS = {"forked": 0, "real": 0, "servers": 0}
 
 

@@ -94,7 +94,7 @@ def test_no_host_to_device_copies_in_the_steps(monkeypatch, engine):
     if engine:
         pytest.importorskip("deepspeed")
         # DeepSpeed reads LOCAL_RANK; the engine sets it only when it creates the 1-rank process group, which an
-        # earlier in-process DeepSpeed test of this session may have created already.
+        # earlier in-process DeepSpeed test in the same pytest process may have created already.
         monkeypatch.setenv("LOCAL_RANK", "0")
     argv = tiny_argv("--fp8-format", "hybrid", "--fp8-power-of-two-scales", "--smooth-swiglu", "--optimizer",
                      "fp8adam", "--log-fp8-stats", "--device", "cpu", *engine, train_iters=4, log_interval=2,
