@@ -10,7 +10,8 @@ Perplexity on `--data-path` uses the training pipeline (same samples, masks and 
 mean as the run's validation; the run's seed and micro-batch size by default), over one pass of
 the data unless `--eval-samples` sets N. `--text-file` scores every token of a raw file. Each
 `--task` is a JSONL file of {"context", "choices", "label"} scored by log-likelihood (acc, acc_norm).
-The tokenizer is the one recorded in the checkpoint unless tokenizer flags are given.
+The tokenizer is the one recorded in the checkpoint unless tokenizer flags are given. A checkpoint of an FP8 run
+is scored with its high-precision weights (FP32, or BF16 autocast with --bf16), which one output line says.
 """
 from __future__ import annotations
 
@@ -82,6 +83,12 @@ def main(argv: Optional[list[str]] = None) -> dict:
     training = loaded.training_config
     results: dict = {"checkpoint": str(loaded.path), "iteration": loaded.iteration}
     print(f"checkpoint {loaded.path} (iteration {loaded.iteration}), seq_length {mcfg.seq_length}")
+    fp8 = loaded.raw_config.get("fp8")
+    if fp8:
+        # The checkpoint holds the high-precision (master) weights; the tools build plain nn.Linear layers from them.
+        results["trained_fp8_recipe"] = fp8
+        print(f"trained with FP8 linears ({fp8['format']}, {fp8['scaling']} scaling): scored with its high-precision "
+              f"weights in {'BF16 autocast' if args.bf16 else 'FP32'}, not through FP8 GEMMs")
 
     if args.data_path:
         seed = args.seed if args.seed is not None else (training.seed if training else 1234)

@@ -53,6 +53,23 @@ def test_perplexity_equals_training_validation_loss(trained):
     assert got < math.log(128) - 0.5
 
 
+def test_an_fp8_checkpoint_is_scored_with_its_high_precision_weights_and_says_so(trained, capsys):
+    evaluate = load_tool("evaluate")
+    save = trained.root / "fp8_ckpt"
+    pretrain(parse_config(data_argv(trained.train, trained.valid, train_iters=2, eval_iters=0, save=str(save),
+                                    data_cache_path=str(trained.root / "cache"))
+                          + ["--fp8-format", "hybrid"]))
+    capsys.readouterr()
+    argv = ["--data-path", trained.valid, "--eval-samples", "4", "--device", "cpu"]
+    out = evaluate.main(["--load", str(save), *argv])
+    line = "trained with FP8 linears (hybrid, delayed scaling): scored with its high-precision weights in FP32"
+    assert line in capsys.readouterr().out
+    assert out["trained_fp8_recipe"]["format"] == "hybrid"
+    # Negative control: the high-precision run's checkpoint gets no such line.
+    out = evaluate.main(["--load", str(trained.root / "ckpt"), *argv])
+    assert "FP8" not in capsys.readouterr().out and "trained_fp8_recipe" not in out
+
+
 @pytest.mark.isa_sensitive
 def test_default_is_one_pass_and_prefix_stable(trained):
     from megatron.checkpoint_conversion import load_gpt_checkpoint
