@@ -24,7 +24,8 @@ from megatron.compat import (
     CompatConfig, add_compat_arguments, env_recipe_flags, normalization_type, optimizer_type,
     parse_collecting_problems, resolve_compat,
 )
-from megatron.fp8.recipe import DEFAULT_FAST_ACCUM, AmaxComputeAlgo, Fp8Backend, Fp8Format, Fp8Recipe, Fp8Scaling
+from megatron.fp8.recipe import (AUTOHEAL_ACTIONS, DEFAULT_FAST_ACCUM, AmaxComputeAlgo, Fp8Backend, Fp8Format,
+                                 Fp8Recipe, Fp8Scaling)
 from megatron.model.compile import check_torch_compile_supported
 from megatron.parallel_state import world_size_from_env
 
@@ -161,10 +162,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "FP32 either way")
     g.add_argument("--log-fp8-stats", action="store_true", help="per-layer FP8 amax/clipping statistics")
     g.add_argument("--fp8-autoheal", action="store_true",
-                   help="at log iterations, raise the margin of an FP8 tensor that keeps clipping (megatron/fp8/"
-                        "autoheal.py; docs/stability.md)")
+                   help="at log iterations, repair the scaling of an FP8 tensor that keeps clipping: more margin, "
+                        "then current scaling, Smooth-SwiGLU for fc2, BF16 (docs/stability.md)")
+    g.add_argument("--fp8-autoheal-actions", default=None,
+                   help="comma-separated rungs the controller may climb, in order: margin,current,smooth,bf16 "
+                        "(default: those that apply to the recipe and model)")
     g.add_argument("--fp8-autoheal-clip-threshold", type=float, default=1e-3,
                    help="clipped fraction of a tensor's values that counts against it")
+    g.add_argument("--fp8-autoheal-flush-threshold", type=float, default=1e-2,
+                   help="fraction of a current-scaled tensor's nonzero values flushed to 0 that counts against it")
     g.add_argument("--fp8-autoheal-patience", type=int, default=2,
                    help="consecutive log iterations over the threshold before acting")
     g.add_argument("--fp8-autoheal-max-margin", type=int, default=4,
@@ -483,16 +489,35 @@ def _saved_padded_vocab(load: str) -> Optional[int]:
 
 
 def _fp8_autoheal(a: argparse.Namespace) -> Fp8AutohealConfig:
-    tuned = {"--fp8-autoheal-clip-threshold": a.fp8_autoheal_clip_threshold != 1e-3,
+    tuned = {"--fp8-autoheal-actions": a.fp8_autoheal_actions is not None,
+             "--fp8-autoheal-clip-threshold": a.fp8_autoheal_clip_threshold != 1e-3,
+             "--fp8-autoheal-flush-threshold": a.fp8_autoheal_flush_threshold != 1e-2,
              "--fp8-autoheal-patience": a.fp8_autoheal_patience != 2,
              "--fp8-autoheal-max-margin": a.fp8_autoheal_max_margin != 4,
              "--fp8-autoheal-undo-after": a.fp8_autoheal_undo_after != 0}
     unused = [flag for flag, given in tuned.items() if given and not a.fp8_autoheal]
     if unused:
         raise ValueError(f"{', '.join(unused)} only apply with --fp8-autoheal: add it or drop them")
-    return Fp8AutohealConfig(enabled=a.fp8_autoheal, clip_threshold=a.fp8_autoheal_clip_threshold,
-                             patience=a.fp8_autoheal_patience, max_margin=a.fp8_autoheal_max_margin,
-                             undo_after=a.fp8_autoheal_undo_after)
+    if not a.fp8_autoheal:
+        return Fp8AutohealConfig()
+    # The rungs that make sense here: current scaling only under delayed scaling (tensorwise is current already);
+    # Smooth-SwiGLU only for an FP8 fc2 behind a SwiGLU that is not smoothed already.
+    why_not = {"current": a.fp8_recipe != "delayed" and f"--fp8-recipe {a.fp8_recipe} scales every tensor by its "
+                                                        "own amax already",
+               "smooth": (not a.swiglu and "the model has no --swiglu")
+               or (a.smooth_swiglu and "--smooth-swiglu is on for every layer already")
+               or (a.fp8_mlp_fc2_bf16 and "--fp8-mlp-fc2-bf16 keeps every fc2 in BF16")}
+    if a.fp8_autoheal_actions is None:
+        actions = tuple(x for x in AUTOHEAL_ACTIONS if not why_not.get(x))
+    else:
+        actions = tuple(x for x in a.fp8_autoheal_actions.split(",") if x)
+        refused = [f"{x} ({why_not[x]})" for x in actions if why_not.get(x)]
+        if refused:
+            raise ValueError(f"--fp8-autoheal-actions: {'; '.join(refused)}: drop it from the list")
+    return Fp8AutohealConfig(enabled=True, clip_threshold=a.fp8_autoheal_clip_threshold,
+                             flush_threshold=a.fp8_autoheal_flush_threshold, patience=a.fp8_autoheal_patience,
+                             max_margin=a.fp8_autoheal_max_margin, undo_after=a.fp8_autoheal_undo_after,
+                             actions=actions)
 
 
 def _fp8_recipe(a: argparse.Namespace, model: ModelConfig) -> Optional[Fp8Recipe]:

@@ -1,29 +1,33 @@
-"""`--fp8-autoheal`: the FP8 controller. It watches each FP8 tensor's clipping and repairs that tensor's scaling
-mid-run.
+"""`--fp8-autoheal`: the FP8 controller. It watches each FP8 tensor's clipping, flushing and inf/NaN counts and
+repairs that tensor's scaling mid-run, climbing a ladder of actions from the least costly.
 
 Delayed scaling quantizes with a scale from earlier steps, so a tensor whose amax grows faster than its history
 clips: values beyond the FP8 maximum saturate. docs/stability.md measured it on fc2's input (0.2-0.5% of its values
 clipped, a worse training loss in 2 of 3 seeds), and a margin of 2 (`--fp8-margin 2`) removed it, for every tensor of
-the model. The controller gives that margin only to the tensors that need it, when they need it:
+the model. The controller gives the repair only to the tensors that need it, when they need it.
 
 - Signal: at each log iteration the FP8 statistics (stats.py, recorded in that iteration only) give every tensor's
-  clipped fraction. The fractions are max-reduced over `group`, the ranks that hold the same layers (data and tensor
-  parallel), so every rank sees the same numbers and takes the same decision at the same iteration. One small
-  collective and one host read per log iteration; nothing per step.
-- Action: a tensor (layer and role: input, weight or grad_output) whose clipped fraction exceeds `clip_threshold` at
-  `patience` consecutive log iterations gets one more power of two of margin (`Fp8LayerState.extra_margin`), up to
-  `max_margin`. The next scaling update (and every per-call scale) uses it; nothing else changes.
-- Undo (`undo_after` > 0): after that many clean log iterations in a row a raised margin is lowered by one.
-- Each action is one log line (iteration, layer, tensor, the clipped fraction and the threshold, the margin before
-  and after) and counts in the TensorBoard scalar `fp8/autoheal-actions`. The margins are part of the FP8 checkpoint
-  state and the controller's counters (`state_dict`) travel with the checkpoint, so a resumed run makes the
-  decisions the uninterrupted run would have made.
+  clipped fraction, flushed fraction and inf/NaN count. They are max-reduced over `group`, the ranks that hold the
+  same layers (data and tensor parallel), so every rank sees the same numbers and takes the same decision at the
+  same iteration. One small collective and one host read per log iteration; nothing per step.
+- The ladder of one tensor (layer and role: input, weight or grad_output), each rung taken after `patience`
+  consecutive log iterations in trouble, only the rungs in `config.actions` (`--fp8-autoheal-actions`):
+    1. `margin`, up to `max_margin` times: one more power of two of margin (`Fp8LayerState.extra_margin`); in
+       trouble = clipped fraction over `clip_threshold`, or an inf/NaN;
+    2. `current` (delayed recipe only): the tensor is cast with a scale from its own amax at every cast
+       (`Fp8LayerState.current_roles`); same trouble;
+    3. `smooth` (fc2's input behind a SwiGLU only): Smooth-SwiGLU's channel scaling for that layer's MLP, an exact
+       re-parametrisation with no weight change (megatron/model/smooth_swiglu.py); in trouble = also a flushed
+       fraction over `flush_threshold` (once current-scaled, an outlier shows as the rest flushing to zero);
+    4. `bf16`: the layer runs nn.Linear's GEMM in the compute dtype (`Fp8LayerState.high_precision`); same.
+- Undo (`undo_after` > 0): after that many clean log iterations in a row the last rung is stepped down.
+- Each action is one log line (iteration, layer, tensor, the signal and its value, the action) and counts in the
+  TensorBoard scalar `fp8/autoheal-actions`. The layers' margins, current roles and high precision are part of the
+  FP8 checkpoint state, and the controller's levels and counters (`state_dict`) travel with the checkpoint, so a
+  resumed run makes the decisions the uninterrupted run would have made.
 
-Free when nothing is wrong: with no action taken the margins stay 0, so the run computes exactly what it computes
-without the flag (statistics only observe).
-
-Not done yet (see the issue tracker): switching a tensor to current scaling, Smooth-SwiGLU's channel scaling for one
-layer's fc2, BF16 for one layer; the lab's learning-rate sweep that decides the default.
+Free when nothing is wrong: with no action taken every layer computes exactly what it computes without the flag
+(statistics only observe).
 """
 from __future__ import annotations
 
@@ -34,19 +38,32 @@ import torch
 from torch import nn
 
 from megatron import comm
-from megatron.fp8.recipe import Fp8AutohealConfig
 from megatron.fp8.linear import Fp8Linear
-from megatron.fp8.scaling import ROLE_NAMES
+from megatron.fp8.recipe import Fp8AutohealConfig, Fp8Scaling
+from megatron.fp8.scaling import ROLE_NAMES, Fp8Role
 
 logger = logging.getLogger("megatron")
 
+def _smoothable_mlps(model: nn.Module) -> dict[str, nn.Module]:
+    """{name of an FP8 fc2: its MLP} for SwiGLU MLPs without Smooth-SwiGLU of their own (the `smooth` rung)."""
+    out = {}
+    for name, module in model.named_modules():
+        fc2 = getattr(module, "linear_fc2", None)
+        if getattr(module, "swiglu", False) and isinstance(fc2, Fp8Linear):
+            smooth = getattr(module, "smooth_swiglu", None)
+            if smooth is None or getattr(smooth, "from_autoheal", False):
+                out[f"{name}.linear_fc2" if name else "linear_fc2"] = module
+    return out
+
 
 class Fp8Controller:
-    """The decisions of `--fp8-autoheal` for one model (module docstring)."""
+    """The decisions of `--fp8-autoheal` for one model (module docstring). `tp_group`: the tensor-parallel group,
+    which a Smooth-SwiGLU the controller turns on reduces over (as `--smooth-swiglu`'s does)."""
 
-    def __init__(self, model: nn.Module, config: Fp8AutohealConfig, group: Any = None) -> None:
+    def __init__(self, model: nn.Module, config: Fp8AutohealConfig, group: Any = None, tp_group: Any = None) -> None:
         self.config = config
         self.group = group
+        self.tp_group = tp_group
         self.actions = 0
         self.bind(model)
 
@@ -54,65 +71,168 @@ class Fp8Controller:
         """Watch `model`'s FP8 layers under the names its statistics carry (again after a pipeline stage is cut
         out of the model)."""
         self.layers = [(name, m) for name, m in model.named_modules() if isinstance(m, Fp8Linear)]
+        self.mlps = _smoothable_mlps(model)
         n = len(ROLE_NAMES)
-        self.streak = {name: [0] * n for name, _ in self.layers}  # consecutive log iterations over the threshold
+        self.level = {name: [0] * n for name, _ in self.layers}  # rungs climbed per tensor
+        self.streak = {name: [0] * n for name, _ in self.layers}  # consecutive log iterations in trouble
         self.clean = {name: [0] * n for name, _ in self.layers}  # consecutive clean ones (for undo_after)
 
-    def clipped_fractions(self, stats: dict[str, float]) -> torch.Tensor:
-        """[layers, roles] clipped fractions from `collect_fp8_stats`'s values (0 where nothing was recorded),
-        max-reduced over the ranks holding the same layers."""
-        values = [[stats.get(f"fp8/{name}/{role}/clipped_frac" if name else f"fp8/{role}/clipped_frac", 0.0)
-                   for role in ROLE_NAMES] for name, _ in self.layers]
-        fractions = torch.tensor(values, dtype=torch.float64).reshape(len(self.layers), len(ROLE_NAMES))
+    def rungs(self, name: str, layer: Fp8Linear, role: int) -> list[str]:
+        """The ladder of one tensor: the configured actions that apply to it, each margin rung once per power."""
+        out: list[str] = []
+        for action in self.config.actions:
+            if action == "margin":
+                out += ["margin"] * self.config.max_margin
+            elif action == "current" and layer.fp8.recipe.scaling is Fp8Scaling.DELAYED:
+                out.append("current")
+            elif action == "smooth" and role == Fp8Role.INPUT and name in self.mlps:
+                out.append("smooth")
+            elif action == "bf16":
+                out.append("bf16")
+        return out
+
+    # --- signals --------------------------------------------------------------------------------------------------
+
+    def signals(self, stats: dict[str, float]) -> torch.Tensor:
+        """[layers, roles, 3]: clipped fraction, flushed fraction, inf/NaN count from `collect_fp8_stats`'s values
+        (0 where nothing was recorded), max-reduced over the ranks holding the same layers."""
+        def get(name: str, role: str, signal: str) -> float:
+            return stats.get(f"fp8/{name}/{role}/{signal}" if name else f"fp8/{role}/{signal}", 0.0)
+
+        values = [[[get(n, r, "clipped_frac"), get(n, r, "flushed_frac"),
+                    get(n, r, "nan_count") + get(n, r, "inf_count")] for r in ROLE_NAMES] for n, _ in self.layers]
+        out = torch.tensor(values, dtype=torch.float64).reshape(len(self.layers), len(ROLE_NAMES), 3)
         if self.group is not None or comm.world_group() is not None:
             device = self.layers[0][1].fp8_scale.device if self.layers else torch.device("cpu")
-            on_device = fractions.to(device=device, dtype=torch.float32)
+            on_device = out.to(device=device, dtype=torch.float32)
             comm.all_reduce(on_device, self.group if self.group is not None else comm.world_group(),
                             comm.ReduceOp.MAX)
-            fractions = on_device.cpu().double()
-        return fractions
+            out = on_device.cpu().double()
+        return out
+
+    def clipped_fractions(self, stats: dict[str, float]) -> torch.Tensor:
+        """[layers, roles] clipped fractions (`signals`)."""
+        return self.signals(stats)[..., 0]
+
+    def _trouble(self, next_rung: str | None, clipped: float, flushed: float, nonfinite: float) -> str | None:
+        """What counts against a tensor whose next rung is `next_rung`, as the log line's words; None: clean."""
+        cfg = self.config
+        if nonfinite > 0:
+            return f"held {int(nonfinite)} inf/NaN values"
+        if clipped > cfg.clip_threshold:
+            return f"clipped {clipped:.2e} of its values (> {cfg.clip_threshold:.1e})"
+        if next_rung in ("smooth", "bf16") and flushed > cfg.flush_threshold:
+            return f"flushed {flushed:.2e} of its nonzero values to 0 (> {cfg.flush_threshold:.1e})"
+        return None
+
+    # --- decisions ------------------------------------------------------------------------------------------------
 
     def step(self, iteration: int, stats: dict[str, float]) -> list[str]:
         """Decide at log iteration `iteration` from its statistics; the actions taken, as log lines (also logged)."""
-        fractions = self.clipped_fractions(stats).tolist()
+        signals = self.signals(stats).tolist()
         cfg = self.config
         lines = []
-        for (name, layer), row in zip(self.layers, fractions):
-            extra = layer.fp8.extra_margin
-            for role, clipped in enumerate(row):
-                if clipped > cfg.clip_threshold:
+        for (name, layer), rows in zip(self.layers, signals):
+            for role, (clipped, flushed, nonfinite) in enumerate(rows):
+                rungs = self.rungs(name, layer, role)
+                level = self.level[name][role]
+                next_rung = rungs[level] if level < len(rungs) else None
+                why = self._trouble(next_rung, clipped, flushed, nonfinite)
+                if why is not None:
                     self.streak[name][role] += 1
                     self.clean[name][role] = 0
                 else:
                     self.streak[name][role] = 0
                     self.clean[name][role] += 1
-                before = extra[role]
-                if self.streak[name][role] >= cfg.patience and extra[role] < cfg.max_margin:
-                    extra[role] += 1
+                if why is not None and next_rung is not None and self.streak[name][role] >= cfg.patience:
+                    text = self._move(name, layer, role, rungs, level + 1)
                     self.streak[name][role] = 0
-                    why = (f"clipped {clipped:.2e} of its values (> {cfg.clip_threshold:.1e}) at {cfg.patience} "
-                           "log iterations in a row")
-                elif cfg.undo_after and extra[role] > 0 and self.clean[name][role] >= cfg.undo_after:
-                    extra[role] -= 1
+                    why = f"{why} at {cfg.patience} log iterations in a row"
+                elif cfg.undo_after and level > 0 and self.clean[name][role] >= cfg.undo_after:
+                    text = self._move(name, layer, role, rungs, level - 1)
                     self.clean[name][role] = 0
                     why = f"clean at {cfg.undo_after} log iterations in a row"
                 else:
                     continue
                 self.actions += 1
                 lines.append(f"fp8 autoheal: iteration {iteration}: {name or '(model)'} {ROLE_NAMES[role]} {why}: "
-                             f"extra margin {before} -> {extra[role]} (scale / {2 ** extra[role]})")
+                             f"{text}")
         for line in lines:
             logger.warning("%s", line)
         return lines
 
+    def _move(self, name: str, layer: Fp8Linear, role: int, rungs: list[str], level: int) -> str:
+        """Set one tensor's level and apply it; the log line's description of the change."""
+        before = self.level[name][role]
+        rung = rungs[max(before, level) - 1]
+        margin_before = layer.fp8.extra_margin[role]
+        self.level[name][role] = level
+        self.apply(name, layer)
+        on = level > before
+        if rung == "margin":
+            extra = layer.fp8.extra_margin[role]
+            return f"extra margin {margin_before} -> {extra} (scale / {2 ** extra})"
+        if rung == "current":
+            return "current scaling (its own amax at every cast)" if on else "back to delayed scaling"
+        if rung == "smooth":
+            mlp = name.rsplit(".", 1)[0] if "." in name else "(model)"
+            return f"Smooth-SwiGLU channel scaling {'on' if on else 'off'} for {mlp}"
+        return "the layer runs in high precision (no FP8 cast)" if on else "the layer is back in FP8"
+
+    def apply(self, name: str, layer: Fp8Linear) -> None:
+        """Make one layer (and its MLP's smoothing, for an fc2) what its tensors' levels say."""
+        climbed = [self.rungs(name, layer, r)[:self.level[name][r]] for r in range(len(ROLE_NAMES))]
+        state = layer.fp8
+        state.extra_margin = [c.count("margin") for c in climbed]
+        current = tuple("current" in c for c in climbed)
+        if current != state.current_roles:
+            state.current_roles = current
+            layer.invalidate_fp8_weight_cache()  # the weight's cast follows its role's scaling
+        state.high_precision = any("bf16" in c for c in climbed)
+        mlp = self.mlps.get(name)
+        if mlp is not None:
+            self._set_smoothing(mlp, "smooth" in climbed[Fp8Role.INPUT])
+
+    def _set_smoothing(self, mlp: nn.Module, on: bool) -> None:
+        from megatron.model.smooth_swiglu import SmoothSwiGLU, SmoothSwiGLUGranularity
+
+        smooth = getattr(mlp, "smooth_swiglu", None)
+        if smooth is None:
+            if not on:
+                return
+            smooth = SmoothSwiGLU(SmoothSwiGLUGranularity.CHANNEL, has_bias=mlp.linear_fc2.bias is not None)
+            smooth.from_autoheal = True
+            smooth.tp_group = self.tp_group
+            mlp.smooth_swiglu = smooth
+        smooth.enabled = on
+
+    # --- checkpoint -----------------------------------------------------------------------------------------------
+
     def state_dict(self) -> dict:
-        return {"streak": {k: list(v) for k, v in self.streak.items()},
-                "clean": {k: list(v) for k, v in self.clean.items()}, "actions": self.actions}
+        return {"level": {k: list(v) for k, v in self.level.items()},
+                "streak": {k: list(v) for k, v in self.streak.items()},
+                "clean": {k: list(v) for k, v in self.clean.items()}, "actions": self.actions,
+                "ladder": {"actions": list(self.config.actions), "max_margin": self.config.max_margin}}
 
     def load_state_dict(self, state: dict) -> None:
-        """The counters of a checkpoint (the margins themselves come with the FP8 scaling state)."""
+        """The levels and counters of a checkpoint, applied to the layers. A checkpoint written before levels were
+        kept has the margins only (in the FP8 state): they count as margin rungs."""
+        ladder = state.get("ladder")
+        mine = {"actions": list(self.config.actions), "max_margin": self.config.max_margin}
+        if ladder is not None and ladder != mine:
+            logger.warning("fp8 autoheal: the checkpoint's ladder (actions %s, max margin %s) differs from this "
+                           "run's (--fp8-autoheal-actions %s, --fp8-autoheal-max-margin %s): its levels are read "
+                           "as rungs of this run's ladder", ",".join(ladder["actions"]), ladder["max_margin"],
+                           ",".join(mine["actions"]), mine["max_margin"])
         for key in ("streak", "clean"):
             for name, values in state.get(key, {}).items():
                 if name in getattr(self, key):
                     getattr(self, key)[name] = [int(v) for v in values]
+        levels = state.get("level")
+        for name, layer in self.layers:
+            if levels is not None and name in levels:
+                self.level[name] = [min(int(v), len(self.rungs(name, layer, r))) for r, v in enumerate(levels[name])]
+            elif levels is None:
+                self.level[name] = [min(int(e), self.config.max_margin) for e in layer.fp8.extra_margin]
+            self.apply(name, layer)
         self.actions = int(state.get("actions", 0))

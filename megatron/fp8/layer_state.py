@@ -120,6 +120,11 @@ class Fp8LayerState:
         # Per role: powers of two of margin on top of the recipe's, raised by the FP8 controller (autoheal.py) for a
         # tensor that keeps clipping; checkpointed with the scaling state.
         self.extra_margin: list[int] = [0, 0, 0]
+        # Per role: cast with its own current amax whatever the recipe (the controller's next step after the
+        # margin); a tuple, replaced on change, so a compiled graph that read it is retraced.
+        self.current_roles: tuple[bool, bool, bool] = (False, False, False)
+        # The controller's last resort: the layer runs nn.Linear's GEMM in the compute dtype, no FP8 cast.
+        self.high_precision = False
         self._rows: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = None  # `role_rows`
         self.buffers: dict[str, torch.Tensor] = {}
 
@@ -173,6 +178,11 @@ class Fp8LayerState:
         """The role's margin: the recipe's plus what the controller added (`extra_margin`)."""
         return self.recipe.margin + self.extra_margin[int(role)]
 
+    def role_delayed(self, role: Fp8Role) -> bool:
+        """Whether the role is cast with its delayed (history) scale: the recipe's delayed scaling, unless the
+        controller switched the role to current scaling (`current_roles`)."""
+        return self.recipe.scaling is Fp8Scaling.DELAYED and not self.current_roles[int(role)]
+
     def role_rows(self, role: Fp8Role) -> tuple[torch.Tensor, torch.Tensor]:
         """The role's entries of `fp8_scale` and `fp8_step_amax` as 0-d views, made once per buffer (indexing
         the buffers is a dispatched op each time, and an eager layer indexes them for every tensor it casts)."""
@@ -211,7 +221,7 @@ class Fp8LayerState:
         would cost more than the GEMM for small layers.
         """
         scale_row, _ = self.role_rows(role)
-        delayed = self.recipe.scaling is Fp8Scaling.DELAYED
+        delayed = self.role_delayed(role)
         if delayed and self.known_valid[int(role)]:  # the history's scale, no arithmetic (steady state)
             if record:
                 self.record_amax(role, amax)
@@ -259,9 +269,10 @@ class Fp8LayerState:
         scale, amax); records the amax (and the tensorwise scale) as `scale_for` does. `known_valid`: the role's
         delayed scale is known to be valid, so the cast needs no amax."""
         recipe = self.recipe
+        delayed = self.role_delayed(role)
         q, values, scale, amax = fused.quantize_tensor(
-            t.detach(), self.scale[role], self.scale_valid[role], recipe.scaling is Fp8Scaling.DELAYED,
-            spec.max, self.margin(role), recipe.power_of_two_scales, spec.torch_dtype, values_dtype, known_valid)
+            t.detach(), self.scale[role], self.scale_valid[role], delayed, spec.max, self.margin(role),
+            recipe.power_of_two_scales, spec.torch_dtype, values_dtype, known_valid and delayed)
         if record:
             self.record_amax(role, amax, scale)
         return q, values, scale, amax

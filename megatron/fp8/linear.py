@@ -175,7 +175,13 @@ class Fp8Linear(nn.Linear):
         `column_scale_group` is the group over which the amax of W diag(c) is max-reduced (TP shards).
 
         Inside a compiled transformer block (`--torch-compile`) the per-tensor recipes are traced into the
-        block's graph (traced.py); everything else runs `_eager_forward`, a graph break there."""
+        block's graph (traced.py); everything else runs `_eager_forward`, a graph break there. A layer the FP8
+        controller put in high precision (`Fp8LayerState.high_precision`) runs nn.Linear's GEMM instead."""
+        if self.fp8.high_precision:
+            weight = self.weight
+            if weight_column_scale is not None:  # the fold Smooth-SwiGLU applies to a high-precision fc2
+                weight = weight * weight_column_scale.detach().to(weight.dtype)
+            return nn.functional.linear(x, weight, self.bias)
         if torch.compiler.is_compiling() and traced.traceable(self.fp8, x, column_scale_group):
             column_scale = None if weight_column_scale is None else weight_column_scale.detach()
             return traced.forward(self.fp8, x, self.weight, self.bias, _output_dtype(x), self.training, column_scale,

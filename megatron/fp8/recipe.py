@@ -165,19 +165,33 @@ class Fp8Recipe:
         return cls(**values)  # __post_init__ turns strings back into enums
 
 
+# The FP8 controller's actions, least costly first (megatron/fp8/autoheal.py).
+AUTOHEAL_ACTIONS = ("margin", "current", "smooth", "bf16")
+
+
 @dataclass(frozen=True)
 class Fp8AutohealConfig:
     """The FP8 controller's rules (megatron/fp8/autoheal.py); `enabled` is --fp8-autoheal."""
 
     enabled: bool = False
     clip_threshold: float = 1e-3  # clipped fraction of a tensor's values that counts against it at a log iteration
+    # fraction of a tensor's nonzero values flushed to 0 that counts against it once it is current-scaled (one
+    # outlier squeezing the rest of the tensor below E4M3's smallest subnormal)
+    flush_threshold: float = 1e-2
     patience: int = 2  # consecutive log iterations over the threshold before the controller acts
     max_margin: int = 4  # the most powers of two of extra margin one tensor may get
-    undo_after: int = 0  # clean log iterations after which an extra margin is lowered again by one (0: never)
+    undo_after: int = 0  # clean log iterations after which the last action is undone (0: never)
+    actions: tuple[str, ...] = AUTOHEAL_ACTIONS  # the rungs it may climb, in this order
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "actions", tuple(self.actions))
+        unknown = [a for a in self.actions if a not in AUTOHEAL_ACTIONS]
         checks = ((0 < self.clip_threshold < 1, f"--fp8-autoheal-clip-threshold must be in (0, 1), got "
                                                 f"{self.clip_threshold}"),
+                  (0 < self.flush_threshold < 1, f"--fp8-autoheal-flush-threshold must be in (0, 1), got "
+                                                 f"{self.flush_threshold}"),
+                  (not unknown and self.actions, f"--fp8-autoheal-actions: unknown {unknown or 'empty list'}; "
+                                                 f"pick from {','.join(AUTOHEAL_ACTIONS)}"),
                   (self.patience >= 1, f"--fp8-autoheal-patience must be >= 1, got {self.patience}"),
                   (1 <= self.max_margin <= 16, f"--fp8-autoheal-max-margin must be in [1, 16], got {self.max_margin}"),
                   (self.undo_after >= 0, f"--fp8-autoheal-undo-after must be >= 0, got {self.undo_after}"))

@@ -10,7 +10,9 @@ checkpoint loads into an FP8 model and back. The FP8 state is saved next to it a
                     "input":       {"amax_history": Tensor[L], "scale": Tensor[], "scale_valid": Tensor[]},
                     "weight":      {...},
                     "grad_output": {...},
-                    "extra_margin": [0, 1, 0]},   # only when the FP8 controller raised a margin (autoheal.py)
+                    "extra_margin": [0, 1, 0],    # only when the FP8 controller raised a margin (autoheal.py),
+                    "current_roles": [False, True, False],  # switched a role to current scaling,
+                    "high_precision": True},      # or put the layer in high precision
                 ...}}
 
 Only tensors, ints, strings and dicts: loadable with `torch.load(..., weights_only=True)`, keyed by layer
@@ -48,6 +50,10 @@ def fp8_state_dict(model: nn.Module, recipe: Fp8Recipe) -> dict[str, Any]:
         entry: dict[str, Any] = {"num_updates": int(m.fp8_num_updates)}
         if any(m.fp8.extra_margin):  # the FP8 controller's margins (autoheal.py); absent = none raised
             entry["extra_margin"] = [int(e) for e in m.fp8.extra_margin]
+        if any(m.fp8.current_roles):  # roles it switched to current scaling
+            entry["current_roles"] = [bool(c) for c in m.fp8.current_roles]
+        if m.fp8.high_precision:  # a layer it put in high precision
+            entry["high_precision"] = True
         for r, role in enumerate(ROLE_NAMES):
             entry[role] = {
                 "amax_history": m.fp8_amax_history[r].detach().cpu().clone(),
@@ -102,5 +108,7 @@ def load_fp8_state_dict(model: nn.Module, recipe: Fp8Recipe, state: dict[str, An
         m.fp8_step_amax.zero_()
         m.fp8_num_updates = int(entry["num_updates"])
         m.fp8.extra_margin = [int(e) for e in entry.get("extra_margin", (0, 0, 0))]
+        m.fp8.current_roles = tuple(bool(c) for c in entry.get("current_roles", (False, False, False)))
+        m.fp8.high_precision = bool(entry.get("high_precision", False))
         m.invalidate_fp8_weight_cache()
         m.forget_scale_validity()

@@ -107,10 +107,10 @@ def forward(state: Fp8LayerState, x: torch.Tensor, weight: torch.Tensor, bias: t
         s_w = nonfinite_guard(s_w, w_amax)
     g_spec = specs[_GRAD]
     consts = (backend.name, out_dtype, x.dtype, weight.dtype, recipe.power_of_two_scales, recipe.fp8_wgrad,
-              training, recipe.scaling.value == "delayed", recipe.scaling.value == "tensorwise",
+              training, state.role_delayed(_GRAD), recipe.scaling.value == "tensorwise",
               state.margin(_GRAD), g_spec.max, g_spec.torch_dtype, values_dtype,
               tuple(recipe.fast_accum_for(g) for g in Fp8Gemm),  # fprop, dgrad, wgrad
-              known_valid[_GRAD])
+              known_valid[_GRAD] and state.role_delayed(_GRAD))
     # What wgrad reads: Q(x) (1 byte per element), or x itself for a high-precision wgrad. None: the GEMM operand
     # itself (dynamo refuses one tensor passed twice).
     saved_x = (None if v_x is None else q_x) if recipe.fp8_wgrad else x2d.detach()

@@ -16,8 +16,9 @@ logger = logging.getLogger("megatron")
 
 class Fp8Hooks:
     def __init__(self, model: nn.Module, recipe: Optional[Fp8Recipe], amax_group, stats: bool,
-                 autoheal: Fp8AutohealConfig = Fp8AutohealConfig()) -> None:
+                 autoheal: Fp8AutohealConfig = Fp8AutohealConfig(), tp_group=None) -> None:
         self.model = model
+        self.amax_group, self.tp_group = amax_group, tp_group
         self.recipe = recipe
         self.log_stats = stats and recipe is not None  # --log-fp8-stats: statistics in the log line and TensorBoard
         self.controller = None  # --fp8-autoheal (megatron/fp8/autoheal.py), fed by the same statistics
@@ -32,7 +33,7 @@ class Fp8Hooks:
         if autoheal.enabled:
             from megatron.fp8.autoheal import Fp8Controller
 
-            self.controller = Fp8Controller(model, autoheal, amax_group)
+            self.controller = Fp8Controller(model, autoheal, amax_group, tp_group)
         if self.stats:
             enable_fp8_stats(model, True)
 
@@ -99,7 +100,7 @@ class Fp8Hooks:
         from megatron.fp8 import collect_fp8_stats, worst_fp8_layer
 
         stats = collect_fp8_stats(self.model, reset=True)
-        if self.controller is not None:
+        if self.controller is not None and self.controller.config.enabled:
             self.controller.step(iteration, stats)
             values["fp8/autoheal-actions"] = self.controller.actions
         if not self.log_stats:
@@ -128,5 +129,17 @@ class Fp8Hooks:
         from megatron.fp8 import load_fp8_state_dict
 
         load_fp8_state_dict(self.model, self.recipe, state)
+        saved = state.get("autoheal")
+        if self.controller is None and saved and any(any(v) for v in saved.get("level", {}).values()):
+            # Actions of a run with --fp8-autoheal, resumed without it: kept (the run continues as it was), no new
+            # ones taken. A controller that never steps applies them (the Smooth-SwiGLU ones live on the model).
+            from megatron.fp8.autoheal import Fp8Controller
+
+            ladder = saved.get("ladder", {})
+            frozen = Fp8AutohealConfig(actions=tuple(ladder.get("actions", ("margin",))),
+                                       max_margin=int(ladder.get("max_margin", 4)))
+            self.controller = Fp8Controller(self.model, frozen, self.amax_group, self.tp_group)
+            logger.warning("checkpoint %s holds %d FP8 controller action(s) (--fp8-autoheal): kept; add "
+                           "--fp8-autoheal to let it act further", source, int(saved.get("actions", 0)))
         if self.controller is not None:
-            self.controller.load_state_dict(state.get("autoheal", {}))
+            self.controller.load_state_dict(saved or {})

@@ -121,7 +121,7 @@ class Trainer:
                                  config.parallel.sequence_parallel, stage, zero3_partitioner(config, self.parallel))
         apply_habana_kernels(self.model, config.compat.kernels, self.accel.device_type)
         self.fp8 = Fp8Hooks(self.model, config.fp8, self.parallel.amax_group, config.logging.log_fp8_stats,
-                            config.fp8_autoheal)
+                            config.fp8_autoheal, self.parallel.tensor_parallel_group)
         logger.info("> number of parameters: %d", self.model.num_parameters())
         layers_view = self.model
         if self.parallel.pipeline_parallel_size > 1:  # keep this rank's stage only (after the FP8 swap)
