@@ -5,6 +5,7 @@ run's command.txt) with the divergence guard off. Presets (docs/stability.md: th
 
     python tools/stability_lab.py --preset inject     # controlled injection w1 = +-c w2, BF16 control picks c*
     python tools/stability_lab.py --preset natural    # tiny model overtrained on a small corpus, WD sweep
+    python tools/stability_lab.py --preset lr         # tiny model: final loss and divergence vs peak LR
     python tools/stability_lab.py --preset recipes    # demo model: loss gap to BF16 per --fp8-recipe (issue 16)
     python tools/stability_lab.py --preset ablation   # demo model: FP8 linears / Smooth-SwiGLU / Fp8AdamW
     python tools/stability_lab.py --quick             # the inject preset in miniature (< 60 s; the test)
@@ -26,7 +27,8 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.stability import analysis, presets, report  # noqa: E402
-from megatron.stability.runs import REPO, VARIANTS, Fp8Settings, ensure_demo_data  # noqa: E402
+from megatron.stability.runs import (REPO, BASE_VARIANTS, LR_VARIANTS, VARIANTS, Fp8Settings,  # noqa: E402
+                                     ensure_demo_data)
 
 RECIPES = ("delayed", "tensorwise", "rowwise", "blockwise", "mxfp8")
 
@@ -49,22 +51,29 @@ def _demo_module():
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", choices=["inject", "natural", "recipes", "ablation"], default="inject")
+    p.add_argument("--preset", choices=["inject", "natural", "lr", "recipes", "ablation"], default="inject")
     p.add_argument("--quick", action="store_true", help="the inject preset in miniature: 1 seed, BF16 and FP8")
     p.add_argument("--output-dir", default=None, help="default runs/stability/<preset> (runs/ is git-ignored)")
     p.add_argument("--data-dir", default="data/demo", help="the demo corpus (prepared if missing)")
     p.add_argument("--seeds", type=_ints, default=[1, 2, 3], help="comma-separated; the same for every variant")
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {','.join(VARIANTS)}")
+    p.add_argument("--variants", default=None,
+                   help=f"comma-separated subset of {','.join(VARIANTS)} (default: inject/natural "
+                        f"{','.join(BASE_VARIANTS)}; lr {','.join(LR_VARIANTS)})")
     p.add_argument("--inject-c", type=_floats, default=[1, 4, 16, 64], help="inject: the c values BF16 sweeps")
     p.add_argument("--inject-channels", type=int, default=2, help="inject: channels per layer set to +-c w2")
     p.add_argument("--base-iters", type=int, default=100, help="inject: iterations before the injection")
     p.add_argument("--resume-iters", type=int, default=60, help="inject: iterations after it")
+    p.add_argument("--fp8-every-c", action="store_true",
+                   help="inject: run the FP8 variants at every --inject-c, not only at c* (where BF16 recovers)")
     p.add_argument("--fp8-controls", action=argparse.BooleanOptionalAction, default=True,
                    help="inject: also resume each FP8 variant without the injection (its own control)")
-    p.add_argument("--iters", type=int, default=None, help="natural/recipes/ablation: iterations per run (default 200)")
+    p.add_argument("--iters", type=int, default=None,
+                   help="natural/lr/recipes/ablation: iterations per run (default 200)")
     p.add_argument("--lr", type=float, default=None, help="tiny-model presets (inject 3e-3, natural 1e-2)")
+    p.add_argument("--lrs", type=_floats, default=[3e-3, 1e-2, 3e-2, 1e-1, 3e-1],
+                   help="lr: the peak learning rates swept (constant after a 5%% warm-up)")
     p.add_argument("--weight-decay", type=_floats, default=None,
-                   help="inject: one value (0.1); natural: the sweep (0,0.1,1.0)")
+                   help="inject and lr: one value (0.1); natural: the sweep (0,0.1,1.0)")
     p.add_argument("--amax-history-len", type=int, default=16)
     p.add_argument("--fp8-margin", type=int, default=0)
     p.add_argument("--log-interval", type=int, default=5)
@@ -89,7 +98,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _check(args: argparse.Namespace) -> list[str]:
-    variants = [v for v in args.variants.split(",") if v]
+    default = LR_VARIANTS if args.preset == "lr" else BASE_VARIANTS
+    variants = [v for v in (args.variants if args.variants is not None else ",".join(default)).split(",") if v]
     bad = [v for v in variants if v not in VARIANTS]
     if bad or not variants:
         raise ValueError(f"--variants: unknown {bad or 'empty list'}; pick from {','.join(VARIANTS)}")
@@ -101,6 +111,8 @@ def _check(args: argparse.Namespace) -> list[str]:
             raise ValueError(f"{flag} must be >= 1, got {value}")
     if args.iters is not None and args.iters < 1:
         raise ValueError(f"--iters must be >= 1, got {args.iters}")
+    if not args.lrs or any(lr <= 0 for lr in args.lrs):
+        raise ValueError(f"--lrs: give positive learning rates, e.g. --lrs 3e-3,1e-2,3e-2; got {args.lrs}")
     if any(c <= 0 for c in args.inject_c) or not args.inject_c:
         raise ValueError(f"--inject-c: values must be > 0, got {args.inject_c}")
     return variants
@@ -123,7 +135,7 @@ def _inject(args, out: Path, data: Path, variants: list[str]) -> dict:
                                   fp8=Fp8Settings(amax_history_len=args.amax_history_len, margin=args.fp8_margin))
         result = presets.run_inject(out, data, setup, variants, args.seeds, args.inject_c, args.inject_channels,
                                     args.base_iters, args.resume_iters, fp8_controls=args.fp8_controls,
-                                    dry_run=args.dry_run, jobs=args.jobs)
+                                    dry_run=args.dry_run, jobs=args.jobs, fp8_every_c=args.fp8_every_c)
     if args.dry_run:
         return result
     result.update(_plots_inject(result, out))
@@ -181,6 +193,28 @@ def _natural(args, out: Path, data: Path, variants: list[str]) -> dict:
             result["plots"].append(str(analysis.plot_alignment_histograms(
                 e["start_alignment"], e["end_alignment"], out / f"stability_natural_wd{wd:g}_align_hist.png",
                 f"{variants[0]} wd {wd:g}")))
+    return result
+
+
+def _lr_sweep(args, out: Path, data: Path, variants: list[str]) -> dict:
+    """The natural preset's tiny model and small corpus at one weight decay, per peak LR, variant and seed."""
+    iters = args.iters or 200
+    wd = args.weight_decay or [0.1]
+    if len(wd) != 1:
+        raise ValueError("--weight-decay: the lr preset takes one value (the natural preset sweeps)")
+    result: dict = {"preset": "lr", "iters": iters, "weight_decay": wd[0], "variants": variants,
+                    "seeds": args.seeds, "by_lr": {}}
+    for lr in args.lrs:
+        setup = presets.TinySetup(lr=lr, weight_decay=wd[0], log_interval=args.log_interval, train_split="valid",
+                                  threads=args.threads, torch_compile=args.torch_compile,
+                                  fp8=Fp8Settings(amax_history_len=args.amax_history_len, margin=args.fp8_margin))
+        configs = {v: presets.variant_flags(v, setup.fp8) + ["--save-interval", str(iters)] for v in variants}
+        result["by_lr"][f"{lr:g}"] = presets.run_simple(
+            out / f"lr{lr:g}", configs, {v: args.seeds for v in variants},
+            lambda seed, s=setup: s.flags(data, seed, iters), args.threads, args.dry_run, jobs=args.jobs)
+    if not args.dry_run:
+        result["table"] = presets.lr_table(result["by_lr"], variants, args.seeds)
+        result["plots"] = [str(analysis.plot_loss_vs_lr(result["table"], out / "stability_lr_sweep.png"))]
     return result
 
 
@@ -260,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
             result = _inject(args, out, data, variants)
         elif args.preset == "natural":
             result = _natural(args, out, data, variants)
+        elif args.preset == "lr":
+            result = _lr_sweep(args, out, data, variants)
         else:
             result = _demo(args, out, data)
     except ValueError as exc:
@@ -274,8 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.reanalyze:
         # Each run's own CPU seconds (wait4): CPU-s / jobs is the preset's wall time on an idle machine with
         # --jobs free cores, whatever else ran beside it.
-        commands = result.get("commands", []) + [c for sub in result.get("by_weight_decay", {}).values()
-                                                   for c in sub.get("commands", [])]
+        subs = list(result.get("by_weight_decay", {}).values()) + list(result.get("by_lr", {}).values())
+        commands = result.get("commands", []) + [c for sub in subs for c in sub.get("commands", [])]
         cpu = [c["cpu_s"] for c in commands if c.get("cpu_s") == c.get("cpu_s")]  # NaN: a reused base run
         result["cpu_s"] = sum(cpu)
     presets.write_json(out / "summary.json", result)

@@ -27,6 +27,10 @@ GRAD_NORM = "grad-norm/grad-norm"
 _LEGACY = {"lm-loss": TRAIN, "lm-loss-validation/lm loss": VALID, "lm-loss-test/lm loss": TEST,
            "grad-norm": GRAD_NORM}
 _WARNING = re.compile(r"iteration (\d+): SwiGLU (\w+) of layer (\d+) jumped")
+_AUTOHEAL = re.compile(r"fp8 autoheal: iteration (\d+): (\S+) (input|weight|grad_output) (.*)$", re.MULTILINE)
+# A run diverged when its training loss became non-finite, or ended more than this many nats above the lowest
+# logged value (it lost what it had learned; at a too-high LR the loss climbs back towards log(vocab)).
+DIVERGENCE_RISE = 1.0
 _FP8_TAG = re.compile(r"fp8/decoder\.layers\.(\d+)\.(.+)/(input|weight|grad_output)/(\w+)$")
 
 
@@ -88,6 +92,23 @@ def diagnostic_warnings(log: Path) -> list[dict]:
             for m in _WARNING.finditer(log.read_text(errors="replace"))]
 
 
+def autoheal_actions(log: Path) -> list[dict]:
+    """The FP8 controller's actions in a run log (`--fp8-autoheal`), in order: iteration, layer, tensor, and the
+    rest of the line (the signal and the action)."""
+    if not log.exists():
+        return []
+    return [{"iteration": int(m.group(1)), "layer": m.group(2), "tensor": m.group(3), "what": m.group(4).strip()}
+            for m in _AUTOHEAL.finditer(log.read_text(errors="replace"))]
+
+
+def diverged(summary: dict, rise: float = DIVERGENCE_RISE) -> bool:
+    """Whether a run diverged (`DIVERGENCE_RISE`); a run without a logged loss counts as diverged."""
+    final, low = summary.get("final_train_loss"), summary.get("min_train_loss")
+    if summary.get("nonfinite_loss_points") or final is None or low is None or not math.isfinite(final):
+        return True
+    return final > low + rise
+
+
 def loss_series(scalars: dict) -> list[list]:
     """[iterations, training losses] as plain lists (empty when the run logged none)."""
     steps, loss = scalars.get(TRAIN, (np.array([]), np.array([])))
@@ -107,6 +128,7 @@ def run_summary(scalars: dict, log: Optional[Path], start_step: int = 0, tail: i
     finite = after[np.isfinite(after)]
     s: dict = {
         "final_train_loss": float(np.mean(loss[-tail:])) if len(loss) else None,
+        "min_train_loss": float(np.min(loss[np.isfinite(loss)])) if np.isfinite(loss).any() else None,
         "final_valid_loss": _last(scalars, VALID),
         "test_loss": _last(scalars, TEST),
         "loss_before_start": float(before[-1]) if len(before) else None,
@@ -117,6 +139,7 @@ def run_summary(scalars: dict, log: Optional[Path], start_step: int = 0, tail: i
         "max_grad_norm_after_start": None,
         "fp8_tensors": fp8_tensor_maxima(scalars, start_step),
         "warnings": diagnostic_warnings(log) if log is not None else [],
+        "autoheal": autoheal_actions(log) if log is not None else [],
     }
     if GRAD_NORM in scalars:
         g_steps, g = scalars[GRAD_NORM]
@@ -200,6 +223,37 @@ def plot_losses(series: dict[str, tuple[Sequence, Sequence]], path: Path, mark_s
     ax.set(title="training loss", xlabel="iteration", ylabel="lm loss")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def plot_loss_vs_lr(table: dict, path: Path) -> Path:
+    """Final training loss (mean over seeds, bars: min..max) against the peak LR, one line per variant; a
+    diverged point (any seed) is drawn as an x."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for variant, row in table.items():
+        lrs = sorted(row["by_lr"], key=float)
+        xs, ys, lo, hi, bad = [], [], [], [], []
+        for lr in lrs:
+            vals = [v for v in row["by_lr"][lr]["final_train_loss"]["values"] if v is not None and math.isfinite(v)]
+            if not vals:
+                continue
+            mean = statistics.fmean(vals)
+            xs.append(float(lr))
+            ys.append(mean)
+            lo.append(mean - min(vals))
+            hi.append(max(vals) - mean)
+            bad.append(any(d is not False for d in row["by_lr"][lr]["diverged"]))
+        line = ax.errorbar(xs, ys, yerr=[lo, hi], label=variant, marker="o", capsize=3, alpha=0.85)
+        ax.scatter([x for x, b in zip(xs, bad) if b], [y for y, b in zip(ys, bad) if b], marker="x", s=80,
+                   color=line[0].get_color(), zorder=3)
+    ax.set(title="final training loss vs peak LR (x: a seed diverged)", xlabel="peak learning rate",
+           ylabel="training loss", xscale="log")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)

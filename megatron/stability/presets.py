@@ -104,11 +104,13 @@ def analyze_inject_run(entry: dict, base: Path, run: Path, base_iters: int, topk
 
 
 def inject_table(runs: dict, variants: Sequence[str], seeds: Sequence[int], cs: Sequence[float],
-                 c_star: Optional[float]) -> dict:
-    """Seed statistics per (variant, c) row; FP8 variants have rows for their control and c* only."""
+                 c_star: Optional[float], fp8_every_c: bool = False) -> dict:
+    """Seed statistics per (variant, c) row; FP8 variants have rows for their control and c* only (every c with
+    `fp8_every_c`)."""
     table = {}
     for variant in variants:
-        for c in [None] + (list(cs) if variant == "bf16" else [c_star] if c_star is not None else []):
+        fp8_cs = list(cs) if fp8_every_c else [c_star] if c_star is not None else []
+        for c in [None] + (list(cs) if variant == "bf16" else fp8_cs):
             tag = "control" if c is None else f"c{c:g}"
             sums = [runs.get(f"{variant}_{tag}_s{s}", {}).get("summary", {}) for s in seeds]
             table[f"{variant}/{tag}"] = {
@@ -128,14 +130,16 @@ def reanalyze_inject(summary: dict, out: Path, topk: int = 4) -> dict:
         base = out / "base" / f"{entry['variant']}_s{entry['seed']}"
         analyze_inject_run(entry, base, Path(entry["run_dir"]), summary["base_iters"], topk)
     summary["table"] = inject_table(summary["runs"], summary["variants"], summary["seeds"], summary["c_values"],
-                                    summary["c_star"])
+                                    summary["c_star"], summary.get("fp8_every_c", False))
     return summary
 
 
 def run_inject(out: Path, data_dir: Path, setup: TinySetup, variants: Sequence[str], seeds: Sequence[int],
                cs: Sequence[float], channels: int, base_iters: int, resume_iters: int, topk: int = 4,
                controls: bool = True, fp8_controls: bool = True, dry_run: bool = False,
-               log: Callable[[str], None] = print, jobs: int = 1) -> dict:
+               log: Callable[[str], None] = print, jobs: int = 1, fp8_every_c: bool = False) -> dict:
+    """The inject preset (module docstring); `fp8_every_c`: the FP8 variants run at every c, not at c* only
+    (where FP8 and BF16 part ways beyond c*)."""
     total = base_iters + resume_iters
     records: list[RunRecord] = []
     runs: dict = {}
@@ -178,7 +182,8 @@ def run_inject(out: Path, data_dir: Path, setup: TinySetup, variants: Sequence[s
         return lambda: [one(variant, seed, c) for c in tags]
 
     def fp8_chains(c_star: Optional[float]) -> list[Callable[[], None]]:
-        tags = ([None] if controls and fp8_controls else []) + ([c_star] if c_star is not None else [])
+        injected = list(cs) if fp8_every_c else [c_star] if c_star is not None else []
+        tags = ([None] if controls and fp8_controls else []) + injected
         return [chain(v, s, tags) for v in variants if v != "bf16" for s in seeds]
 
     bf16 = [chain("bf16", s, ([None] if controls else []) + list(cs)) for s in seeds] if "bf16" in variants else []
@@ -198,17 +203,17 @@ def run_inject(out: Path, data_dir: Path, setup: TinySetup, variants: Sequence[s
         run_chains(fp8_chains(c_star), jobs)
     log(f"[lab] BF16 verdicts per c: { {c: v['holds'] for c, v in verdicts.items()} }; c* = {c_star}")
     return _inject_result(runs, records, variants, seeds, cs, c_star, unjudged, verdicts, base_iters, resume_iters,
-                          channels, setup)
+                          channels, setup, fp8_every_c)
 
 
 def _inject_result(runs: dict, records: list[RunRecord], variants: Sequence[str], seeds: Sequence[int],
                    cs: Sequence[float], c_star: Optional[float], unjudged: bool, verdicts: dict, base_iters: int,
-                   resume_iters: int, channels: int, setup: TinySetup) -> dict:
-    table = inject_table(runs, variants, seeds, cs, c_star)
+                   resume_iters: int, channels: int, setup: TinySetup, fp8_every_c: bool) -> dict:
+    table = inject_table(runs, variants, seeds, cs, c_star, fp8_every_c)
     records = sorted(records, key=lambda r: r.name)  # chains finish in any order when they run in parallel
     return {"preset": "inject", "base_iters": base_iters, "resume_iters": resume_iters, "channels": channels,
             "c_values": list(cs), "c_star": c_star, "c_star_unjudged": unjudged, "bf16_verdicts": verdicts,
-            "seeds": list(seeds), "variants": list(variants), "table": table, "runs": runs,
+            "seeds": list(seeds), "variants": list(variants), "fp8_every_c": fp8_every_c, "table": table, "runs": runs,
             "commands": [r.to_dict() for r in records], "setup": repr(setup)}
 
 
@@ -224,7 +229,8 @@ def run_simple(out: Path, configs: dict[str, list[str]], seeds_of: dict[str, Seq
         flags = base_flags(seed) + configs[name] + ["--tensorboard-dir", str(run / "tb"), "--save", str(run / "ckpt")]
         rec = run_or_reuse(f"{name} seed {seed}", flags, run, threads, dry_run)  # reuse: an interrupted re-run
         records.append(rec)
-        entry: dict = {"config": name, "seed": seed, "returncode": rec.returncode, "wall_s": rec.wall_s}
+        entry: dict = {"config": name, "seed": seed, "returncode": rec.returncode, "wall_s": rec.wall_s,
+                       "run_dir": str(run)}
         if not dry_run and (run / "tb").is_dir():
             scalars = analysis.merged_scalars([run / "tb"])
             entry["summary"] = analysis.run_summary(scalars, run / "train.log", start_step=start_step)
@@ -276,6 +282,25 @@ def simple_table(runs: dict) -> dict:
     return {name: {k: analysis.seed_stats([s.get(k) for s in sums])
                    for k in ("final_valid_loss", "test_loss", "final_train_loss", "max_fp8_clipped_frac")}
             for name, sums in by_config.items()}
+
+
+def lr_table(by_lr: dict[str, dict], variants: Sequence[str], seeds: Sequence[int]) -> dict:
+    """Per variant: per LR the final training and validation loss over seeds and which seeds diverged
+    (`analysis.diverged`), and the largest LR up to which no seed diverged (None: it diverged at the smallest)."""
+    table: dict = {}
+    for variant in variants:
+        rows, stable, broken = {}, None, False
+        for lr in sorted(by_lr, key=float):
+            sums = [by_lr[lr]["runs"].get(f"{variant}_s{s}", {}).get("summary", {}) for s in seeds]
+            div = [analysis.diverged(s) if s else None for s in sums]
+            rows[lr] = {"final_train_loss": analysis.seed_stats([s.get("final_train_loss") for s in sums]),
+                        "final_valid_loss": analysis.seed_stats([s.get("final_valid_loss") for s in sums]),
+                        "diverged": div, "autoheal_actions": [len(s.get("autoheal", [])) for s in sums]}
+            broken = broken or not div or any(d is not False for d in div)
+            if not broken:
+                stable = lr
+        table[variant] = {"by_lr": rows, "max_stable_lr": stable}
+    return table
 
 
 def write_json(path: Path, data: dict) -> None:

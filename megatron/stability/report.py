@@ -4,6 +4,7 @@ Values are mean +- sample std over seeds (n given); a gap is to the BF16 row of 
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
 from megatron.stability.analysis import seed_stats
@@ -112,9 +113,48 @@ def merge(summaries: list[dict], names: list[str]) -> dict:
             "merged_from": names}
 
 
+def lr_tables(summary: dict) -> str:
+    """The lr preset: final training loss per variant and peak LR (D: a seed diverged), the largest stable LR."""
+    table = summary["table"]
+    lrs = sorted({lr for row in table.values() for lr in row["by_lr"]}, key=float)
+    lines = ["| variant | " + " | ".join(f"LR {lr}" for lr in lrs) + " | largest LR without divergence |",
+             "|---" * (len(lrs) + 2) + "|"]
+    for variant, row in table.items():
+        cells = []
+        for lr in lrs:
+            cell = row["by_lr"].get(lr)
+            if cell is None:
+                cells.append("-")
+                continue
+            vals = ", ".join("-" if v is None else f"{v:.2f}" for v in cell["final_train_loss"]["values"])
+            marks = "".join(" D" if d else "" for d in cell["diverged"])
+            cells.append(f"{_pm(cell['final_train_loss'], 2)} ({vals}){marks}")
+        lines.append(f"| {variant} | " + " | ".join(cells) + f" | {row['max_stable_lr'] or 'none'} |")
+    return "\n".join(lines) + "\n\n" + autoheal_lines(summary)
+
+
+def autoheal_lines(summary: dict) -> str:
+    """The FP8 controller's actions per run (`--fp8-autoheal` runs), one line each."""
+    subs = [summary] + list(summary.get("by_weight_decay", {}).values()) + list(summary.get("by_lr", {}).values())
+    lines = []
+    for sub, key in [(s, k) for s in subs for k in s.get("runs", {})]:
+        entry = sub["runs"][key]
+        actions = entry.get("summary", {}).get("autoheal", [])
+        if actions or "autoheal" in key:
+            where = sorted({f"{a['layer'].replace('decoder.layers.', 'L')} {a['tensor']}" for a in actions})
+            its = [a["iteration"] for a in actions]
+            run = Path(entry.get("run_dir", key))
+            lines.append(f"- {run.parent.parent.name}/{run.name}: {len(actions)} action(s)"
+                         + (f", iterations {its[0]}-{its[-1]}, on {', '.join(where)}" if actions else ""))
+    return "FP8 controller actions:\n" + "\n".join(lines) if lines else ""
+
+
 def markdown(summary: dict) -> str:
+    if summary.get("preset") == "lr" and "table" in summary:
+        return lr_tables(summary)
     if summary.get("preset") in ("inject", None) and "bf16_verdicts" in summary:
-        return inject_tables(summary)
+        return inject_tables(summary) + "\n\n" + autoheal_lines(summary)
     if "by_weight_decay" in summary:
-        return "\n\n".join(f"weight decay {wd}:\n\n" + simple_tables(s) for wd, s in summary["by_weight_decay"].items())
+        return "\n\n".join(f"weight decay {wd}:\n\n" + simple_tables(s) for wd, s in summary["by_weight_decay"].items()
+                           ) + "\n\n" + autoheal_lines(summary)
     return simple_tables(summary)

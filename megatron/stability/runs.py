@@ -21,8 +21,13 @@ from typing import Optional, Sequence
 
 REPO = Path(__file__).resolve().parents[2]
 
-# The five variants of issue 19; Smooth-SwiGLU and fc2-in-BF16 are on top of plain delayed FP8.
-VARIANTS = ("bf16", "fp8", "fp8_smooth_channel", "fp8_smooth_token", "fp8_fc2_bf16")
+# The variants the inject and natural presets run by default; Smooth-SwiGLU and fc2-in-BF16 are on top of plain
+# delayed FP8.
+BASE_VARIANTS = ("bf16", "fp8", "fp8_smooth_channel", "fp8_smooth_token", "fp8_fc2_bf16")
+# More, on request (--variants) and in the lr preset: plain FP8 with the FP8 controller (`--fp8-autoheal`), the
+# full recipe (Smooth-SwiGLU channel + Fp8AdamW) and the full recipe with the controller.
+VARIANTS = BASE_VARIANTS + ("fp8_autoheal", "fp8_full", "fp8_full_autoheal")
+LR_VARIANTS = ("bf16", "fp8", "fp8_full", "fp8_full_autoheal")
 
 # A tiny Llama (~0.62M parameters with the demo tokenizer's 4096 tokens, 0.1M outside the embeddings): small
 # enough to overtrain for many epochs on 2 cores, with the same SwiGLU/RMSNorm/RoPE blocks as the demo model.
@@ -57,6 +62,11 @@ def variant_flags(variant: str, fp8: Fp8Settings = Fp8Settings()) -> list[str]:
         return fp8.flags() + ["--smooth-swiglu", "--smooth-swiglu-granularity", "token"]
     if variant == "fp8_fc2_bf16":
         return fp8.flags() + ["--fp8-mlp-fc2-bf16"]
+    if variant == "fp8_autoheal":
+        return fp8.flags() + ["--fp8-autoheal"]
+    if variant in ("fp8_full", "fp8_full_autoheal"):
+        full = fp8.flags() + ["--smooth-swiglu", "--smooth-swiglu-granularity", "channel", "--optimizer", "fp8adam"]
+        return full + (["--fp8-autoheal"] if variant == "fp8_full_autoheal" else [])
     raise ValueError(f"unknown variant {variant!r}: pick from {', '.join(VARIANTS)} (--variants)")
 
 
