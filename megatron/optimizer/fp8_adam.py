@@ -40,7 +40,8 @@ Numerics of v (why E5M2, and what happens at the bottom of its range):
   expansion and error feedback, see docs/fp8_adam.md). m needs no such help: beta1 = 0.9 moves it by
   10% of (g - m) per step, more than half an E4M3 step (<= 6.25%), and its errors have no sign
   preference; stochastic rounding of m only adds noise (measured). The noise is counter-based
-  (`counter_uniform`: a hash of a fixed seed, the parameter's ordinal, the step and the element index),
+  (`counter_uniform`: a hash of a fixed seed, the parameter's ordinal, the step and the element index,
+  computed in int32 tensors whose every value stays below 2**31, so it needs no 64-bit integers on any device),
   drawn inside the update kernel: data-parallel replicas stay identical, resume is exact with no
   generator state to save, and the compiled kernel draws exactly the eager kernel's noise (a
   torch.Generator stream costs more than the whole fused update on CPU and cannot enter a compiled
@@ -71,7 +72,7 @@ from megatron.fp8.fused import CompiledOrEager
 from megatron.partitioned import full_numel, full_shape
 from megatron.optimizer.fp8_state_quant import (
     MomentDtype, MomentFormat, block_layout, counter_uniform, dequantize, dequantize_with_floor, moment_format,
-    quantize, state_nbytes, storage_numel,
+    quantize, state_nbytes, storage_numel, u32_halves,
 )
 
 logger = logging.getLogger(__name__)
@@ -116,9 +117,9 @@ def _chunk_step(param: Optional[torch.Tensor], grad: torch.Tensor,
     Updates `param` in place unless it is None; returns (m_data, m_scale_inv, v_data, v_scale_inv) if
     `requantize`, else the amax of the new m and v (pass 1 of per-tensor scaling, see `_step_stored`).
     `m_amax`/`v_amax` impose a per-tensor scale; None = the chunk's own per-block amax.
-    `noise_key` (0-d int64) selects stochastic rounding of v with `counter_uniform` noise for the stored
-    elements from `start` on, drawn inside the kernel (a fused pass, no noise tensor in memory) and equal in
-    eager and compiled form; None = round to nearest.
+    `noise_key` (a 32-bit key as `u32_halves` makes it) selects stochastic rounding of v with `counter_uniform`
+    noise for the stored elements from `start` (likewise) on, drawn inside the kernel (a fused pass, no noise tensor
+    in memory) and equal in eager and compiled form; None = round to nearest.
     Step-dependent scalars are 0-d tensors so a torch.compile'd version does not recompile every step.
     """
     numel = grad.numel()
@@ -243,8 +244,8 @@ class Fp8AdamW(torch.optim.Optimizer):
 
     # ----------------------------------------------------------------------------- state
     def _noise_key(self, p: torch.Tensor, ordinal: int, step: float) -> Optional[torch.Tensor]:
-        """The 32-bit name of the stochastic-rounding stream of parameter `p` at `step` (a 0-d int64
-        tensor), or None for round-to-nearest. `ordinal` is p's position in the param groups (stable
+        """The 32-bit name of the stochastic-rounding stream of parameter `p` at `step` (int32 halves,
+        `u32_halves`), or None for round-to-nearest. `ordinal` is p's position in the param groups (stable
         across a resume; DeepSpeed's flat partitions have theirs). A splitmix64-style mix of (seed,
         ordinal, step): distinct streams per parameter and step, the same on every rank."""
         if not self.stochastic_rounding:
@@ -253,7 +254,7 @@ class Fp8AdamW(torch.optim.Optimizer):
              + int(step) * 0x94D049BB133111EB) & _MASK64
         z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
         z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-        return torch.full((), (z ^ (z >> 31)) & 0xFFFFFFFF, dtype=torch.int64, device=p.device)
+        return u32_halves(z ^ (z >> 31), p.device)
 
     @staticmethod
     def _new_moment(p: torch.Tensor, fmt: MomentFormat, zero: bool = True
@@ -328,7 +329,7 @@ class Fp8AdamW(torch.optim.Optimizer):
         per_tensor = any(f.is_fp8 and f.block_size == 0 for f in fmts)
         amaxes: List[Optional[torch.Tensor]] = [None, None]
         noise_key = self._noise_key(p, ordinal, step) if v_fmt.dtype is not MomentDtype.FP32 else None
-        starts = [torch.full((), a, dtype=torch.int64, device=p.device) for a in range(0, n, chunk)]
+        starts = [u32_halves(a, p.device) for a in range(0, n, chunk)]
         if per_tensor:  # pass 1
             amaxes = [torch.zeros((), device=p.device), torch.zeros((), device=p.device)]
             for a in range(0, n, chunk):

@@ -147,30 +147,76 @@ def dequantize_with_floor(data: torch.Tensor, scale_inv: Optional[torch.Tensor],
     return x.view(-1)[:numel], floor.view(-1)[:numel]
 
 
-# 32-bit hash (Chris Wellons' "lowbias32" shape with multipliers below 2**31, so each product of a 32-bit value
-# fits in int64 without overflow: the same integers in eager, in torch.compile's C++ and in Triton).
-_MASK32 = 0xFFFFFFFF
+# The stochastic-rounding noise: a 32-bit integer hash (Chris Wellons' "lowbias32" shape: xorshift 16, multiply,
+# xorshift 15, multiply, xorshift 15, with his multipliers 0x21f0aaad and 0x735a2d97) of the element's counter xor a
+# key. It is computed on the two 16-bit halves of each 32-bit value, held in int32, so that every intermediate is a
+# non-negative integer below 2**31: the same integers in eager, in torch.compile's C++ and Triton, and on Gaudi,
+# whose bridge computes int64 tensors in int32 unless told otherwise. No int64 tensor and no wrap-around are used.
 _HASH_MUL = (0x21F0AAAD, 0x735A2D97)
+_LOW16 = 0xFFFF
+# Resolution: the noise is a multiple of 2**-24 (the hash's top 24 bits; any such value is exact in fp32). Rounding
+# fp32 y onto a grid of m mantissa bits compares the fraction of y / ulp with the noise; in the normal range that
+# fraction has 23 - m bits (21 for E5M2, 20 for E4M3, 16 for BF16), so 24-bit noise resolves the round-up
+# probability exactly there. Anywhere else the probability is floor(f * 2**24) / 2**24 instead of f, a bias below
+# 2**-24 ulp, under the fp32 rounding of y itself.
+_NOISE_BITS = 24
+
+
+def u32_halves(value: int, device: torch.device | str) -> torch.Tensor:
+    """`value` mod 2**32 as the int32 tensor [high 16 bits, low 16 bits]: how `counter_uniform` takes a 32-bit
+    start or key. Made by fills (no host-to-device copy: tests/unit/test_host_sync.py)."""
+    value &= 0xFFFFFFFF
+    halves = torch.full((2,), value & _LOW16, dtype=torch.int32, device=device)
+    halves[0].fill_(value >> 16)
+    return halves
+
+
+def _mul_u32(hi: torch.Tensor, lo: torch.Tensor, c: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(hi * 2**16 + lo) * c mod 2**32, as halves; hi, lo in [0, 2**16), c a 32-bit constant.
+
+    With c in bytes c0 + c1 2**8 + c2 2**16 + c3 2**24, every product is a half times a byte (< 2**24); of the
+    terms at 2**32 and above nothing is kept, of those at 2**16 and 2**24 only what lands below 2**32. Largest
+    intermediate: the high half's sum, < 2**25 + 2**18."""
+    c0, c1, c2, c3 = ((c >> shift) & 0xFF for shift in (0, 8, 16, 24))
+    lo_c1 = lo * c1
+    low = lo * c0 + ((lo_c1 & 0xFF) << 8)  # the product's bits 0..24: < 2**24 + 2**16
+    high = ((low >> 16) + (lo_c1 >> 8) + lo * c2 + (((lo * c3) & 0xFF) << 8)
+            + hi * c0 + (((hi * c1) & 0xFF) << 8))
+    return high & _LOW16, low & _LOW16
+
+
+def _xorshift(hi: torch.Tensor, lo: torch.Tensor, shift: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """x ^ (x >> shift) on halves, 1 <= shift <= 16 (hi << (16 - shift) < 2**31)."""
+    if shift == 16:
+        return hi, lo ^ hi
+    shifted_lo = ((hi << (16 - shift)) & _LOW16) | (lo >> shift)
+    return hi ^ (hi >> shift), lo ^ shifted_lo
 
 
 def counter_uniform(numel: int, start: torch.Tensor, key: torch.Tensor, device: torch.device) -> torch.Tensor:
     """`numel` uniform [0, 1) fp32 values for elements start .. start + numel - 1 of a stream named `key`.
 
-    A counter-based generator: value i is a hash of (start + i) xor key, so it depends on the element and
-    the key alone, not on how many values were drawn before or in what order. That is what makes a compiled
-    update equal the eager one (the same integers in both), lets a chunked update draw its chunks
-    independently, and makes resume exact without saving generator state. 24 bits of the hash become the
-    fraction, exactly representable in fp32. `start` and `key` are 0-d int64 tensors (a compiled caller then
-    does not specialize on them); `key` < 2**32.
+    A counter-based generator: value i is a hash of ((start + i) mod 2**32) xor key, so it depends on the element
+    and the key alone, not on how many values were drawn before or in what order. That is what makes a compiled
+    update equal the eager one (the same integers in both), lets a chunked update draw its chunks independently,
+    and makes resume exact without saving generator state. The hash's top 24 bits become the fraction (multiples
+    of 2**-24, exact in fp32). `start` and `key` are 32-bit values as `u32_halves` makes them (int32 tensors: a
+    compiled caller then does not specialize on them); `numel` < 2**31. Only int32 tensors are made.
     """
-    x = (torch.arange(numel, dtype=torch.int64, device=device) + start) & _MASK32
-    x = x ^ key
-    x = x ^ (x >> 16)
-    x = (x * _HASH_MUL[0]) & _MASK32
-    x = x ^ (x >> 15)
-    x = (x * _HASH_MUL[1]) & _MASK32
-    x = x ^ (x >> 15)
-    return (x >> 8).to(torch.float32) * 2.0**-24
+    if numel >= 2**31:
+        raise ValueError(f"counter_uniform draws fewer than 2**31 values per call; asked for {numel}")
+    i = torch.arange(numel, dtype=torch.int32, device=device)
+    low_sum = (i & _LOW16) + start[1]  # < 2**17
+    hi = ((i >> 16) + start[0] + (low_sum >> 16)) & _LOW16
+    lo = low_sum & _LOW16
+    hi, lo = hi ^ key[0], lo ^ key[1]
+    hi, lo = _xorshift(hi, lo, 16)
+    hi, lo = _mul_u32(hi, lo, _HASH_MUL[0])
+    hi, lo = _xorshift(hi, lo, 15)
+    hi, lo = _mul_u32(hi, lo, _HASH_MUL[1])
+    hi, lo = _xorshift(hi, lo, 15)
+    top = (hi << (_NOISE_BITS - 16)) | (lo >> (32 - _NOISE_BITS))
+    return top.to(torch.float32) * 2.0**-_NOISE_BITS
 
 
 def state_nbytes(*tensors: Optional[torch.Tensor]) -> int:

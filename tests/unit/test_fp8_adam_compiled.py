@@ -14,7 +14,7 @@ from torch import nn
 
 from megatron.optimizer import fp8_adam
 from megatron.optimizer.fp8_adam import Fp8AdamW
-from megatron.optimizer.fp8_state_quant import counter_uniform, dequantize
+from megatron.optimizer.fp8_state_quant import dequantize
 
 STEPS, LR, CHUNK = 50, 1e-2, 512
 
@@ -188,22 +188,6 @@ def test_compiled_resume_is_exact(runs):
     assert first + rest == loss_full
     for a, b in zip(m_full.parameters(), resumed.parameters()):
         assert torch.equal(a, b)
-
-
-def test_counter_noise_is_uniform_and_keyed():
-    """The stochastic-rounding noise: in [0, 1), uniform (chi-square over 16 bins far below the 0.1%
-    critical value 37.7 for 15 dof), independent of where a chunk starts, and different per key."""
-    n = 1 << 16
-    start, key = torch.tensor(0), torch.tensor(12345)
-    u = counter_uniform(n, start, key, torch.device("cpu"))
-    assert u.min() >= 0 and u.max() < 1
-    counts = torch.bincount((u * 16).long(), minlength=16).double()
-    chi2 = ((counts - n / 16) ** 2 / (n / 16)).sum().item()
-    assert chi2 < 37.7
-    tail = counter_uniform(n - 1000, torch.tensor(1000), key, torch.device("cpu"))
-    assert torch.equal(tail, u[1000:])
-    other = counter_uniform(n, start, torch.tensor(12346), torch.device("cpu"))
-    assert abs(torch.corrcoef(torch.stack([u, other]))[0, 1].item()) < 4 / n**0.5  # 4 sigma
 
 
 def test_training_compiles_by_default_and_the_flag_turns_it_off():
