@@ -18,16 +18,32 @@ import torch
 from megatron import cpu_bf16
 
 
-def prepare_habana_environment(environ: Optional[dict] = None) -> None:
-    """What Gaudi's bridge reads when `habana_frameworks` is imported. `PT_ENABLE_INT64_SUPPORT=1`: without it the
-    bridge computes int64 tensors in int32, and Fp8AdamW's stochastic-rounding noise (`counter_uniform`, 32-bit
-    hash products held in int64) would overflow and stop being uniform. Set unless the user set it; a user's "0"
-    is kept, with a warning naming the flag that then avoids the noise."""
+# What the HPU path sets in the environment before Habana's bridge is imported (the bridge reads it then), and why.
+# PT_ENABLE_INT64_SUPPORT: without it the bridge computes int64 tensors in int32. Fp8AdamW's stochastic-rounding
+# noise does not depend on it (int32 arithmetic throughout, `optimizer.fp8_state_quant.counter_uniform`); the FP8
+# statistics do: their int64 element counters (`fp8.stats.Fp8Stats`, for --log-fp8-stats and --fp8-autoheal) sum
+# tensor sizes over a log interval, and one GEMM operand of a 7B model at 4096 tokens per micro-batch has ~10^8
+# elements, so 2**31 is passed within a few dozen micro-batches.
+HABANA_ENVIRONMENT = {"PT_ENABLE_INT64_SUPPORT": "1"}
+_HABANA_NOTES: list[str] = []  # what prepare_habana_environment did, logged by `Accelerator.prepare_bf16`
+
+
+def prepare_habana_environment(environ: Optional[dict] = None) -> list[str]:
+    """Set `HABANA_ENVIRONMENT` in `environ` (default os.environ) where the user has not; returns one note per
+    variable (the value and who set it), which the trainer logs once logging is set up. A user's
+    PT_ENABLE_INT64_SUPPORT=0 is kept, with a warning naming what it affects."""
     environ = os.environ if environ is None else environ
-    if environ.setdefault("PT_ENABLE_INT64_SUPPORT", "1") == "0":
+    notes = []
+    for name, value in HABANA_ENVIRONMENT.items():
+        ours = name not in environ
+        environ.setdefault(name, value)
+        notes.append(f"Gaudi: {name}={environ[name]} ({'set by megatron' if ours else 'from the environment'})")
+    if environ["PT_ENABLE_INT64_SUPPORT"] == "0":
         logging.getLogger("megatron").warning(
-            "PT_ENABLE_INT64_SUPPORT=0: Gaudi computes int64 in int32, which breaks Fp8AdamW's stochastic rounding "
-            "of v; unset it, or pass --no-fp8-optimizer-stochastic-rounding")
+            "PT_ENABLE_INT64_SUPPORT=0: Gaudi computes int64 in int32, and the FP8 statistics' element counters "
+            "(--log-fp8-stats, --fp8-autoheal) can overflow within a log interval; unset it to let megatron set 1")
+    _HABANA_NOTES[:] = notes
+    return notes
 
 
 def hpu_is_lazy(environ: Optional[dict] = None) -> bool:
@@ -76,7 +92,15 @@ class Accelerator:
 
     def prepare_bf16(self, bf16: bool) -> None:
         """Settle how BF16 autocast runs on this device before any engine enters it (DeepSpeed's
-        `torch_autocast` included); logs the choice once. On CPU see `megatron.cpu_bf16`."""
+        `torch_autocast` included); logs the choice once. On CPU see `megatron.cpu_bf16`. On Gaudi, where autocast
+        needs nothing, it logs the bridge's mode and the environment the HPU path set (this is the trainer's first
+        call after logging is set up; the variables were set before the bridge was imported)."""
+        if self.device_type == "hpu":
+            log = logging.getLogger("megatron")
+            log.info("Gaudi: %s mode (%s)", "lazy" if self.lazy_mode else "eager",
+                     "habana_frameworks.torch.utils.internal.is_lazy, else PT_HPU_LAZY_MODE")
+            for note in _HABANA_NOTES:
+                log.info(note)
         if self.device_type != "cpu":
             return
         if bf16:
@@ -105,8 +129,10 @@ class Accelerator:
         """Cut and launch the accumulated graph in Gaudi's lazy mode; a no-op elsewhere (CUDA, CPU, HPU eager).
 
         The training loop calls it after each backward, after the optimizer step and after each evaluation
-        forward, so no lazy graph spans two of them. (Habana's Megatron-DeepSpeed has no calls of its own: it
-        relies on DeepSpeed's step closure on HPU. Ours run with every engine, DeepSpeed's included.)
+        forward, so no lazy graph spans two of them. Habana's Megatron-DeepSpeed has no calls of its own: its cuts
+        come from DeepSpeed's HPU FusedAdam, which calls `htcore.step_closure._mark_step_if_lazy()` before and after
+        its update (deepspeed/ops/op_builder/hpu/fused_adam.py). Ours do not depend on the optimizer (Fp8AdamW has
+        no such call) and run with every engine, DeepSpeed's included.
         """
         if self.lazy_mode:
             import habana_frameworks.torch.core as htcore

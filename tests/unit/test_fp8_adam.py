@@ -372,16 +372,3 @@ def test_moments_take_the_devices_fp8_limits():
         gaudi.step()
     m = gaudi.state[w]["exp_avg"]
     assert m.dtype == torch.float8_e4m3fn and m.float().abs().max() <= 240.0
-
-
-def test_the_gaudi_environment_keeps_the_noise_in_int64():
-    """Gaudi's bridge computes int64 in int32 unless PT_ENABLE_INT64_SUPPORT=1; the HPU path sets it before the bridge
-    is imported (stochastic rounding's hash products need 64 bits), and keeps a user's explicit choice."""
-    from megatron.accelerator import prepare_habana_environment
-
-    env: dict = {}
-    prepare_habana_environment(env)
-    assert env == {"PT_ENABLE_INT64_SUPPORT": "1"}
-    mine = {"PT_ENABLE_INT64_SUPPORT": "0"}
-    prepare_habana_environment(mine)
-    assert mine == {"PT_ENABLE_INT64_SUPPORT": "0"}

@@ -1,9 +1,9 @@
 """Gaudi checks (an HPU with habana_frameworks): skipped with the reason elsewhere; `scripts/gaudi_check.sh` runs them.
 
 They probe the ops this project relies on there and compare the HPU path with the emulated one on the same
-numbers: the E4M3 cast at Gaudi2's limit, frexp/ldexp (power-of-two scales), 64-bit integer arithmetic (Fp8AdamW's
-stochastic-rounding noise), the FP8 GEMM with 0-d scale inverses in both backward format pairs, one FP8 layer's
-three GEMMs and one Fp8AdamW step."""
+numbers: the E4M3 cast at Gaudi2's limit, frexp/ldexp (power-of-two scales), Fp8AdamW's stochastic-rounding noise
+(int32) against the CPU's, 64-bit integer arithmetic (the FP8 statistics' counters), the FP8 GEMM with 0-d scale
+inverses in both backward format pairs, one FP8 layer's three GEMMs and one Fp8AdamW step."""
 import importlib.util
 
 import pytest
@@ -49,13 +49,23 @@ def test_frexp_and_ldexp_are_exact():
     assert torch.equal(torch.ldexp(m, e.float()).cpu(), a.cpu())
 
 
-def test_int64_noise_equals_the_cpus():
-    from megatron.optimizer.fp8_state_quant import counter_uniform
+def test_stochastic_rounding_noise_equals_the_cpus():
+    """Fp8AdamW's noise, int32 arithmetic (tests/unit/test_fp8_adam_noise.py): the same bits on the HPU."""
+    from megatron.optimizer.fp8_state_quant import counter_uniform, u32_halves
 
-    start, key = torch.tensor(123456789), torch.tensor(4000000000)
-    cpu = counter_uniform(100000, start, key, torch.device("cpu"))
-    hpu = counter_uniform(100000, start.to("hpu"), key.to("hpu"), torch.device("hpu")).cpu()
-    assert torch.equal(hpu, cpu)
+    def noise(device: str) -> torch.Tensor:
+        start, key = u32_halves(2**32 - 50000, device), u32_halves(4000000000, device)
+        return counter_uniform(100000, start, key, torch.device(device)).cpu()
+
+    assert torch.equal(noise("hpu"), noise("cpu"))
+
+
+def test_int64_arithmetic_passes_2_to_the_31():
+    """The FP8 statistics' element counters are int64 and pass 2**31 on large layers; the HPU path sets
+    PT_ENABLE_INT64_SUPPORT=1 so that the bridge keeps them in 64 bits."""
+    counts = torch.full((4,), 2**31 - 10, dtype=torch.int64, device="hpu")
+    counts += torch.full((4,), 100, dtype=torch.int64, device="hpu")
+    assert counts.sum().item() == 4 * (2**31 + 90)
 
 
 @pytest.mark.parametrize("a_dtype,b_dtype", [(torch.float8_e4m3fn, torch.float8_e4m3fn),

@@ -1,15 +1,18 @@
 """Gaudi lazy mode: `Accelerator.mark_step` cuts the graph after each backward, after the optimizer step and after
 each evaluation forward, only on HPU in lazy mode, which is asked of Habana's bridge (`is_lazy`) when it has the
-function, else read from PT_HPU_LAZY_MODE (unset: eager, current Gaudi software's default)."""
+function, else read from PT_HPU_LAZY_MODE (unset: eager, current Gaudi software's default). And the environment the
+HPU path sets before the bridge is imported, and the log lines that say so."""
 from __future__ import annotations
 
 import importlib.machinery
+import logging
 import sys
 import types
 
 import pytest
 
-from megatron.accelerator import Accelerator
+from megatron import accelerator
+from megatron.accelerator import Accelerator, prepare_habana_environment
 from megatron.arguments import parse_config
 from megatron.training.loop import Trainer
 from tests.support.config import tiny_argv
@@ -73,3 +76,32 @@ def test_training_loop_marks_steps_after_backward_optimizer_step_and_eval_forwar
     one_iteration = ["forward", "backward", "mark_step"] * n + ["step", "mark_step"]
     evaluation = ["forward", "mark_step"] * (cfg.training.eval_iters * n)
     assert events == one_iteration * 2 + evaluation * 2  # validation at iteration 2, then the test split
+
+
+def test_the_habana_environment_is_set_unless_the_user_set_it(caplog) -> None:
+    """PT_ENABLE_INT64_SUPPORT=1 (the FP8 statistics' int64 counters), set before the bridge reads it; a user's value
+    is kept, a user's 0 with a warning naming what it affects."""
+    env: dict = {}
+    assert prepare_habana_environment(env) == ["Gaudi: PT_ENABLE_INT64_SUPPORT=1 (set by megatron)"]
+    assert env == {"PT_ENABLE_INT64_SUPPORT": "1"}
+    mine = {"PT_ENABLE_INT64_SUPPORT": "0"}
+    with caplog.at_level(logging.WARNING, logger="megatron"):
+        assert prepare_habana_environment(mine) == ["Gaudi: PT_ENABLE_INT64_SUPPORT=0 (from the environment)"]
+    assert mine == {"PT_ENABLE_INT64_SUPPORT": "0"}
+    assert "FP8 statistics' element counters" in caplog.text
+
+
+@pytest.mark.parametrize("bridge_says", [True, False])
+def test_the_trainer_logs_the_mode_and_the_environment_on_gaudi(monkeypatch, caplog, bridge_says) -> None:
+    """`prepare_bf16` is the trainer's first accelerator call after logging is set up: on HPU it logs the bridge's
+    mode and what `prepare_habana_environment` set (which ran before logging existed)."""
+    _fake_htcore(monkeypatch, is_lazy=bridge_says)
+    monkeypatch.setattr(accelerator, "_HABANA_NOTES", [])
+    prepare_habana_environment({})
+    with caplog.at_level(logging.INFO, logger="megatron"):
+        Accelerator("hpu").prepare_bf16(True)
+        Accelerator("cpu").prepare_bf16(False)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Gaudi:")]
+    mode = "lazy" if bridge_says else "eager"
+    assert lines == [f"Gaudi: {mode} mode (habana_frameworks.torch.utils.internal.is_lazy, else PT_HPU_LAZY_MODE)",
+                     "Gaudi: PT_ENABLE_INT64_SUPPORT=1 (set by megatron)"]
