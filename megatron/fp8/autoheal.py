@@ -21,7 +21,8 @@ the model. The controller gives the repair only to the tensors that need it, whe
        fraction over `flush_threshold` (once current-scaled, an outlier shows as the rest flushing to zero);
     4. `bf16`: the layer runs nn.Linear's GEMM in the compute dtype (`Fp8LayerState.high_precision`); same.
 - Undo (`undo_after` > 0): after that many clean log iterations in a row the last rung is stepped down.
-- Each action is one log line (iteration, layer, tensor, the signal and its value, the action) and counts in the
+- Each action is one log line (iteration, layer, tensor, the signal and its value, the action; written by the first
+  rank of `group`) and counts in the
   TensorBoard scalar `fp8/autoheal-actions`. The layers' margins, current roles and high precision are part of the
   FP8 checkpoint state, and the controller's levels and counters (`state_dict`) travel with the checkpoint, so a
   resumed run makes the decisions the uninterrupted run would have made.
@@ -157,9 +158,20 @@ class Fp8Controller:
                 self.actions += 1
                 lines.append(f"fp8 autoheal: iteration {iteration}: {name or '(model)'} {ROLE_NAMES[role]} {why}: "
                              f"{text}")
-        for line in lines:
-            logger.warning("%s", line)
+        if self._speaks():
+            for line in lines:
+                logger.warning("%s", line)
         return lines
+
+    def _speaks(self) -> bool:
+        """Whether this rank logs the actions: the first rank of the group that decides alike (one line per action
+        and pipeline stage, not one per rank)."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return True
+        group = self.group if self.group is not None else comm.world_group()
+        return group is None or dist.get_rank(group) == 0
 
     def _move(self, name: str, layer: Fp8Linear, role: int, rungs: list[str], level: int) -> str:
         """Set one tensor's level and apply it; the log line's description of the change."""
