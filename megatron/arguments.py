@@ -171,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="clipped fraction of a tensor's values that counts against it")
     g.add_argument("--fp8-autoheal-flush-threshold", type=float, default=1e-2,
                    help="fraction of a current-scaled tensor's nonzero values flushed to 0 that counts against it")
-    g.add_argument("--fp8-autoheal-patience", type=int, default=2,
+    g.add_argument("--fp8-autoheal-patience", type=int, default=1,
                    help="consecutive log iterations over the threshold before acting")
     g.add_argument("--fp8-autoheal-max-margin", type=int, default=4,
                    help="the most extra margin (powers of two) one tensor may get")
@@ -492,7 +492,7 @@ def _fp8_autoheal(a: argparse.Namespace) -> Fp8AutohealConfig:
     tuned = {"--fp8-autoheal-actions": a.fp8_autoheal_actions is not None,
              "--fp8-autoheal-clip-threshold": a.fp8_autoheal_clip_threshold != 1e-3,
              "--fp8-autoheal-flush-threshold": a.fp8_autoheal_flush_threshold != 1e-2,
-             "--fp8-autoheal-patience": a.fp8_autoheal_patience != 2,
+             "--fp8-autoheal-patience": a.fp8_autoheal_patience != 1,
              "--fp8-autoheal-max-margin": a.fp8_autoheal_max_margin != 4,
              "--fp8-autoheal-undo-after": a.fp8_autoheal_undo_after != 0}
     unused = [flag for flag, given in tuned.items() if given and not a.fp8_autoheal]

@@ -77,6 +77,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--amax-history-len", type=int, default=16)
     p.add_argument("--fp8-margin", type=int, default=0)
     p.add_argument("--log-interval", type=int, default=5)
+    p.add_argument("--autoheal-patience", type=int, default=1,
+                   help="--fp8-autoheal-patience of the variants with the FP8 controller (stated in their commands)")
     p.add_argument("--recipes", default=",".join(RECIPES), help="recipes: comma-separated --fp8-recipe values")
     p.add_argument("--recipe-seeds", type=_ints, default=None, help="recipes: seeds of the FP8 runs (default --seeds)")
     p.add_argument("--no-bf16", action="store_true",
@@ -95,6 +97,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="print the markdown tables of an earlier run's summary.json and exit; several summaries "
                         "of one recipes/ablation preset (split invocations) are merged into one table")
     return p
+
+
+def _fp8_settings(args: argparse.Namespace) -> Fp8Settings:
+    return Fp8Settings(amax_history_len=args.amax_history_len, margin=args.fp8_margin,
+                       autoheal_patience=args.autoheal_patience)
 
 
 def _check(args: argparse.Namespace) -> list[str]:
@@ -122,7 +129,7 @@ def _inject(args, out: Path, data: Path, variants: list[str]) -> dict:
     if args.quick:
         setup = presets.TinySetup(lr=3e-3, log_interval=2, eval_iters=2, threads=args.threads,
                                   torch_compile=args.torch_compile,
-                                  fp8=Fp8Settings(amax_history_len=args.amax_history_len, margin=args.fp8_margin))
+                                  fp8=_fp8_settings(args))
         result = presets.run_inject(out, data, setup, ["bf16", "fp8"], [args.seeds[0]], [args.inject_c[-1]],
                                     args.inject_channels, base_iters=8, resume_iters=8, controls=False,
                                     dry_run=args.dry_run, jobs=args.jobs)
@@ -132,7 +139,7 @@ def _inject(args, out: Path, data: Path, variants: list[str]) -> dict:
             raise ValueError("--weight-decay: the inject preset takes one value (the natural preset sweeps)")
         setup = presets.TinySetup(lr=args.lr or 3e-3, weight_decay=wd[0], log_interval=args.log_interval,
                                   threads=args.threads, torch_compile=args.torch_compile,
-                                  fp8=Fp8Settings(amax_history_len=args.amax_history_len, margin=args.fp8_margin))
+                                  fp8=_fp8_settings(args))
         result = presets.run_inject(out, data, setup, variants, args.seeds, args.inject_c, args.inject_channels,
                                     args.base_iters, args.resume_iters, fp8_controls=args.fp8_controls,
                                     dry_run=args.dry_run, jobs=args.jobs, fp8_every_c=args.fp8_every_c)
@@ -169,7 +176,7 @@ def _natural(args, out: Path, data: Path, variants: list[str]) -> dict:
     iters = args.iters or 200  # ~8 epochs of the 24k-token corpus: alignment saturates within 50 (docs)
     setups = {wd: presets.TinySetup(lr=args.lr or 1e-2, weight_decay=wd, log_interval=args.log_interval,
                                     train_split="valid", threads=args.threads, torch_compile=args.torch_compile,
-                                    fp8=Fp8Settings(amax_history_len=args.amax_history_len, margin=args.fp8_margin))
+                                    fp8=_fp8_settings(args))
               for wd in (args.weight_decay or [0.0, 0.1, 1.0])}
     result: dict = {"preset": "natural", "iters": iters, "by_weight_decay": {}, "plots": []}
     for wd, setup in setups.items():
@@ -207,7 +214,7 @@ def _lr_sweep(args, out: Path, data: Path, variants: list[str]) -> dict:
     for lr in args.lrs:
         setup = presets.TinySetup(lr=lr, weight_decay=wd[0], log_interval=args.log_interval, train_split="valid",
                                   threads=args.threads, torch_compile=args.torch_compile,
-                                  fp8=Fp8Settings(amax_history_len=args.amax_history_len, margin=args.fp8_margin))
+                                  fp8=_fp8_settings(args))
         configs = {v: presets.variant_flags(v, setup.fp8) + ["--save-interval", str(iters)] for v in variants}
         result["by_lr"][f"{lr:g}"] = presets.run_simple(
             out / f"lr{lr:g}", configs, {v: args.seeds for v in variants},

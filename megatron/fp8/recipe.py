@@ -178,7 +178,9 @@ class Fp8AutohealConfig:
     # fraction of a tensor's nonzero values flushed to 0 that counts against it once it is current-scaled (one
     # outlier squeezing the rest of the tensor below E4M3's smallest subnormal)
     flush_threshold: float = 1e-2
-    patience: int = 2  # consecutive log iterations over the threshold before the controller acts
+    # consecutive log iterations in trouble before the controller acts: 1, because the statistics sample one
+    # iteration per log interval and the clipping that slows training shows at single log points (docs/stability.md)
+    patience: int = 1
     max_margin: int = 4  # the most powers of two of extra margin one tensor may get
     undo_after: int = 0  # clean log iterations after which the last action is undone (0: never)
     actions: tuple[str, ...] = AUTOHEAL_ACTIONS  # the rungs it may climb, in this order

@@ -43,6 +43,7 @@ class Fp8Settings:
     recipe: str = "delayed"
     amax_history_len: int = 16
     margin: int = 0
+    autoheal_patience: int = 1  # the controller's variants state it in their commands (`--fp8-autoheal-patience`)
 
     def flags(self) -> list[str]:
         return ["--fp8-format", "hybrid", "--fp8-recipe", self.recipe, "--fp8-amax-history-len",
@@ -62,11 +63,12 @@ def variant_flags(variant: str, fp8: Fp8Settings = Fp8Settings()) -> list[str]:
         return fp8.flags() + ["--smooth-swiglu", "--smooth-swiglu-granularity", "token"]
     if variant == "fp8_fc2_bf16":
         return fp8.flags() + ["--fp8-mlp-fc2-bf16"]
+    autoheal = ["--fp8-autoheal", "--fp8-autoheal-patience", str(fp8.autoheal_patience)]
     if variant == "fp8_autoheal":
-        return fp8.flags() + ["--fp8-autoheal"]
+        return fp8.flags() + autoheal
     if variant in ("fp8_full", "fp8_full_autoheal"):
         full = fp8.flags() + ["--smooth-swiglu", "--smooth-swiglu-granularity", "channel", "--optimizer", "fp8adam"]
-        return full + (["--fp8-autoheal"] if variant == "fp8_full_autoheal" else [])
+        return full + (autoheal if variant == "fp8_full_autoheal" else [])
     raise ValueError(f"unknown variant {variant!r}: pick from {', '.join(VARIANTS)} (--variants)")
 
 
