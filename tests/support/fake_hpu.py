@@ -11,9 +11,13 @@ FP8 cast (nearest-even) or a stochastic choice between the two neighbouring FP8 
 (E4M3 240, E5M2 57344). The fakes are strict where the hardware is: FP8 operands only, 2-D, row-major or a
 transposed view, 0-d FP32 scale inverses, and a value beyond Gaudi2's maximum is an error (it would be inf there),
 so a backend that forgot to clamp at the backend's maximum fails. `calls` records every call.
+
+`select_as_hpu` lets megatron's own backend selection run on the CPU tensors the stand-ins compute on, as if they
+were the hpu tensors they stand for.
 """
 from __future__ import annotations
 
+import functools
 import importlib.machinery
 import sys
 import types
@@ -93,3 +97,25 @@ def install(monkeypatch) -> FakeHpuOps:
     monkeypatch.setitem(sys.modules, "habana_frameworks.torch", sub)
     monkeypatch.setattr(torch.ops, "hpu", ops, raising=False)
     return ops
+
+
+def select_as_hpu(monkeypatch) -> list[str]:
+    """Where the FP8 layers select their backend (`megatron.fp8.layer_state.select_backend`), call megatron's real
+    `select_backend` with `torch.device("hpu")` in place of the CPU: the choice (auto or forced), the Gaudi recipe
+    check and the construction of `HpuBackend` (which imports habana_frameworks.torch: call `install` first) are
+    megatron's, and only the device label is not a Gaudi's. Returns the name of each backend chosen, in call order.
+    The made backends are cached afresh for the test, so the HpuBackend made over the stand-ins does not outlive it."""
+    from megatron.fp8 import backends, layer_state
+
+    chosen: list[str] = []
+    real = backends.select_backend
+
+    def select(choice, device, scaling="delayed"):
+        device = torch.device(device)
+        backend = real(choice, torch.device("hpu") if device.type == "cpu" else device, scaling)
+        chosen.append(backend.name)
+        return backend
+
+    monkeypatch.setattr(backends, "_make", functools.lru_cache(maxsize=None)(backends._make.__wrapped__))
+    monkeypatch.setattr(layer_state, "select_backend", select)
+    return chosen
