@@ -9,7 +9,7 @@ step is not polluted by another optimizer's allocations. Reported per optimizer:
   tensor subclasses such as torchao's are measured through their inner tensors),
 - RSS growth: psutil RSS after the first step minus before it (state plus whatever the allocator keeps),
 - first step (includes torch.compile where compiled) and the median of the following steps;
-then issue 17's targets for "Fp8AdamW compiled" (the training default): step <= 1.3x torch AdamW (foreach)
+then the targets for "Fp8AdamW compiled" (the training default): step <= 1.3x torch AdamW (foreach)
 and <= torchao's AdamWFp8 (compiled), state <= 2.02 bytes/param. The step ratios of the targets come from
 one more process that takes the three optimizers' steps in turn (`_interleaved`), so that a shared machine's
 changing load cannot favour one of them.
@@ -160,7 +160,7 @@ def main() -> None:
 
 
 def _print_targets(by_name: Dict[str, dict], interleaved: Dict[str, float]) -> None:
-    """Issue 17's targets for the training default (compiled, per-tensor scales, v stochastically rounded)."""
+    """The targets for the training default (compiled, per-tensor scales, v stochastically rounded)."""
     print("interleaved step ms (one process, steps taken in turn): "
           + ", ".join(f"{n} {t * 1e3:.1f}" for n, t in interleaved.items()))
     ours = interleaved.get("Fp8AdamW compiled")

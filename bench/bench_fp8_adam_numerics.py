@@ -70,7 +70,7 @@ class Method:
 
 
 METHODS: Dict[str, Method] = {
-    "RTN m, RTN v (old default)": Method(),
+    "RTN m, RTN v": Method(),
     "RTN m, SR v": Method(v_sr=True),
     "SR m, SR v": Method(m_sr=True, v_sr=True),
     "RTN m, sqrt(v) e5m2 RTN": Method(v_transform="sqrt"),
