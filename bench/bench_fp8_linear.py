@@ -183,7 +183,7 @@ def smooth_swiglu_table(recipes: tuple[str, ...], ratios: tuple[float, ...] = (1
 
 def gemm_table(n: int, iters: int = 4) -> None:
     """bf16 vs fp32 GEMM of n x n x n, interleaved: what the emulated FP8 GEMM (fp32 on exact FP8 values) costs
-    against BF16's own GEMM on this machine (docs/performance.md, "The GEMM")."""
+    against BF16's own GEMM on this machine (docs/performance.md, "The emulated GEMM runs in fp32")."""
     a, b = torch.randn(n, n), torch.randn(n, n)
     ab, bb = a.bfloat16(), b.bfloat16()
     cases = {"bf16 a @ b.T": lambda: ab @ bb.t(), "fp32 a @ b.T": lambda: a @ b.t()}

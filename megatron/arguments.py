@@ -608,7 +608,7 @@ def parse_config(argv: Optional[Sequence[str]] = None, world_size: Optional[int]
             message = str(exc)
             if recipe_flags:
                 message += (" (the environment's FP8 recipe added: " + " ".join(recipe_flags) + "; see "
-                            "docs/migration.md)")
+                            "docs/guides/migrate.md)")
             problems.append(message)
     if len(problems) == 1:
         raise ValueError(problems[0])

@@ -16,7 +16,7 @@ This file owns, in one place, everything that exists only because Microsoft's an
 `parse_config` (megatron/arguments.py) calls `add_compat_arguments`, `env_recipe_flags`,
 `parse_collecting_problems` (all flag problems in one error, a typo hint from difflib) and `resolve_compat`;
 the result, `CompatConfig`, is part of `MegatronConfig` (so the recipe mapping lands in the checkpoint's
-config.json) and its `notes` are logged at startup. docs/migration.md has the user-facing tables.
+config.json) and its `notes` are logged at startup. docs/guides/migrate.md has the user-facing tables.
 """
 from __future__ import annotations
 
@@ -90,7 +90,7 @@ class CompatConfig:
 
 
 def add_compat_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("Megatron-DeepSpeed compatibility (docs/migration.md)")
+    g = p.add_argument_group("Megatron-DeepSpeed compatibility (docs/guides/migrate.md)")
     g.add_argument("--data-impl", choices=["mmap", "infer"], default=None, help="no-op: the reader is always mmap")
     for flag, why in NOOP_FLAGS.items():
         g.add_argument(flag, action="store_true", help=f"no-op: {why}")

@@ -16,7 +16,7 @@ Why FP32 moments: a saved Fp8AdamW moment is FP8 codes times one scale per tenso
 piece* (a TP shard, a ZeRO partition of flattened parameters). Another layout cuts other pieces, whose blocks
 straddle the old ones, so the codes cannot be moved as they are: they are dequantized here (exactly: FP8 times
 a power of two or an FP32 scale is representable in FP32) and quantized again by the loading optimizer, which
-adds at most one more rounding per element (docs/distributed.md, "Resharding on resume", has the bound and
+adds at most one more rounding per element (docs/checkpoints.md, "Resharding on resume", has the bound and
 the measurement).
 
 Where the optimizer state lives, per layout (file names as in `layouts.py`):

@@ -17,7 +17,7 @@ so it loads as before (exact: the same bits). Otherwise it calls `load_resharded
 What is exact and what is not: weights, AdamW moments, step counts, FP8 scaling state (amaxes are reduced over
 every rank holding a piece of a tensor, so every piece carries the full tensor's) and the LR schedule move
 unchanged. Fp8AdamW moments are requantized: one more rounding of each element to its FP8 format under the new
-pieces' scales (bounded in docs/distributed.md, "Resharding on resume"). The RNG state of rank 0 is given to
+pieces' scales (bounded in docs/checkpoints.md, "Resharding on resume"). The RNG state of rank 0 is given to
 every rank (the pieces of another layout have no RNG of their own; dropout streams change, nothing else).
 The padded vocabulary must be the same (`--make-vocab-size-divisible-by` x TP): padding rows take part in
 the softmax, so adding or dropping them would change the model; the error says which value to pass.

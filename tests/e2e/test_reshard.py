@@ -94,7 +94,7 @@ def test_next_step_loss_equals_a_same_layout_resume(sources, tmp_path, source, s
     """The step after loading computes its loss from the restored weights and FP8 scales: the same as a same-layout
     resume (= the source run's own third step) within the layouts' rounding noise. (The requantized moments act
     from the step after; their error is bounded above on the state, and its effect on the loss measured in
-    docs/distributed.md.)"""
+    docs/checkpoints.md.)"""
     control = losses(run(same[0], *same[1], load=sources / source, train_iters=3, micro_batch_size=1))
     reference = sources.straight[source][2:]
     tested = losses(run(other[0], *other[1], load=sources / source, train_iters=3))

@@ -1,6 +1,7 @@
 """The docs stay honest about the command lines: every `--flag` that README.md and docs/ name is a flag of
-pretrain_gpt.py or of one of the repository's tools, benches and scripts (or of the named external command), and
-every repository path they name exists."""
+pretrain_gpt.py or of one of the repository's tools, benches and scripts (or of the named external command), every
+repository path they name exists, and every relative link resolves (to a file, and to a heading where it names
+one)."""
 from __future__ import annotations
 
 import re
@@ -8,7 +9,7 @@ import re
 from megatron.compat import NOOP_FLAGS
 from tests.support.config import REPO
 
-DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), *sorted((REPO / "docs" / "guides").glob("*.md"))]
 # Flags of the commands the docs show around ours, and flags named as what is not accepted.
 EXTERNAL = {
     "torchrun": {"--nnodes", "--nproc_per_node", "--nproc-per-node", "--node_rank", "--master_addr", "--master_port"},
@@ -16,7 +17,10 @@ EXTERNAL = {
                            "--no_local_rank", "--bind_cores_to_rank", "--master_port"},
     "pytest, numactl, every CLI": {"--dist", "--durations", "--hardware", "--help"},
     "Megatron-Core flags refused here (docs/memory.md)": {"--main-grads-dtype", "--main-params-dtype"},
-    "a mistyped flag, the example of the hint (docs/migration.md)": {"--num-layer"},
+    "a mistyped flag, the example of the hint (docs/guides/migrate.md)": {"--num-layer"},
+    "Megatron-LM flags to edit (docs/guides/migrate.md)": {"--group-query-attention", "--use-distributed-optimizer",
+                                                          "--transformer-impl", "--use-mcore-models", "--use-flash-attn",
+                                                          "--attention-softmax-in-fp32", "--overlap-grad-reduce"},
     "bench/bench_zero3_build.py (parsed by hand: the rest of its command line is pretrain_gpt.py's)": {"--tree"},
 }
 # Folders that the GPU and Gaudi checks create for their reports; files of the upstream repositories.
@@ -56,3 +60,22 @@ def test_every_repository_path_the_docs_name_exists():
             if path not in NOT_IN_THE_TREE and not (REPO / path).exists():
                 missing.setdefault(path, set()).add(doc.name)
     assert not missing, missing
+
+
+def _anchors(doc) -> set[str]:
+    """The anchors GitHub makes of a markdown file's headings: lower case, punctuation dropped, spaces to hyphens."""
+    headings = re.findall(r"^#+ (.+)$", doc.read_text(), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+def test_every_relative_link_resolves():
+    broken = {}
+    for doc in DOCS:
+        for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            file = (doc.parent / path).resolve() if path else doc
+            if not file.exists() or (anchor and file.suffix == ".md" and anchor not in _anchors(file)):
+                broken.setdefault(str(doc.relative_to(REPO)), []).append(target)
+    assert not broken, broken
