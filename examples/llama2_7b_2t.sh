@@ -7,7 +7,7 @@
 # cuda:   H100/H200 nodes through torchrun (run this script on every node with NODE_RANK set) or,
 #         with LAUNCHER=deepspeed, through the deepspeed launcher and a hostfile.
 # FP8 = delayed hybrid scaling (E4M3 forward, E5M2 gradients, per-tensor, power-of-two scales, amax over
-# all micro-batches of a step) + Smooth-SwiGLU + Fp8AdamW (m E4M3, v E5M2); FP8_SPEC.md section 5.
+# all micro-batches of a step) + Smooth-SwiGLU + Fp8AdamW (m E4M3, v E5M2); docs/guides/launch.md.
 # DRY_RUN=1 resolves and validates the whole configuration for the real world size without launching
 # anything (synthetic data, so no corpus or tokenizer is needed): tests/e2e/test_examples.py runs it.
 # SMOKE=1 (PLATFORM=cuda) runs these very flags for 2 iterations on a model shrunk to 2 layers, with synthetic

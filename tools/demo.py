@@ -5,7 +5,7 @@ test), train the same Llama-style model twice on the same tokens (BF16, then FP8
 scaling, Smooth-SwiGLU and FP8 Adam moments), compare the runs (table + PNG plots from their TensorBoard logs).
 
     python tools/demo.py            # the full demo (time stated in the README)
-    python tools/demo.py --quick    # a one-minute smoke run
+    python tools/demo.py --quick    # a smoke run: a 2-layer model, 30 iterations
 """
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def _print_eval_table(out: Path, runs: dict, train_minutes: dict, task: Path) ->
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="one-minute smoke run with a tiny model")
+    p.add_argument("--quick", action="store_true", help="smoke run: a 2-layer model, 30 iterations")
     p.add_argument("--output-dir", default="runs/demo")
     p.add_argument("--data-dir", default="data/demo")
     p.add_argument("--train-iters", type=int, default=None, help="override the number of iterations")

@@ -8,8 +8,8 @@ between its logged points and only inside the token range both runs cover.
 
 Tags read (as written by `megatron.training.log.TrainingLogger`, Megatron-DeepSpeed's names, and the FP8
 statistics): `lm-loss-training/lm loss vs tokens`, `lm-loss-validation/lm loss validation vs tokens`,
-`lm-loss-validation/lm loss test` (runs written before issue 18 used `lm-loss`, `lm-loss-validation/lm loss`
-and `lm-loss-test/lm loss`: they are read under the new names),
+`lm-loss-validation/lm loss test` (the older tag names `lm-loss`, `lm-loss-validation/lm loss` and
+`lm-loss-test/lm loss` are read under these),
 `throughput/tokens-per-sec`, `memory/mem-max-allocated-MiB` or `memory/mem-max-rss-MiB`,
 `skipped-iterations`, `nan-iterations`, and `fp8/<layer>/<role>/{amax,clipped_frac}` when present.
 """
@@ -25,7 +25,7 @@ import numpy as np
 TRAIN_LOSS = "lm-loss-training/lm loss vs tokens"
 VALID_LOSS = "lm-loss-validation/lm loss validation vs tokens"
 TEST_LOSS = "lm-loss-validation/lm loss test"
-# Our tag names before issue 18 -> Megatron-DeepSpeed's, so older runs still compare.
+# Older tag names -> Megatron-DeepSpeed's, so runs written with them still compare.
 LEGACY_TAGS = {"lm-loss vs tokens": TRAIN_LOSS, "lm-loss-validation/lm loss vs tokens": VALID_LOSS,
                "lm-loss-test/lm loss": TEST_LOSS}
 THROUGHPUT = "throughput/tokens-per-sec"

@@ -3,8 +3,8 @@
 On the CPU accelerator, when every rank runs on one machine (the DeepSpeed launcher sets LOCAL_SIZE = WORLD_SIZE),
 DeepSpeed's communication backend creates one POSIX shared-memory segment per rank for its low-latency
 all-reduce, `/dev/shm/deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>` (66 MB each with
-DeepSpeed 0.19), and never unlinks them: every such run left them behind in RAM-backed /dev/shm. Measured on
-the development machine: 106 segments, 7.0 GiB of its 23 GiB, from a day of tests.
+DeepSpeed 0.19), and never unlinks them: without this module every such run leaves them behind in RAM-backed
+/dev/shm (106 runs' segments hold 7.0 GiB).
 
 The segment names are only needed while the ranks open each other's segments, which DeepSpeed does inside its
 backend's construction (each rank waits there until it has mapped every peer's segment). So once every rank is

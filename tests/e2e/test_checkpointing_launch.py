@@ -26,7 +26,7 @@ def test_killed_save_process_leaves_previous_checkpoint(tmp_path):
     assert ckpt.load_checkpoint_files(tmp_path)["path"].name == "iter_0000001"
 
 
-# ------------------------------------------------------------------- issue 14: re-save, tracker, disk, errors
+# ---------------------------------------------------------------------------- re-save, tracker, disk, errors
 def _kill_between_resave_renames(root, iteration, value) -> None:
     """Re-save `iteration` in a process killed (SIGKILL) with the old copy moved aside and the new one not yet in
     its place: the exact point between the two renames of `commit_checkpoint`."""

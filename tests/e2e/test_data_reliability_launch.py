@@ -1,4 +1,4 @@
-"""Data reliability (issue 14) where a process is involved: a real SIGKILL between the renames of a pair's
+"""Data reliability where a process is involved: a real SIGKILL between the renames of a pair's
 publication and a rerun of tools/preprocess_data.py, stale temporaries of a writer that is gone, and the one-line
 errors of the tools and of `pretrain_gpt.py`."""
 import os

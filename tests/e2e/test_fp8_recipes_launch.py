@@ -1,4 +1,4 @@
-"""Fine-grained FP8 recipes (rowwise, blockwise, mxfp8, issue 16) under tensor parallelism: TP=2 tracks TP=1 per
+"""Fine-grained FP8 recipes (rowwise, blockwise, mxfp8) under tensor parallelism: TP=2 tracks TP=1 per
 recipe, 2 gloo processes (torch.multiprocessing spawn, a TCP port)."""
 from __future__ import annotations
 

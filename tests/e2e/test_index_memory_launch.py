@@ -1,6 +1,6 @@
-"""Index memory at 2T-token scale (issue 15.4), in child processes: the chunked build fits a hard address-space
+"""Index memory at 2T-token scale, in child processes: the chunked build fits a hard address-space
 limit proportional to 16 GB at 2T tokens (RLIMIT_AS in a child process of bench/bench_index_build.py; the former
-whole-array build runs out there); and (issue 15.5) one rank per node builds the indices, the others load them
+whole-array build runs out there); and one rank per node builds the indices, the others load them
 (two spawned gloo ranks)."""
 import os
 
@@ -34,7 +34,7 @@ def test_400b_token_index_build_under_3_2_gb(tmp_path):
     assert result["documents"] == 360_000_000 and result["peak_as"] <= 3.2e9
 
 
-# --------------------------------------------------------------- one builder per node, the others load (issue 15.5)
+# --------------------------------------------------------------------------- one builder per node, the others load
 
 def _coordination_worker(rank: int, store: str, prefix: str, root: str) -> None:
     """One of two gloo ranks: four dataset builds in a row; writes how often each rank built and scanned."""

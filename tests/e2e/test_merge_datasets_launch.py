@@ -1,4 +1,4 @@
-"""tools/merge_datasets.py (issue 15.2) as a command: an input folder sorted by name or datasets in the given order,
+"""tools/merge_datasets.py as a command: an input folder sorted by name or datasets in the given order,
 and the inputs it refuses, named, with nothing published."""
 import os
 import struct

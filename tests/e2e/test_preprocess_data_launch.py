@@ -80,7 +80,7 @@ def test_killed_run_leaves_no_final_files(tmp_path, sig):
         assert left == ["stream.txt"]
 
 
-# ------------------------------------------------------------------ many files, compressed inputs, partitions (issue 15.1)
+# ---------------------------------------------------------------------------- many files, compressed inputs, partitions
 
 def corpus_files(folder) -> list:
     """Four inputs in four formats, named so that sorted order is a, b, c, d; JSONL keys and plain text mixed."""

@@ -1,5 +1,5 @@
-"""Issue 18 at PP = 2: Microsoft's activation-checkpointing command runs full recompute under DeepSpeed's pipeline
-(2 processes under torchrun)."""
+"""Upstream commands at PP = 2: Microsoft's activation-checkpointing command runs full recompute under
+DeepSpeed's pipeline (2 processes under torchrun)."""
 import pytest
 
 

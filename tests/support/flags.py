@@ -14,7 +14,7 @@ TP2 = ("--tensor-model-parallel-size", "2")
 SP = ("--sequence-parallel",)
 PP2 = ("--pipeline-model-parallel-size", "2")
 
-# test_fp8_recipes: the fine-grained recipes (issue 16).
+# test_fp8_recipes: the fine-grained recipes.
 FINE_RECIPES = ("rowwise", "blockwise", "mxfp8")
 
 # test_main_params: FP8 linears + Fp8AdamW, and Megatron's layout (--params-dtype bf16). Fp8AdamW eager here: the

@@ -1,6 +1,6 @@
-"""The index construction as it was before issue 15 (whole int64 arrays), kept as the reference that the
+"""The index construction with whole int64 arrays, kept as the reference that the
 chunked construction (`megatron.data.gpt_index`, `megatron.data.blended_dataset`) must reproduce value for
-value. Used by tests/unit/test_index_memory.py and, for the before/after memory table, bench/bench_index_build.py."""
+value. Used by tests/unit/test_index_memory.py and, for the memory table's `--old` rows, bench/bench_index_build.py."""
 from __future__ import annotations
 
 import numpy as np

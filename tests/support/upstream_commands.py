@@ -1,6 +1,6 @@
-"""The five upstream launch commands of issue 18, as their scripts pass them (shell variables expanded with the
-scripts' defaults), for tests/unit/test_upstream_scripts.py. Only paths are parameters; the values are facts read
-from the scripts:
+"""Five upstream launch commands of Megatron-DeepSpeed and the FP8 paper, as their scripts pass them (shell
+variables expanded with the scripts' defaults), for tests/unit/test_upstream_scripts.py. Only paths are parameters;
+the values are facts read from the scripts:
 
 * Microsoft Megatron-DeepSpeed examples_deepspeed/pretrain_llama2_distributed.sh (activation_checkpoint
   false / true);

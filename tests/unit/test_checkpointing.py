@@ -88,7 +88,7 @@ def test_no_load_optim_needed_when_optimizer_not_saved(tmp_path):
     assert result.state.iteration == 3
 
 
-# ------------------------------------------------------------------- issue 14: re-save, tracker, disk, errors
+# ---------------------------------------------------------------------------- re-save, tracker, disk, errors
 def test_missing_tracker_resumes_the_newest_complete_iteration(tmp_path, caplog):
     _save(tmp_path, 2, 1.0)
     _save(tmp_path, 4, 2.0)

@@ -1,4 +1,4 @@
-"""Blends of hundreds of prefixes from files (issue 15.3): `--data-args-path` and `--per-split-data-args-path` give
+"""Blends of hundreds of prefixes from files: `--data-args-path` and `--per-split-data-args-path` give
 what the flags would, and a malformed file is named with its line."""
 import json
 

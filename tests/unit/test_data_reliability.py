@@ -1,4 +1,4 @@
-"""Data reliability (issue 14): every token id checked before training (manifest or one cached scan), a
+"""Data reliability: every token id checked before training (manifest or one cached scan), a
 `.bin/.idx` pair published so that a crash between its renames can never pass for a consistent pair, stale
 temporary files removed, empty splits and empty inputs named, data errors printed without a traceback.
 
@@ -153,7 +153,7 @@ def crash_at(monkeypatch, call: int):
 
 
 def test_the_torn_pair_would_load_without_the_manifest(tmp_path, monkeypatch):
-    """Negative control: the bug of issue 14.2. New .bin + old .idx passes every format check."""
+    """Negative control: without the manifest, a new .bin beside an old .idx passes every format check."""
     write_builder(tmp_path / "c", OLD)
     crash_at(monkeypatch, 3)
     with pytest.raises(OSError, match="injected crash"):
@@ -267,8 +267,8 @@ def test_an_empty_file_is_named_instead_of_asking_for_data_path(tmp_path):
 
 
 def test_prepare_demo_data_redoes_a_pair_without_a_complete_manifest(tmp_path, monkeypatch):
-    """Issue 15.6: a pair whose publication was killed (the manifest is a marker) or that has no manifest is redone;
-    only a complete one is skipped (prepare_demo_data used to skip any split whose .bin and .idx existed)."""
+    """A pair whose publication was killed (the manifest is a marker) or that has no manifest is redone; only a
+    complete one is skipped (not any split whose .bin and .idx exist)."""
     from megatron.data.manifest import mark_publishing
     from tests.support.config import load_tool
 

@@ -102,7 +102,7 @@ def _fp8_step_bound(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torc
 
 @pytest.mark.isa_sensitive  # generated kernels follow the ISA: CI runs it with AVX2 forced too
 def test_compiled_training_matches_eager_over_50_steps(runs):
-    """Free-running: 50 steps of training, compiled vs eager, losses within 1e-4 relative (issue 17's bound).
+    """Free-running: 50 steps of training, compiled vs eager, losses within 1e-4 relative.
 
     Parameters are not compared here: the kernels may round a pre-rounding value differently by an fp32 ulp
     (FMA contraction, vectorization), which now and then flips an FP8 rounding decision of v by one grid

@@ -1,4 +1,4 @@
-"""Fp8AdamW tracks AdamW's second moment with its default settings (issue 11, part 1).
+"""Fp8AdamW tracks AdamW's second moment with its default settings.
 
 With round-to-nearest, a v stored in E5M2 (2 mantissa bits: grid steps of 12.5-25% of the value) can
 grow but not shrink: a decay by beta2 (5% per step at 0.95, 0.1% at 0.999) is less than half a step and

@@ -1,4 +1,4 @@
-"""Fine-grained FP8 recipes (rowwise, blockwise, mxfp8) beside tensorwise and delayed (issue 16).
+"""Fine-grained FP8 recipes (rowwise, blockwise, mxfp8) beside tensorwise and delayed.
 
 Quantization against an independent float64 reference (tile amaxes, scales, the half-ulp rounding bound);
 the MXFP8 exponent rule (no block clips, where the OCP spec's floor rule does); the layer's three GEMMs against
@@ -194,7 +194,7 @@ def test_sqnr_per_recipe():
     """Every recipe keeps each operand within the E4M3 half-ulp (relative 2^-4, >= 24.1 dB per operand, so
     >= 21.0 dB for a product of two) on Gaussian and heavy-tailed inputs. With outlier channels along K (1e5x,
     as SwiGLU's), the non-outlier channels' contribution x[:, rest] W[:, rest]^T keeps its resolution only
-    where the outliers' scales do not reach: blockwise and MXFP8 beat tensorwise by >= 3 dB (issue 16)."""
+    where the outliers' scales do not reach: blockwise and MXFP8 beat tensorwise by >= 3 dB."""
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
     gaussian, heavy, outliers, channels = _sqnr_inputs(g)

@@ -1,7 +1,7 @@
 """GPU checks (CUDA with FP8 tensor cores, sm89+): skipped with the reason on machines without one.
 
 They compare the `scaled_mm` backend (torch._scaled_mm) with the emulated one on the same device, and run a
-tiny FP8 training step end to end on the GPU. Run them in a session that has a GPU: `pytest -m gpu`.
+tiny FP8 training step end to end on the GPU. Run them on a machine with a GPU: `pytest -m gpu`.
 """
 import pytest
 import torch

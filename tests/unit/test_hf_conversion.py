@@ -174,7 +174,7 @@ def test_sentencepiece_tokenizer_exported(tmp_path):
 
 
 def test_import_refuses_a_tokenizer_that_does_not_fit_the_vocabulary(tmp_path):
-    """A 300-token SentencePiece model for a 512-row table: refused at import, naming both sizes (issue 18)."""
+    """A 300-token SentencePiece model for a 512-row table: refused at import, naming both sizes."""
     pytest.importorskip("sentencepiece")
     from megatron.checkpoint_conversion.convert import import_from_hf as import_hf
     from megatron.tokenizer.train import train_sentencepiece

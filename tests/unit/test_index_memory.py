@@ -1,4 +1,4 @@
-"""Index memory at 2T-token scale (issue 15.4): the chunked, narrow-dtype construction gives the values of the
+"""Index memory at 2T-token scale: the chunked, narrow-dtype construction gives the values of the
 former whole-array one (tests/support/index_reference.py) and picks dtypes from what each array indexes. The
 builds under a hard address-space limit run in child processes (tests/e2e/test_index_memory_launch.py)."""
 import numpy as np

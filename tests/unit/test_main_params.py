@@ -1,7 +1,7 @@
 """--params-dtype bf16 (Megatron's layout): BF16 weights, FP32 main gradients, FP32 masters with the optimizer.
 
 Torch engine in-process (fast); the DeepSpeed ZeRO-1 run (2 gloo processes, `slow`) is in
-tests/e2e/test_main_params_launch.py. The dry-run estimate is checked against issue 17's targets.
+tests/e2e/test_main_params_launch.py. The dry-run estimate is checked against the layout's targets.
 """
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ LLAMA_7B = ["--num-layers", "32", "--hidden-size", "4096", "--ffn-hidden-size", 
 
 
 def test_dry_run_estimate_meets_the_layout_targets(monkeypatch):
-    """Issue 17: Llama2-7B at DP=256 under ZeRO-1 with Fp8AdamW <= 6.1 bytes/param persistent (2 + 4 + 6/256 =
+    """Llama2-7B at DP=256 under ZeRO-1 with Fp8AdamW <= 6.1 bytes/param persistent (2 + 4 + 6/256 =
     6.02); at ZeRO 0 the FP8 moments cut persistent state by >= 25% vs AdamW in either layout."""
     monkeypatch.setenv("WORLD_SIZE", "256")
     fp8adam = ("--deepspeed", "--zero-stage", "1", "--optimizer", "fp8adam", "--fp8-optimizer-block-size", "128")

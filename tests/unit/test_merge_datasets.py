@@ -1,4 +1,4 @@
-"""tools/merge_datasets.py (issue 15.2): merging equals preprocessing the concatenated input byte for byte, in
+"""tools/merge_datasets.py: merging equals preprocessing the concatenated input byte for byte, in
 Megatron's format, streaming in constant memory, atomically, with the token-id range in the manifest."""
 import os
 import struct

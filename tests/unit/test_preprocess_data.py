@@ -45,7 +45,7 @@ def test_tokenizer_failure_midway_leaves_no_files(tmp_path):
     assert os.listdir(tmp_path) == ["in.txt"]
 
 
-# ------------------------------------------------------------------ many files, compressed inputs, partitions (issue 15.1)
+# ---------------------------------------------------------------------------- many files, compressed inputs, partitions
 
 def test_pieces_hold_every_line_once_with_its_line_number(tmp_path):
     from megatron.data.text_input import LineReader, plan_partitions

@@ -1,5 +1,5 @@
 """TensorBoard tags: Megatron-DeepSpeed's names with their "vs samples" / "vs tokens" twins, read back from the
-event files of a tiny run (issue 18), and `tools/compare_runs` still reading runs written with our old names."""
+event files of a tiny run, and `tools/compare_runs` still reading runs written with the older names."""
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,4 @@
-"""Issue 18: Megatron-DeepSpeed users' launch commands run unedited (tests/support/upstream_commands.py holds them).
+"""Megatron-DeepSpeed users' launch commands run unedited (tests/support/upstream_commands.py holds them).
 
 Each upstream command, with its real sizes and only its paths replaced (a tiny SentencePiece model stands in
 for Llama's tokenizer, tmp folders for data and checkpoints), goes through `pretrain_gpt.py --dry-run`
@@ -112,7 +112,7 @@ def test_refusals_name_the_flag_and_the_reason(switches, message):
 
 
 def test_use_torch_compile_maps_onto_our_flag():
-    """Habana's --use-torch-compile true/false is our --torch-compile on/off (issue 17's flag). The flag is part of
+    """Habana's --use-torch-compile true/false is our --torch-compile on/off. The flag is part of
     the command line: a parser without it (dropped or misspelt) must fail here, not pass as a tree from before
     the flag existed."""
     from megatron.arguments import build_parser
