@@ -18,9 +18,9 @@ EXTERNAL = {
     "pytest, numactl, every CLI": {"--dist", "--durations", "--hardware", "--help"},
     "Megatron-Core flags refused here (docs/memory.md)": {"--main-grads-dtype", "--main-params-dtype"},
     "a mistyped flag, the example of the hint (docs/guides/migrate.md)": {"--num-layer"},
-    "Megatron-LM flags to edit (docs/guides/migrate.md)": {"--group-query-attention", "--use-distributed-optimizer",
-                                                          "--transformer-impl", "--use-mcore-models", "--use-flash-attn",
-                                                          "--attention-softmax-in-fp32", "--overlap-grad-reduce"},
+    "Megatron-LM flags to edit (docs/guides/migrate.md)": {
+        "--group-query-attention", "--use-distributed-optimizer", "--transformer-impl", "--use-mcore-models",
+        "--use-flash-attn", "--attention-softmax-in-fp32", "--overlap-grad-reduce"},
     "bench/bench_zero3_build.py (parsed by hand: the rest of its command line is pretrain_gpt.py's)": {"--tree"},
 }
 # Folders that the GPU and Gaudi checks create for their reports; files of the upstream repositories.
