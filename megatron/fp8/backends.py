@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from megatron.cpu_bf16 import emulates_bf16_gemms
 from megatron.fp8 import fused
-from megatron.fp8.formats import Fp8FormatSpec, format_spec
+from megatron.fp8.formats import Fp8FormatSpec, format_backend_of, format_spec
 from megatron.fp8.quantize import TiledFp8, dequantize_tiles, quantize
 from megatron.fp8.recipe import Fp8Backend, Fp8Scaling
 
@@ -49,12 +49,17 @@ logger = logging.getLogger(__name__)
 
 
 class EmulatedBackend:
-    """Real FP8 casts; the GEMM runs in FP32 on the dequantized values."""
+    """Real FP8 casts; the GEMM runs in FP32 on the dequantized values. Its FP8 maxima are those of the device its
+    tensors live on (`formats.format_backend_of`): OCP's elsewhere, Gaudi2's on an HPU (`--fp8-backend emulated`
+    there), so no FP8 tensor on a Gaudi holds a value beyond 240."""
 
     name = "emulated"
-    format_backend = "cpu"  # which FP8 maxima apply (OCP)
+    format_backend = "cpu"  # which FP8 maxima apply (OCP), unless made for another device
     # Transposed views are fine for a plain matmul, so the linear need not cache transposed copies.
     wants_contiguous_operands = False
+
+    def __init__(self, format_backend: str = "cpu") -> None:
+        self.format_backend = format_backend
 
     def quantize(self, x: torch.Tensor, scale: torch.Tensor, spec: Fp8FormatSpec,
                  stochastic_rounding: bool = False) -> torch.Tensor:
@@ -236,8 +241,13 @@ STATELESS_BACKENDS: dict[str, Backend] = {"emulated": EmulatedBackend(), "scaled
 
 
 @functools.lru_cache(maxsize=None)
-def _make(name: str) -> Backend:
-    return STATELESS_BACKENDS[name] if name in STATELESS_BACKENDS else HpuBackend()
+def _make(name: str, device_type: str = "cpu") -> Backend:
+    """The backend `name` for tensors on `device_type`; only the emulation differs by device (its FP8 maxima)."""
+    if name == "hpu":
+        return HpuBackend()
+    if name == "emulated" and format_backend_of(device_type) != "cpu":
+        return EmulatedBackend(format_backend_of(device_type))
+    return STATELESS_BACKENDS[name]
 
 
 KERNEL_REFUSALS: list[str] = []  # first lines of the errors of scaled GEMMs that fell back (tests read it)
@@ -300,7 +310,7 @@ def _select(choice: Fp8Backend, device: torch.device) -> Backend:
             return _make("scaled_mm")
         if device.type == "hpu":
             return _make("hpu")
-        return _make("emulated")
+        return _make("emulated", device.type)
     if choice is Fp8Backend.SCALED_MM and not (_cuda_has_fp8(device) or device.type == "cpu"):
         raise ValueError(
             f"--fp8-backend scaled_mm (alias cuda) needs a CUDA device with compute capability >= 8.9 (FP8 "
@@ -310,7 +320,7 @@ def _select(choice: Fp8Backend, device: torch.device) -> Backend:
             raise ValueError(
                 f"--fp8-backend hpu needs a Gaudi device and habana_frameworks, but the model is on {device}; "
                 f"use --fp8-backend auto or emulated")
-    return _make(choice.value)
+    return _make(choice.value, device.type)
 
 
 def backend_format_spec(backend: Backend, dtype: str) -> Fp8FormatSpec:

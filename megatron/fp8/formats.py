@@ -42,8 +42,9 @@ _GAUDI2_E4M3_MAX = 240.0
 
 def format_backend_of(device: torch.device | str) -> str:
     """Whose FP8 limits apply to tensors on `device`: "hpu" (Gaudi2's E4M3 maximum of 240) or "cpu" (OCP: 448,
-    as on CUDA). The one place that maps a device to its formats, for every FP8 tensor that is not a layer's
-    operand (those follow their GEMM backend, `backends.Backend.format_backend`): Fp8AdamW's moments."""
+    as on CUDA). The one place that maps a device to its formats: Fp8AdamW's moments and the emulated GEMM backend
+    take it from their tensors' device; the hardware backends declare theirs (`backends.HpuBackend`: "hpu",
+    `CudaScaledMmBackend`: OCP), which agrees with it on the devices they run on."""
     return "hpu" if torch.device(device).type == "hpu" else "cpu"
 
 

@@ -78,19 +78,35 @@ def _sqnr(got: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> d
 
 
 @pytest.mark.parametrize("choice", ["auto", "hpu"])
-def test_fp8_layer_on_the_stand_ins_through_select_backend(gaudi, monkeypatch, choice) -> None:
+def test_fp8_layer_on_the_stand_ins_through_select_backend(gaudi, choice) -> None:
     ops, chosen = gaudi
     got = _layer_run(Fp8Recipe(backend=choice))
     assert chosen and set(chosen) == {"hpu"}
     assert ops.calls.count("fp8_gemm_v2") == 3 * STEPS and ops.calls.count("cast_to_fp8_v2") >= 2 * STEPS
     accuracy = _sqnr(got, _reference())
     assert all(accuracy[name] > BOUNDS[name] for name in BOUNDS), (accuracy, BOUNDS)
-    # The same casts on the emulated backend given Gaudi2's limits: equal up to the GEMMs' fp32 rounding, so a
-    # transpose, layout or scale error of the HPU path shows here long before it could hide in FP8 noise.
-    monkeypatch.setattr(backends.EmulatedBackend, "format_backend", "hpu")
+    # The same casts on the emulated backend, which megatron gives Gaudi2's limits on an hpu device: equal up to the
+    # GEMMs' fp32 rounding, so a transpose, layout or scale error of the HPU path shows here long before it could hide
+    # in FP8 noise.
     emulated = _layer_run(Fp8Recipe(backend="emulated"))
+    assert chosen[-1] == "emulated"
     agreement = _sqnr(got, emulated)
     assert all(db > FP32_BOUND for db in agreement.values()), agreement
+
+
+def test_every_fp8_format_on_an_hpu_device_has_gaudi2s_limits(monkeypatch) -> None:
+    """The layers' backends, auto or forced (the emulation too), and Fp8AdamW's moments: E4M3 240 on an hpu device,
+    448 on the CPU."""
+    from megatron.optimizer.fp8_state_quant import moment_format
+
+    fake_hpu.install(monkeypatch)
+    monkeypatch.setattr(backends, "_make", backends._make.__wrapped__)  # uncached: made with the stand-ins
+    for choice in ("auto", "hpu", "emulated"):
+        backend = backends.select_backend(choice, torch.device("hpu"))
+        assert backends.backend_format_spec(backend, "e4m3").max == 240.0, choice
+    assert backends.backend_format_spec(backends.select_backend("emulated", "cpu"), "e4m3").max == 448.0
+    assert moment_format("e4m3", 0, formats.format_backend_of("hpu")).max == 240.0
+    assert moment_format("e4m3", 0, formats.format_backend_of("cpu")).max == 448.0
 
 
 def test_ocp_e4m3_limit_on_gaudi_fails(gaudi, monkeypatch) -> None:
