@@ -1,4 +1,4 @@
-"""Stability lab (issue 19): FP8 SwiGLU outliers at laptop scale, BF16 vs FP8 vs Smooth-SwiGLU, as CLI runs.
+"""Stability lab: FP8 SwiGLU outliers at laptop scale, BF16 vs FP8 vs Smooth-SwiGLU, as CLI runs.
 
 Every run is an ordinary `pretrain_gpt.py` run (printed, and recorded in <output-dir>/summary.json and each
 run's command.txt) with the divergence guard off. Presets (docs/stability.md: the protocol and the results):
@@ -6,7 +6,7 @@ run's command.txt) with the divergence guard off. Presets (docs/stability.md: th
     python tools/stability_lab.py --preset inject     # controlled injection w1 = +-c w2, BF16 control picks c*
     python tools/stability_lab.py --preset natural    # tiny model overtrained on a small corpus, WD sweep
     python tools/stability_lab.py --preset lr         # tiny model: final loss and divergence vs peak LR
-    python tools/stability_lab.py --preset recipes    # demo model: loss gap to BF16 per --fp8-recipe (issue 16)
+    python tools/stability_lab.py --preset recipes    # demo model: loss gap to BF16 per --fp8-recipe
     python tools/stability_lab.py --preset ablation   # demo model: FP8 linears / Smooth-SwiGLU / Fp8AdamW
     python tools/stability_lab.py --quick             # the inject preset in miniature (< 60 s; the test)
     python tools/stability_lab.py --report runs/stability/inject/summary.json   # its markdown tables

@@ -1,4 +1,4 @@
-"""The stability lab (issue 19): FP8 SwiGLU outlier dynamics at laptop scale, driven through ordinary CLI runs.
+"""The stability lab: FP8 SwiGLU outlier dynamics at laptop scale, driven through ordinary CLI runs.
 
 - `runs`: the variants (BF16, FP8 delayed, + Smooth-SwiGLU channel/token, fc2 in BF16), the presets' model and
   optimizer flags, and the subprocess runner that records every `pretrain_gpt.py` command it starts.

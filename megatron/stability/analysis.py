@@ -22,7 +22,7 @@ TRAIN = "lm-loss-training/lm loss"
 VALID = "lm-loss-validation/lm loss validation"
 TEST = "lm-loss-validation/lm loss test"
 GRAD_NORM = "grad-norm/grad-norm"
-# Per-iteration tags before issue 18 renamed them to Megatron-DeepSpeed's (a base run written before the rename
+# Per-iteration tags of older runs, before they took Megatron-DeepSpeed's names (a base run written before the rename
 # and its resume written after it must merge into one series).
 _LEGACY = {"lm-loss": TRAIN, "lm-loss-validation/lm loss": VALID, "lm-loss-test/lm loss": TEST,
            "grad-norm": GRAD_NORM}

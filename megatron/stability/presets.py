@@ -1,12 +1,15 @@
 """The lab's presets: what each one runs, in which order, and the JSON summary it writes.
 
-- `inject` (issue 19 b): per variant and seed a base run to `base_iters`, then from a copy of its checkpoint
+- `inject`: per variant and seed a base run to `base_iters`, then from a copy of its checkpoint
   (a) an unedited resume (the control) and (b) resumes with the injection at each c. BF16 goes first over
   every c; the largest c whose BF16 runs stay within BF16's seed spread (`bf16_holds`) is `c_star`, and the
-  FP8 variants run at c_star only: the FP8 outcome at the c BF16 survives, not at a c chosen to break FP8.
-- `natural` (issue 19 a): a tiny model overtrained on a small corpus (the 24k-token validation books) at a
+  FP8 variants run at c_star only: the FP8 outcome at the c BF16 survives, not at a c chosen to break FP8
+  (`fp8_every_c`: at every c, to find where FP8 and BF16 part ways beyond c_star).
+- `natural`: a tiny model overtrained on a small corpus (the 24k-token validation books) at a
   high learning rate, per weight decay, variant and seed; alignment and outliers over time.
-- `demo` runs (presets `recipes` and `ablation`, issue 16 and 19): the demo model on the demo corpus, one
+- `lr` (tools/stability_lab.py `_lr_sweep`, with `lr_table` here): the natural preset's model and corpus per peak
+  learning rate, variant and seed; the final loss, which runs diverged, the largest stable LR per variant.
+- `demo` runs (presets `recipes` and `ablation`): the demo model on the demo corpus, one
   ordinary run per configuration and seed, validation and held-out test loss.
 """
 from __future__ import annotations
