@@ -16,7 +16,7 @@ results are rewritten into gaudi_check.json after every stage:
     bash scripts/gaudi_check.sh --dry-run      # print the plan and exit 0
     bash scripts/gaudi_check.sh --out DIR      # where the files go (default: $OUT, else docs/gaudi/)
 
-Without a Gaudi it prints one line and exits 2.
+Without a Gaudi it prints one line and exits 2. docs/gaudi.md says what this verifies and what the CPU tests do.
 """
 from __future__ import annotations
 
