@@ -8,9 +8,9 @@ controller's cost is all in log iterations and the iteration before (the statist
 tensors), so the figure is the mean over whole log intervals, never a median that would skip them. Iterations
 alternate between the variants so machine noise hits both alike.
 
-    python bench/bench_autoheal.py                          # demo shape, CPU, log interval 10
-    python bench/bench_autoheal.py --log-interval 100 --iters 200
-    python bench/bench_autoheal.py --device cuda --extra "<a 1B shape>"
+    python bench/bench_fp8_autoheal.py                          # demo shape, CPU, log interval 10
+    python bench/bench_fp8_autoheal.py --log-interval 100 --iters 200
+    python bench/bench_fp8_autoheal.py --device cuda --extra "<a 1B shape>"
 """
 from __future__ import annotations
 

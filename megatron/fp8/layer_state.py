@@ -117,8 +117,8 @@ class Fp8LayerState:
         self.known_valid: tuple[bool, bool, bool] = (False, False, False)
         self.validity_read_at: int | None = None  # num_updates when the buffer was last read
         self.stats: fp8_stats.Fp8Stats | None = None  # made when statistics are first switched on
-        # Per role: powers of two of margin on top of the recipe's, raised by the FP8 controller (autoheal.py) for a
-        # tensor that keeps clipping; checkpointed with the scaling state.
+        # Per role: powers of two of margin on top of the recipe's, raised by the FP8 controller
+        # (megatron/training/fp8_autoheal.py) for a tensor that keeps clipping; checkpointed with the scaling state.
         self.extra_margin: list[int] = [0, 0, 0]
         # Per role: cast with its own current amax whatever the recipe (the controller's next step after the
         # margin); a tuple, replaced on change, so a compiled graph that read it is retraced.

@@ -165,13 +165,13 @@ class Fp8Recipe:
         return cls(**values)  # __post_init__ turns strings back into enums
 
 
-# The FP8 controller's actions, least costly first (megatron/fp8/autoheal.py).
+# The FP8 controller's actions, least costly first (megatron/training/fp8_autoheal.py).
 AUTOHEAL_ACTIONS = ("margin", "current", "smooth", "bf16")
 
 
 @dataclass(frozen=True)
 class Fp8AutohealConfig:
-    """The FP8 controller's rules (megatron/fp8/autoheal.py); `enabled` is --fp8-autoheal."""
+    """The FP8 controller's rules (megatron/training/fp8_autoheal.py); `enabled` is --fp8-autoheal."""
 
     enabled: bool = False
     clip_threshold: float = 1e-3  # clipped fraction of a tensor's values that counts against it at a log iteration

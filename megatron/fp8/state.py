@@ -10,9 +10,9 @@ checkpoint loads into an FP8 model and back. The FP8 state is saved next to it a
                     "input":       {"amax_history": Tensor[L], "scale": Tensor[], "scale_valid": Tensor[]},
                     "weight":      {...},
                     "grad_output": {...},
-                    "extra_margin": [0, 1, 0],    # only when the FP8 controller raised a margin (autoheal.py),
-                    "current_roles": [False, True, False],  # switched a role to current scaling,
-                    "high_precision": True},      # or put the layer in high precision
+                    # Only when the FP8 controller (training/fp8_autoheal.py) raised a margin, switched a role to
+                    # current scaling, or put the layer in high precision:
+                    "extra_margin": [0, 1, 0], "current_roles": [False, True, False], "high_precision": True},
                 ...}}
 
 Only tensors, ints, strings and dicts: loadable with `torch.load(..., weights_only=True)`, keyed by layer
@@ -48,7 +48,7 @@ def fp8_state_dict(model: nn.Module, recipe: Fp8Recipe) -> dict[str, Any]:
     layers: dict[str, Any] = {}
     for name, m in _fp8_modules(model).items():
         entry: dict[str, Any] = {"num_updates": int(m.fp8_num_updates)}
-        if any(m.fp8.extra_margin):  # the FP8 controller's margins (autoheal.py); absent = none raised
+        if any(m.fp8.extra_margin):  # the FP8 controller's margins (training/fp8_autoheal.py); absent = none raised
             entry["extra_margin"] = [int(e) for e in m.fp8.extra_margin]
         if any(m.fp8.current_roles):  # roles it switched to current scaling
             entry["current_roles"] = [bool(c) for c in m.fp8.current_roles]

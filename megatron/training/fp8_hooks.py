@@ -21,7 +21,7 @@ class Fp8Hooks:
         self.amax_group, self.tp_group = amax_group, tp_group
         self.recipe = recipe
         self.log_stats = stats and recipe is not None  # --log-fp8-stats: statistics in the log line and TensorBoard
-        self.controller = None  # --fp8-autoheal (megatron/fp8/autoheal.py), fed by the same statistics
+        self.controller = None  # --fp8-autoheal (megatron/training/fp8_autoheal.py), fed by the same statistics
         self.stats = self.log_stats or (autoheal.enabled and recipe is not None)
         self.converted: list[str] = []
         self.nonfinite_iterations = 0  # skipped steps in which an FP8 layer quantized an inf/NaN (this process)
@@ -31,7 +31,7 @@ class Fp8Hooks:
 
         self.converted = convert_to_fp8(model, recipe, amax_group=amax_group)
         if autoheal.enabled:
-            from megatron.fp8.autoheal import Fp8Controller
+            from megatron.training.fp8_autoheal import Fp8Controller
 
             self.controller = Fp8Controller(model, autoheal, amax_group, tp_group)
         if self.stats:
@@ -133,7 +133,7 @@ class Fp8Hooks:
         if self.controller is None and saved and any(any(v) for v in saved.get("level", {}).values()):
             # Actions of a run with --fp8-autoheal, resumed without it: kept (the run continues as it was), no new
             # ones taken. A controller that never steps applies them (the Smooth-SwiGLU ones live on the model).
-            from megatron.fp8.autoheal import Fp8Controller
+            from megatron.training.fp8_autoheal import Fp8Controller
 
             ladder = saved.get("ladder", {})
             frozen = Fp8AutohealConfig(actions=tuple(ladder.get("actions", ("margin",))),

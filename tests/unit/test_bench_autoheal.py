@@ -1,4 +1,4 @@
-"""bench/bench_autoheal.py at a tiny shape: both variants build through the CLI's path, time whole log intervals,
+"""bench/bench_fp8_autoheal.py at a tiny shape: both variants build through the CLI's path, time whole log intervals,
 and the JSON holds the figures it prints; the iteration count must cover whole log intervals."""
 from __future__ import annotations
 

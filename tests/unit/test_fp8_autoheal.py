@@ -1,5 +1,5 @@
-"""`--fp8-autoheal` (megatron/fp8/autoheal.py): each trigger and action on synthetic statistics, the margin's exact
-effect on the scales, the checkpointed state, and a training run where it acts, resumed."""
+"""`--fp8-autoheal` (megatron/training/fp8_autoheal.py): each trigger and action on synthetic statistics, each
+action's exact effect, the checkpointed state, the flags, and a training run where it acts, resumed."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +9,7 @@ from torch import nn
 from megatron.arguments import parse_config
 from megatron.checkpoint import store as ckpt
 from megatron.fp8 import Fp8Linear, Fp8Recipe, fp8_optimizer_step, fp8_state_dict, load_fp8_state_dict
-from megatron.fp8.autoheal import Fp8Controller
+from megatron.training.fp8_autoheal import Fp8Controller
 from megatron.model.swiglu_outliers import model_config
 from megatron.fp8.recipe import Fp8AutohealConfig, Fp8Scaling
 from megatron.training.loop import pretrain
