@@ -30,6 +30,8 @@ from typing import Protocol
 
 import torch
 
+from megatron.dtypes import exp2_int, frexp_fp32
+
 
 # Largest power of two representable in fp32; used when fp8_max / amax overflows.
 _FP32_MAX_POW2 = 2.0**127
@@ -70,13 +72,13 @@ def _pow2_scale(amax: torch.Tensor, target: float | torch.Tensor) -> torch.Tenso
     2^ceil(log2(amax / target)), one binade above the OCP spec's 2^(floor(log2 amax) - emax) exactly when the
     block's amax mantissa exceeds target's (448 = 1.75 x 2^8), where the spec's rule would clip.
     """
-    m, e = torch.frexp(amax.float())
+    m, e = frexp_fp32(amax)
     # torch.full, not as_tensor: a host value copied to a CUDA device synchronises the stream; a fill does not.
     target = (target.to(device=amax.device, dtype=torch.float32) if torch.is_tensor(target)
               else torch.full((), float(target), dtype=torch.float32, device=amax.device))
-    t, f = torch.frexp(target)
+    t, f = frexp_fp32(target)
     exponent = (f - e) - (m > t).to(e.dtype)
-    return torch.ldexp(torch.ones_like(m), exponent.clamp(-149, 128).to(torch.float32))
+    return exp2_int(exponent.clamp(-149, 128))
 
 
 def column_scaled(w: torch.Tensor, column_scale: torch.Tensor) -> torch.Tensor:
@@ -249,7 +251,7 @@ def quantize_tiles(
 def to_e8m0(scale: torch.Tensor) -> torch.Tensor:
     """Power-of-two scales as OCP E8M0 bytes (uint8): the biased exponent of the *dequantization* factor
     X = 1/scale = 2^k, stored as k + 127 (0..254); 255 is E8M0's NaN (a tile that held inf/NaN)."""
-    _, exponent = torch.frexp(scale.float())  # scale = 0.5 x 2^exponent
+    _, exponent = frexp_fp32(scale)  # scale = 0.5 x 2^exponent
     k = (1 - exponent).clamp(-127, 127)
     return torch.where(torch.isnan(scale), torch.full_like(k, 255), k + 127).to(torch.uint8)
 
@@ -257,7 +259,7 @@ def to_e8m0(scale: torch.Tensor) -> torch.Tensor:
 def from_e8m0(code: torch.Tensor) -> torch.Tensor:
     """The fp32 quantization scales of `to_e8m0`'s bytes (NaN for 255)."""
     k = code.to(torch.int32) - 127
-    scale = torch.ldexp(torch.ones(code.shape, dtype=torch.float32, device=code.device), (-k).float())
+    scale = exp2_int(-k)
     return torch.where(code == 255, torch.full_like(scale, float("nan")), scale)
 
 

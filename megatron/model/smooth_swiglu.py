@@ -64,6 +64,7 @@ from torch import nn
 
 from megatron import comm
 from megatron.config import ModelConfig, SmoothSwiGLUGranularity
+from megatron.dtypes import exp2_int, frexp_fp32, ldexp_fp32
 
 # Exponent clamp: 2**125 and its inverse are both finite, normal fp32 (and bf16) numbers.
 _MAX_EXPONENT = 125
@@ -76,10 +77,9 @@ def pow2_scales(maxima: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     maxima = maxima.float()
     usable = torch.isfinite(maxima) & (maxima > 0)
-    _, exponent = torch.frexp(torch.where(usable, maxima, torch.ones_like(maxima)))
+    _, exponent = frexp_fp32(torch.where(usable, maxima, torch.ones_like(maxima)))
     exponent = torch.where(usable, exponent, torch.zeros_like(exponent)).clamp(-_MAX_EXPONENT, _MAX_EXPONENT)
-    one = torch.ones_like(maxima)
-    return torch.ldexp(one, -exponent), torch.ldexp(one, exponent)
+    return exp2_int(-exponent), exp2_int(exponent)
 
 
 def swiglu_product(fc1_out: torch.Tensor) -> torch.Tensor:
@@ -157,7 +157,7 @@ def channel_split_scales(maxima: torch.Tensor, split: ChannelSplit = ChannelSpli
     """
     maxima = maxima.float()
     usable = torch.isfinite(maxima) & (maxima > 0)
-    _, exponent = torch.frexp(torch.where(usable, maxima, torch.ones_like(maxima)))
+    _, exponent = frexp_fp32(torch.where(usable, maxima, torch.ones_like(maxima)))
     exponent = torch.where(usable, exponent, torch.zeros_like(exponent))
     # Exponent moved into the weight, per channel (unusable channels: 0).
     shift = torch.floor(exponent.float() * split.weight_share)
@@ -167,13 +167,12 @@ def channel_split_scales(maxima: torch.Tensor, split: ChannelSplit = ChannelSpli
         top_shift = _max_over_group(torch.where(usable, shift, torch.full_like(shift, float("-inf"))).amax(), group)
         shift = torch.where(usable, torch.maximum(shift, top_shift - split.max_weight_binades), shift)
     shift = shift.to(torch.int32)
-    top = _max_over_group(torch.ldexp(maxima, -shift).amax(), group)  # max of h * 2^-shift: NaN/inf propagate
+    top = _max_over_group(ldexp_fp32(maxima, -shift).amax(), group)  # max of h * 2^-shift: NaN/inf propagate
     top_usable = torch.isfinite(top) & (top > 0)
-    _, top_exponent = torch.frexp(torch.where(top_usable, top, torch.ones_like(top)))
+    _, top_exponent = frexp_fp32(torch.where(top_usable, top, torch.ones_like(top)))
     top_exponent = torch.where(top_usable, top_exponent, torch.zeros_like(top_exponent))
     shift = (shift + top_exponent).clamp(-_MAX_EXPONENT, _MAX_EXPONENT)
-    one = torch.ones_like(maxima)
-    return torch.ldexp(one, -shift), torch.ldexp(one, shift), torch.ldexp(top, -top_exponent)
+    return exp2_int(-shift), exp2_int(shift), ldexp_fp32(top, -top_exponent)
 
 
 def _fc2_channel_scaled(linear_fc2: nn.Linear, h_scaled: torch.Tensor, inverse: torch.Tensor,

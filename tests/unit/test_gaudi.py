@@ -1,7 +1,7 @@
 """Gaudi checks (an HPU with habana_frameworks): skipped with the reason elsewhere; `scripts/gaudi_check.sh` runs them.
 
 They probe the ops this project relies on there and compare the HPU path with the emulated one on the same
-numbers: the E4M3 cast at Gaudi2's limit, frexp/ldexp (power-of-two scales), Fp8AdamW's stochastic-rounding noise
+numbers: the E4M3 cast at Gaudi2's limit, the power-of-two scales' int32 bit ops, Fp8AdamW's stochastic-rounding noise
 (int32) against the CPU's, 64-bit integer arithmetic (the FP8 statistics' counters), the FP8 GEMM with 0-d scale
 inverses in both backward format pairs, one FP8 layer's three GEMMs and one Fp8AdamW step."""
 import importlib.util
@@ -41,12 +41,16 @@ def test_e4m3_cast_saturates_at_gaudi2s_limit():
     print(f"cast of +-300 to E4M3 gives {values[:2]}")  # saturation (240) or inf: the layers clamp first either way
 
 
-def test_frexp_and_ldexp_are_exact():
-    a = torch.tensor([3e-30, 0.7, 448.0, 6.0e4, 1.0], device="hpu")
-    m, e = torch.frexp(a)
-    m_cpu, e_cpu = torch.frexp(a.cpu())
-    assert torch.equal(m.cpu(), m_cpu) and torch.equal(e.cpu(), e_cpu)
-    assert torch.equal(torch.ldexp(m, e.float()).cpu(), a.cpu())
+def test_power_of_two_bit_ops_equal_the_cpus():
+    """The power-of-two scales' int32 bit ops (megatron/dtypes.py: fp32 -> int32 views, shifts, masks) on the HPU."""
+    from megatron.dtypes import exp2_int, frexp_fp32, ldexp_fp32
+
+    a = torch.tensor([3e-30, 0.7, 448.0, 6.0e4, 1.0, 1e-40, 0.0], device="hpu")
+    k = torch.tensor([-130, -20, 0, 5, 127, 100, 3], device="hpu")
+    for hpu, cpu in ((frexp_fp32(a), frexp_fp32(a.cpu())), ((exp2_int(k),), (exp2_int(k.cpu()),)),
+                     ((ldexp_fp32(a, -k.clamp(-126, 126)),), (ldexp_fp32(a.cpu(), -k.cpu().clamp(-126, 126)),))):
+        for x, y in zip(hpu, cpu):
+            assert torch.equal(x.cpu(), y)
 
 
 def test_stochastic_rounding_noise_equals_the_cpus():
