@@ -59,7 +59,7 @@ fi
 DEVICE_ARGS=(--device "$([ "$PLATFORM" = gaudi2 ] && echo hpu || echo cuda)")
 # Gaudi: lazy mode, as in Habana's reference setup (current Gaudi software defaults to eager); the trainer asks the
 # bridge which mode runs (habana_frameworks.torch.utils.internal.is_lazy). PT_ENABLE_INT64_SUPPORT=1 is set by the
-# trainer itself (Fp8AdamW's stochastic rounding needs 64-bit integers).
+# trainer itself (the FP8 statistics count elements in 64-bit integers; docs/gaudi.md).
 [ "$PLATFORM" = gaudi2 ] && export PT_HPU_LAZY_MODE="${PT_HPU_LAZY_MODE:-1}"
 DATA_ARGS=(--data-path "$DATA_PATH" --split 969,30,1 --tokenizer-type GPTSentencePieceTokenizer
            --tokenizer-model "$TOKENIZER_MODEL" --data-cache-path "$RUN_DIR/index-cache")

@@ -8,8 +8,8 @@ results are rewritten into gaudi_check.json after every stage:
   env        torch and habana_frameworks versions, device count, PT_HPU_LAZY_MODE / PT_ENABLE_INT64_SUPPORT, lazy
   probes     pytest -m hpu tests/unit/test_gaudi.py: the E4M3 cast of +-300, the power-of-two bit ops, Fp8AdamW's
              int32 noise vs the CPU, int64 sums past 2**31 (PT_ENABLE_INT64_SUPPORT), fp8_gemm_v2 with 0-d scale
-             inverses in the E4M3 x E4M3, E5M2 x E4M3 and E5M2 x E5M2 pairs, one FP8 layer's three GEMMs against FP32 (as accurate
-             as the emulation), one Fp8AdamW step against the CPU
+             inverses in the E4M3 x E4M3, E5M2 x E4M3 and E5M2 x E5M2 pairs, one FP8 layer's three GEMMs against
+             FP32 (as accurate as the emulation), one Fp8AdamW step against the CPU
   train_1    pretrain_gpt.py on one Gaudi: FP8 (hpu backend) + Smooth-SwiGLU + Fp8AdamW, 30 iterations, HCCL
 
     bash scripts/gaudi_check.sh                # all stages; writes gaudi_check.json and gaudi_check.md
