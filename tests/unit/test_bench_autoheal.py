@@ -19,8 +19,9 @@ def test_both_variants_run_and_the_json_matches(tmp_path, capsys):
     result = bench.main(["--iters", "4", "--log-interval", "2", "--micro-batch-size", "2", "--extra", TINY,
                          "--json", str(out)])
     assert json.loads(out.read_text()) == result
-    assert set(result["mean_step_s"]) == {"fp8", "fp8 + --fp8-autoheal"}
-    assert math.isfinite(result["overhead"]) and result["controller_actions"] >= 0
+    assert set(result["mean_step_s"]) == {"fp8", "fp8 + --fp8-autoheal", "fp8 + --log-fp8-stats", "fp8 + both"}
+    assert math.isfinite(result["overhead"]) and math.isfinite(result["overhead_over_log_fp8_stats"])
+    assert result["controller_actions"] >= 0
     assert "overhead of --fp8-autoheal" in capsys.readouterr().out
 
 
