@@ -38,6 +38,10 @@ PP="${PP:-1}"
 GLOBAL_BATCH=1024                               # x 4096 tokens = 4.2M tokens per step
 TRAIN_ITERS=476837                              # 2T tokens
 PY="${PYTHON:-python}"
+# The FP8 controller (--fp8-autoheal: more margin, then current scaling, then BF16 for a tensor that keeps clipping;
+# docs/stability.md). Off by default, as in pretrain_gpt.py: this script reproduces the paper's recipe. This run
+# records the FP8 statistics anyway (--log-fp8-stats), so the controller adds only its decision per log iteration.
+AUTOHEAL="${AUTOHEAL:-0}"                      # 1: turn it on
 
 TRAIN_ARGS=(
   "${LLAMA2_7B_ARGS[@]}"
@@ -53,6 +57,7 @@ if [ "$PRECISION" = fp8 ]; then
   TRAIN_ARGS+=(--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 16 --fp8-amax-compute-algo max
                --fp8-power-of-two-scales --smooth-swiglu --smooth-swiglu-granularity channel
                --optimizer fp8adam --fp8-optimizer-block-size 128 --log-fp8-stats)
+  [ "$AUTOHEAL" = 1 ] && TRAIN_ARGS+=(--fp8-autoheal)
   [ "$PLATFORM" = gaudi2 ] && TRAIN_ARGS+=(--fp8-backend hpu)
   [ "$PLATFORM" = cuda ] && TRAIN_ARGS+=(--fp8-backend scaled_mm)
 fi

@@ -40,10 +40,14 @@ def test_llama2_7b_2t_launch_scripts_resolve(precision, platform):
     assert ('"optimizer": "fp8adam"' in out.stdout) == (precision == "fp8")
 
 
-def test_llama2_7b_2t_with_pipeline_stages_resolves():
-    env = dict(os.environ, PYTHON=sys.executable, DRY_RUN="1", PRECISION="fp8", PLATFORM="cuda", PP="4")
+def test_llama2_7b_2t_with_pipeline_stages_and_the_fp8_controller_resolves():
+    env = dict(os.environ, PYTHON=sys.executable, DRY_RUN="1", PRECISION="fp8", PLATFORM="cuda", PP="4",
+               AUTOHEAL="1")
     out = subprocess.run(["bash", "examples/llama2_7b_2t.sh"], cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr
     assert "gradient accumulation steps: 16" in out.stdout  # 1024 / (1 x 64 data-parallel replicas)
     assert '"pipeline_model_parallel_size": 4' in out.stdout
+    # AUTOHEAL=1: the controller with the rungs that apply (Smooth-SwiGLU is on for every layer: no smooth rung)
+    autoheal = out.stdout[out.stdout.index('"fp8_autoheal"'):]
+    assert '"enabled": true' in autoheal[:300] and '"smooth"' not in autoheal[:300], autoheal[:300]
