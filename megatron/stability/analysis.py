@@ -251,7 +251,7 @@ def plot_loss_vs_lr(table: dict, path: Path) -> Path:
         ax.scatter([x for x, b in zip(xs, bad) if b], [y for y, b in zip(ys, bad) if b], marker="x", s=80,
                    color=line[0].get_color(), zorder=3)
     ax.set(title="final training loss vs peak LR (x: a seed diverged)", xlabel="peak learning rate",
-           ylabel="training loss", xscale="log")
+           ylabel="training loss (log scale)", xscale="log", yscale="log")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
