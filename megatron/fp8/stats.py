@@ -37,6 +37,18 @@ def clip_threshold(spec: Fp8FormatSpec) -> float:
     return spec.max + 2.0 ** (math.floor(math.log2(spec.max)) - spec.mantissa_bits) / 2
 
 
+# FP8 dtypes whose zeros are exactly the bytes 0x00 and 0x80 (+-0): their zero test reads the byte, not an fp32
+# conversion (a slow pass of its own on CPU). The `fnuz` formats use 0x80 for NaN and take the conversion.
+_SIGNED_ZERO_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _is_zero(q: torch.Tensor) -> torch.Tensor:
+    """Elementwise q == 0 for an FP8 (or any float) tensor."""
+    if q.dtype in _SIGNED_ZERO_FP8:
+        return (q.view(torch.uint8) & 0x7F) == 0
+    return q.float() == 0
+
+
 class Fp8Stats:
     """One layer's statistics since the last read, per tensor role, in device tensors (no host read per GEMM)."""
 
@@ -65,7 +77,7 @@ class Fp8Stats:
             block_over, blocks = over.any(dim=3).any(dim=1), scale.numel()
             recorded_scale = torch.nan_to_num(scale.float(), nan=float("inf")).amin()
         clipped = over.sum()
-        flushed = ((t != 0) & (q.float() == 0)).sum()
+        flushed = ((t != 0) & _is_zero(q)).sum()
         nan, inf = count_nonfinite(t)
         numel = torch.full((), t.numel(), dtype=torch.int64, device=t.device)  # fills: no host-to-device copy
         n_blocks = torch.full((), blocks, dtype=torch.int64, device=t.device)

@@ -3,6 +3,7 @@ the CPU, tests/unit/test_gpu.py on a GPU)."""
 from __future__ import annotations
 
 import copy
+import os
 
 import torch
 import torch._dynamo
@@ -136,3 +137,17 @@ def post_grad_graphs(run) -> list[torch.fx.Graph]:
     with inductor_config.patch(post_grad_custom_post_pass=Record(), force_disable_caches=True):
         run()
     return graphs
+
+
+def onednn_fp8_capped_away() -> bool:
+    """Whether a CPU `_scaled_mm` may raise here: torch sends it to oneDNN on CPUs with AMX (it asks the CPU, not
+    oneDNN), and ONEDNN_MAX_CPU_ISA below AMX (the suite's AVX2 pass) leaves oneDNN without an FP8 matmul. A CPU
+    without AMX (any AMD, older Intel) runs torch's own FP8 GEMM, capped or not."""
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+    if not cap or "AMX" in cap or cap in ("ALL", "DEFAULT"):
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "amx_int8" in f.read().split()
+    except OSError:
+        return False

@@ -17,7 +17,7 @@ from megatron.fp8 import enable_fp8_stats, set_fused_quantization
 from megatron.fp8.linear import Fp8Linear
 from megatron.fp8.recipe import Fp8Recipe
 from megatron.model.compile import register_fp8_weight_refresh
-from tests.support.fp8_traced import assert_traced_equals_eager, fp8_llama_block
+from tests.support.fp8_traced import assert_traced_equals_eager, fp8_llama_block, onednn_fp8_capped_away
 
 RECIPES = {
     "delayed-hybrid": Fp8Recipe(),
@@ -33,6 +33,9 @@ RECIPES = {
     ("tensorwise-e4m3-pow2-margin", False, True, True), ("delayed-history4-scaled_mm", True, False, True),
     ("bf16-wgrad", False, True, False)])
 def test_traced_layers_equal_eager_bitwise(name, column, bf16, step_weights):
+    if RECIPES[name].backend.value == "scaled_mm" and onednn_fp8_capped_away():
+        pytest.skip("torch sends this CPU's _scaled_mm to oneDNN (the CPU has AMX), and ONEDNN_MAX_CPU_ISA caps "
+                    "oneDNN below its FP8 matmul; the default pass ran it with this CPU's kernels")
     assert_traced_equals_eager(RECIPES[name], column, bf16, step_weights, "cpu")
 
 
