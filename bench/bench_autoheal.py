@@ -1,17 +1,17 @@
 """What `--fp8-autoheal` costs when nothing is wrong: FP8 with and without the controller, side by side, and the
 same pair with `--log-fp8-stats` on (whose statistics the controller reads: there its own cost is the decision).
 
-Both variants are `Trainer`s (megatron/training/loop.py) of the demo model built from pretrain_gpt.py flags, and each
+Every variant is a `Trainer` (megatron/training/loop.py) of the demo model built from pretrain_gpt.py flags, and each
 timed iteration is what the training loop does per iteration for FP8: `Trainer.train_step` (forward, backward,
 optimizer step, FP8 scaling update) and `Fp8Hooks.log_values` (at a log iteration: the FP8 statistics read back, the
-controller's decision and its log lines; before one: statistics switched on for it). The
-controller's cost is all in log iterations and the iteration before (the statistics' extra passes over the quantized
-tensors), so the figure is the mean over whole log intervals, never a median that would skip them. Iterations
-alternate between the variants so machine noise hits both alike.
+controller's decision and its log lines; before one: statistics switched on for it). The controller's cost is all in
+log iterations (the statistics' extra pass over each quantized tensor, recorded in that iteration), so the figure is
+the mean over whole log intervals, never a median that would skip them. Iterations alternate between the variants
+so machine noise hits all of them alike.
 
-    python bench/bench_fp8_autoheal.py                          # demo shape, CPU, log interval 10
-    python bench/bench_fp8_autoheal.py --log-interval 100 --iters 200
-    python bench/bench_fp8_autoheal.py --device cuda --extra "<a 1B shape>"
+    python bench/bench_autoheal.py                          # demo shape, CPU, log interval 10
+    python bench/bench_autoheal.py --log-interval 100 --iters 100 --warmup 3
+    python bench/bench_autoheal.py --device cuda --extra "<a 1B shape>"
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from megatron.training.loop import Trainer  # noqa: E402
 DEMO = ("--num-layers 4 --hidden-size 256 --num-attention-heads 8 --num-key-value-heads 4 --ffn-hidden-size 704 "
         "--seq-length 128 --swiglu --normalization RMSNorm --use-rotary-position-embeddings "
         "--untie-embeddings-and-output-weights --disable-bias-linear --hidden-dropout 0 --attention-dropout 0 "
-        "--lr 1e-3 --train-iters 100000 --mock-data --vocab-size 4096 --bf16 --eval-iters 0 --torch-compile off "
+        "--lr 1e-3 --train-iters 100000 --mock-data --vocab-size 4096 --bf16 --eval-iters 0 "
         "--fp8-format hybrid --fp8-amax-history-len 16 --fp8-amax-compute-algo max").split()
 VARIANTS = {"fp8": [], "fp8 + --fp8-autoheal": ["--fp8-autoheal"], "fp8 + --log-fp8-stats": ["--log-fp8-stats"],
             "fp8 + both": ["--log-fp8-stats", "--fp8-autoheal"]}
@@ -68,6 +68,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--micro-batches", type=int, default=2)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--torch-compile", default="auto", choices=["auto", "on", "off"],
+                   help="pretrain_gpt.py's flag for every variant (auto, the CLI's default, on CPU: FP8 quantization "
+                        "and statistics compiled, blocks eager; off: all eager)")
     p.add_argument("--extra", default="", help="extra pretrain_gpt.py flags for both variants, e.g. a model shape")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = p.parse_args(argv)
@@ -77,7 +80,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    base = DEMO + args.extra.split() + ["--device", device.type, "--micro-batch-size", str(args.micro_batch_size),
+    base = DEMO + args.extra.split() + ["--torch-compile", args.torch_compile, "--device", device.type, "--micro-batch-size", str(args.micro_batch_size),
                                         "--global-batch-size", str(args.micro_batch_size * args.micro_batches)]
     logging.getLogger("megatron").setLevel(logging.ERROR)
     variants = [Variant(name, base + flags, args.log_interval) for name, flags in VARIANTS.items()]
@@ -96,12 +99,13 @@ def main(argv: list[str] | None = None) -> dict:
     plain, healed, logged, both = (statistics.fmean(v.times) for v in variants)
     controller = variants[1].trainer.fp8.controller
     result = {"torch": torch.__version__, "device": str(device), "threads": torch.get_num_threads(),
+              "torch_compile": args.torch_compile,
               "log_interval": args.log_interval, "iters": args.iters,
               "mean_step_s": {v.name: statistics.fmean(v.times) for v in variants},
               "overhead": healed / plain - 1, "overhead_over_log_fp8_stats": both / logged - 1,
               "controller_actions": controller.actions}
     print(f"torch {torch.__version__} device={device} threads={torch.get_num_threads()} "
-          f"log interval {args.log_interval}, {args.iters} timed iterations per variant (alternating)")
+          f"--torch-compile {args.torch_compile}, log interval {args.log_interval}, {args.iters} timed iterations per variant (alternating)")
     for v in variants:
         print(f"{v.name:<24} mean iteration {statistics.fmean(v.times) * 1e3:9.1f} ms")
     print(f"overhead of --fp8-autoheal: {result['overhead'] * 100:+.2f}% of the iteration "

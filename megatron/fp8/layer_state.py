@@ -300,7 +300,7 @@ class Fp8LayerState:
         if self.stats_enabled:
             if self.stats is None or self.stats.device != self.scale.device:
                 self.stats = fp8_stats.Fp8Stats(len(Fp8Role), self.scale.device)
-            self.stats.record(role, t, q, scale, spec, tile)
+            self.stats.record(role, t, q, scale, spec, tile, fused=self.fused_quantization)
 
     # --- the weight ------------------------------------------------------------------------------------------------
 

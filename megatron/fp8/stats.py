@@ -23,6 +23,7 @@ import math
 import torch
 
 from megatron.fp8.formats import Fp8FormatSpec
+from megatron.fp8.fused import CompiledOrEager
 from megatron.fp8.quantize import Tile, amax_of, count_nonfinite, tile_blocks
 
 # Columns of the per-layer count tensor.
@@ -42,11 +43,27 @@ def clip_threshold(spec: Fp8FormatSpec) -> float:
 _SIGNED_ZERO_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-def _is_zero(q: torch.Tensor) -> torch.Tensor:
-    """Elementwise q == 0 for an FP8 (or any float) tensor."""
+def _zero_source(q: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """(what `_per_tensor_counts` tests for zero, whether that is the FP8 byte)."""
     if q.dtype in _SIGNED_ZERO_FP8:
-        return (q.view(torch.uint8) & 0x7F) == 0
-    return q.float() == 0
+        return q.view(torch.uint8), True
+    return q, False
+
+
+def _per_tensor_counts(t: torch.Tensor, zero_source: torch.Tensor, scale: torch.Tensor, limit: float,
+                       byte_zero: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """([clipped, flushed, nan, inf] as int64, amax) of one quantization with one scale: one traceable function, run
+    eagerly or compiled into one pass over t (`_FUSED_COUNTS`). Integer counts and a max: the same results either
+    way."""
+    clipped = ((t.float() * scale).abs() > limit).sum()
+    zero = (zero_source & 0x7F) == 0 if byte_zero else zero_source.float() == 0
+    flushed = ((t != 0) & zero).sum()
+    counts = torch.stack([clipped, flushed, torch.isnan(t).sum(), torch.isinf(t).sum()]).to(torch.int64)
+    return counts, t.abs().amax().float()
+
+
+# Compiled on first use with dynamic shapes (one kernel for every tensor of a model); eager after a failure.
+_FUSED_COUNTS = CompiledOrEager(_per_tensor_counts, "the FP8 statistics", dynamic=True)
 
 
 class Fp8Stats:
@@ -60,24 +77,33 @@ class Fp8Stats:
 
     @torch.no_grad()
     def record(self, role: int, t: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, spec: Fp8FormatSpec,
-               tile: Tile | None = None) -> None:
+               tile: Tile | None = None, fused: bool = False) -> None:
         """Accumulate the statistics of one quantization of `t` (to `q` with `scale`).
 
         With a `tile`, `scale` is the grid of tile scales: clipping is also counted per tile (a tile with any
-        clipped value), and the scale recorded is the smallest one (the tile of the largest amax).
+        clipped value), and the scale recorded is the smallest one (the tile of the largest amax). `fused`
+        (the layer's fused quantization, --torch-compile): one compiled pass per per-tensor quantization.
         """
         limit = clip_threshold(spec)
         if tile is None:
-            over = (t.float() * scale.float()).abs() > limit
-            block_over, blocks = over.any().reshape(1), 1
-            recorded_scale = scale.float()
-        else:
-            blocks_view, _ = tile_blocks(t.float(), tile)
-            over = (blocks_view * scale.float()[:, None, :, None]).abs() > limit
-            block_over, blocks = over.any(dim=3).any(dim=1), scale.numel()
-            recorded_scale = torch.nan_to_num(scale.float(), nan=float("inf")).amin()
+            if t.numel() == 0:
+                return
+            zero_source, byte_zero = _zero_source(q)
+            counter = _FUSED_COUNTS if fused else _per_tensor_counts
+            four, amax = counter(t, zero_source, scale.float(), limit, byte_zero)
+            extra = torch.stack([torch.full((), t.numel(), dtype=torch.int64, device=t.device),
+                                 (four[0] > 0).to(torch.int64), torch.ones((), dtype=torch.int64, device=t.device)])
+            self.counts[role] += torch.cat([four, extra])
+            self.amax[role] = torch.maximum(self.amax[role], amax)
+            self.scale[role] = scale.float()
+            return
+        blocks_view, _ = tile_blocks(t.float(), tile)
+        over = (blocks_view * scale.float()[:, None, :, None]).abs() > limit
+        block_over, blocks = over.any(dim=3).any(dim=1), scale.numel()
+        recorded_scale = torch.nan_to_num(scale.float(), nan=float("inf")).amin()
         clipped = over.sum()
-        flushed = ((t != 0) & _is_zero(q)).sum()
+        zero_source, byte_zero = _zero_source(q)
+        flushed = ((t != 0) & ((zero_source & 0x7F) == 0 if byte_zero else zero_source.float() == 0)).sum()
         nan, inf = count_nonfinite(t)
         numel = torch.full((), t.numel(), dtype=torch.int64, device=t.device)  # fills: no host-to-device copy
         n_blocks = torch.full((), blocks, dtype=torch.int64, device=t.device)

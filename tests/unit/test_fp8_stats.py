@@ -67,3 +67,28 @@ def test_every_role_of_every_layer_and_worst_layer() -> None:
     collect_fp8_stats(model)
     model(torch.randint(0, 128, (2, 16)))
     assert collect_fp8_stats(model) == {}
+
+
+def test_the_compiled_statistics_pass_counts_what_the_eager_one_counts() -> None:
+    """With fused quantization (--torch-compile) one compiled pass records a per-tensor quantization's statistics:
+    the same counts and amax as the eager pass (integer counts and a max: exact), for fp32 and bf16 tensors, E4M3
+    and E5M2, with outliers, values that flush, infs and NaNs, and two shapes through one dynamic-shape kernel."""
+    from megatron.fp8.formats import format_spec
+    from megatron.fp8.quantize import quantize
+    from megatron.fp8.stats import _FUSED_COUNTS, Fp8Stats
+
+    torch.manual_seed(3)
+    for dtype, fmt, shape in ((torch.float32, "e4m3", (48, 64)), (torch.bfloat16, "e5m2", (32, 80))):
+        spec = format_spec(fmt)
+        t = (torch.randn(shape) * 3).to(dtype)
+        t[0, :5] = torch.tensor([1e5, -1e5, 1e-9, float("inf"), float("nan")]).to(dtype)
+        t[1, :7] = 0
+        scale = torch.tensor(spec.max / 20.0)
+        q = quantize(t.float().nan_to_num(posinf=0.0), scale, spec)
+        eager, fused = Fp8Stats(3, t.device), Fp8Stats(3, t.device)
+        eager.record(1, t, q, scale, spec)
+        fused.record(1, t, q, scale, spec, fused=True)
+        assert torch.equal(eager.counts, fused.counts), (dtype, eager.counts, fused.counts)
+        assert torch.equal(eager.amax.nan_to_num(), fused.amax.nan_to_num()) and torch.equal(eager.scale, fused.scale)
+        assert eager.counts[1, 0] >= 3 and eager.counts[1, 1] >= 1 and eager.counts[1, 2] == 1  # clipped, flushed, NaN
+    assert _FUSED_COUNTS.compiled is not None and not _FUSED_COUNTS.failed  # compiled, no fallback to eager
