@@ -311,3 +311,40 @@ def test_the_default_ladder_is_what_applies():
         "margin", "current", "smooth", "bf16")
     assert parse_config(tiny_argv("--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--smooth-swiglu",
                                   "--fp8-autoheal")).fp8_autoheal.actions == ("margin", "bf16")
+
+
+def test_an_injected_outlier_triggers_an_action_and_a_resumed_run_repeats_it(tmp_path, monkeypatch):
+    """The stability lab's injection (two channels of every layer's fc1 set to up = +-c x gate) in a checkpoint,
+    then training resumed with the default controller: the edited fc1 weight clips (its delayed scale predates the
+    edit) and gets a margin at the first log point. The same resume cut in two (exit at 6, resumed) takes the same
+    actions at the same iterations and ends with the same weights and FP8 state, bit for bit."""
+    import shutil
+
+    from megatron.stability.inject import inject_aligned_channels
+
+    # Its threshold sits between this tiny run's own clipping (<= 3.7e-4 of a tensor's values in the base run) and
+    # the edited weight's (7.8e-3: 2 of each layer's fc1 rows), a factor 8 and 2.6 away.
+    heal = ("--fp8-autoheal", "--fp8-autoheal-clip-threshold", "3e-3")
+    lines = _actions(monkeypatch)
+    common = dict(train_iters=8, save_interval=2, log_interval=1, eval_iters=0)
+    pretrain(parse_config(tiny_argv(*EAGER, *heal, save=tmp_path / "base", exit_interval=4, **common)))
+    assert lines == [], lines  # nothing wrong before the edit: no action
+    inject_aligned_channels(tmp_path / "base", 1000.0, 2)
+    for name in ("straight", "cut"):
+        shutil.copytree(tmp_path / "base", tmp_path / name)
+    straight = tiny_argv(*EAGER, *heal, load=tmp_path / "straight", save=tmp_path / "straight", **common)
+    pretrain(parse_config(straight))
+    acted = list(lines)
+    assert acted and all("mlp.linear_fc1 weight clipped" in line for line in acted[:2]), acted
+    assert acted[0].startswith("fp8 autoheal: iteration 5:"), acted[0]
+    lines.clear()
+    pretrain(parse_config(tiny_argv(*EAGER, *heal, load=tmp_path / "cut", save=tmp_path / "cut",
+                                    exit_interval=6, **common)))
+    pretrain(parse_config(tiny_argv(*EAGER, *heal, load=tmp_path / "cut", save=tmp_path / "cut",
+                                    **common)))
+    assert lines == acted
+    a = ckpt.load_checkpoint_files(tmp_path / "straight")["payload"]
+    b = ckpt.load_checkpoint_files(tmp_path / "cut")["payload"]
+    assert a["fp8"]["autoheal"]["level"] == b["fp8"]["autoheal"]["level"]
+    for key, tensor in a["model"].items():
+        assert torch.equal(tensor, b["model"][key]), key
