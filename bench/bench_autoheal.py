@@ -80,8 +80,10 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    base = DEMO + args.extra.split() + ["--torch-compile", args.torch_compile, "--device", device.type, "--micro-batch-size", str(args.micro_batch_size),
-                                        "--global-batch-size", str(args.micro_batch_size * args.micro_batches)]
+    base = DEMO + args.extra.split() + [
+        "--torch-compile", args.torch_compile, "--device", device.type,
+        "--micro-batch-size", str(args.micro_batch_size),
+        "--global-batch-size", str(args.micro_batch_size * args.micro_batches)]
     logging.getLogger("megatron").setLevel(logging.ERROR)
     variants = [Variant(name, base + flags, args.log_interval) for name, flags in VARIANTS.items()]
     m = variants[0].trainer.config.model
@@ -105,7 +107,8 @@ def main(argv: list[str] | None = None) -> dict:
               "overhead": healed / plain - 1, "overhead_over_log_fp8_stats": both / logged - 1,
               "controller_actions": controller.actions}
     print(f"torch {torch.__version__} device={device} threads={torch.get_num_threads()} "
-          f"--torch-compile {args.torch_compile}, log interval {args.log_interval}, {args.iters} timed iterations per variant (alternating)")
+          f"--torch-compile {args.torch_compile}, log interval {args.log_interval}, "
+          f"{args.iters} timed iterations per variant (alternating)")
     for v in variants:
         print(f"{v.name:<24} mean iteration {statistics.fmean(v.times) * 1e3:9.1f} ms")
     print(f"overhead of --fp8-autoheal: {result['overhead'] * 100:+.2f}% of the iteration "

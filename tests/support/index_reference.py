@@ -3,6 +3,8 @@ chunked construction (`megatron.data.gpt_index`, `megatron.data.blended_dataset`
 value. Used by tests/unit/test_index_memory.py and, for the memory table's `--old` rows, bench/bench_index_build.py."""
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 
 
