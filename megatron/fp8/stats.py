@@ -44,10 +44,15 @@ _SIGNED_ZERO_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def _zero_source(q: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """(what `_per_tensor_counts` tests for zero, whether that is the FP8 byte)."""
+    """(what `_is_zero` tests for zero, whether that is the FP8 byte)."""
     if q.dtype in _SIGNED_ZERO_FP8:
         return q.view(torch.uint8), True
     return q, False
+
+
+def _is_zero(zero_source: torch.Tensor, byte_zero: bool) -> torch.Tensor:
+    """Elementwise: the quantized value is +-0 (`_zero_source`'s pair)."""
+    return (zero_source & 0x7F) == 0 if byte_zero else zero_source.float() == 0
 
 
 def _per_tensor_counts(t: torch.Tensor, zero_source: torch.Tensor, scale: torch.Tensor, limit: float,
@@ -56,10 +61,9 @@ def _per_tensor_counts(t: torch.Tensor, zero_source: torch.Tensor, scale: torch.
     eagerly or compiled into one pass over t (`_FUSED_COUNTS`). Integer counts and a max: the same results either
     way."""
     clipped = ((t.float() * scale).abs() > limit).sum()
-    zero = (zero_source & 0x7F) == 0 if byte_zero else zero_source.float() == 0
-    flushed = ((t != 0) & zero).sum()
-    counts = torch.stack([clipped, flushed, torch.isnan(t).sum(), torch.isinf(t).sum()]).to(torch.int64)
-    return counts, t.abs().amax().float()
+    flushed = ((t != 0) & _is_zero(zero_source, byte_zero)).sum()
+    counts = torch.stack([clipped, flushed, *count_nonfinite(t)]).to(torch.int64)
+    return counts, amax_of(t)
 
 
 # Compiled on first use with dynamic shapes (one kernel for every tensor of a model); eager after a failure.
@@ -102,8 +106,7 @@ class Fp8Stats:
         block_over, blocks = over.any(dim=3).any(dim=1), scale.numel()
         recorded_scale = torch.nan_to_num(scale.float(), nan=float("inf")).amin()
         clipped = over.sum()
-        zero_source, byte_zero = _zero_source(q)
-        flushed = ((t != 0) & ((zero_source & 0x7F) == 0 if byte_zero else zero_source.float() == 0)).sum()
+        flushed = ((t != 0) & _is_zero(*_zero_source(q))).sum()
         nan, inf = count_nonfinite(t)
         numel = torch.full((), t.numel(), dtype=torch.int64, device=t.device)  # fills: no host-to-device copy
         n_blocks = torch.full((), blocks, dtype=torch.int64, device=t.device)

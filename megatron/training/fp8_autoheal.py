@@ -103,17 +103,17 @@ class Fp8Controller:
         values = [[[get(n, r, "clipped_frac"), get(n, r, "flushed_frac"),
                     get(n, r, "nan_count") + get(n, r, "inf_count")] for r in ROLE_NAMES] for n, _ in self.layers]
         out = torch.tensor(values, dtype=torch.float64).reshape(len(self.layers), len(ROLE_NAMES), 3)
-        if self.group is not None or comm.world_group() is not None:
+        group = self._deciding_group()
+        if group is not None:
             device = self.layers[0][1].fp8_scale.device if self.layers else torch.device("cpu")
             on_device = out.to(device=device, dtype=torch.float32)
-            comm.all_reduce(on_device, self.group if self.group is not None else comm.world_group(),
-                            comm.ReduceOp.MAX)
+            comm.all_reduce(on_device, group, comm.ReduceOp.MAX)
             out = on_device.cpu().double()
         return out
 
-    def clipped_fractions(self, stats: dict[str, float]) -> torch.Tensor:
-        """[layers, roles] clipped fractions (`signals`)."""
-        return self.signals(stats)[..., 0]
+    def _deciding_group(self) -> Any:
+        """The ranks that decide alike: `group`, else the default group when torch.distributed is initialized."""
+        return self.group if self.group is not None else comm.world_group()
 
     def _trouble(self, next_rung: str | None, clipped: float, flushed: float, nonfinite: float) -> str | None:
         """What counts against a tensor whose next rung is `next_rung`, as the log line's words; None: clean."""
@@ -168,9 +168,7 @@ class Fp8Controller:
         and pipeline stage, not one per rank)."""
         import torch.distributed as dist
 
-        if not (dist.is_available() and dist.is_initialized()):
-            return True
-        group = self.group if self.group is not None else comm.world_group()
+        group = self._deciding_group()  # None: one process, which speaks
         return group is None or dist.get_rank(group) == 0
 
     def _move(self, name: str, layer: Fp8Linear, role: int, rungs: list[str], level: int) -> str:
