@@ -29,6 +29,8 @@ from megatron.fp8.recipe import (AUTOHEAL_ACTIONS, DEFAULT_FAST_ACCUM, AmaxCompu
 from megatron.model.compile import check_torch_compile_supported
 from megatron.parallel_state import world_size_from_env
 
+_AUTOHEAL = Fp8AutohealConfig()  # the controller flags' defaults (--fp8-autoheal-*), defined once in the config
+_AUTOHEAL_TUNABLES = ("clip_threshold", "flush_threshold", "patience", "max_margin", "undo_after")
 DEFAULT_VOCAB_DIVISOR = 128  # --make-vocab-size-divisible-by's default (Megatron's)
 
 
@@ -167,15 +169,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fp8-autoheal-actions", default=None,
                    help="comma-separated rungs the controller may climb, in order: margin,current,smooth,bf16 "
                         "(default: those that apply to the recipe and model)")
-    g.add_argument("--fp8-autoheal-clip-threshold", type=float, default=1e-3,
+    g.add_argument("--fp8-autoheal-clip-threshold", type=float, default=_AUTOHEAL.clip_threshold,
                    help="clipped fraction of a tensor's values that counts against it")
-    g.add_argument("--fp8-autoheal-flush-threshold", type=float, default=1e-2,
+    g.add_argument("--fp8-autoheal-flush-threshold", type=float, default=_AUTOHEAL.flush_threshold,
                    help="fraction of a current-scaled tensor's nonzero values flushed to 0 that counts against it")
-    g.add_argument("--fp8-autoheal-patience", type=int, default=1,
+    g.add_argument("--fp8-autoheal-patience", type=int, default=_AUTOHEAL.patience,
                    help="consecutive log iterations over the threshold before acting")
-    g.add_argument("--fp8-autoheal-max-margin", type=int, default=4,
+    g.add_argument("--fp8-autoheal-max-margin", type=int, default=_AUTOHEAL.max_margin,
                    help="the most extra margin (powers of two) one tensor may get")
-    g.add_argument("--fp8-autoheal-undo-after", type=int, default=0,
+    g.add_argument("--fp8-autoheal-undo-after", type=int, default=_AUTOHEAL.undo_after,
                    help="clean log iterations after which an extra margin is lowered by one (0: never)")
     g.add_argument("--smooth-swiglu", action="store_true",
                    help="scale the SwiGLU output per channel/token before its FP8 quantization (needs --swiglu, FP8)")
@@ -490,11 +492,8 @@ def _saved_padded_vocab(load: str) -> Optional[int]:
 
 def _fp8_autoheal(a: argparse.Namespace) -> Fp8AutohealConfig:
     tuned = {"--fp8-autoheal-actions": a.fp8_autoheal_actions is not None,
-             "--fp8-autoheal-clip-threshold": a.fp8_autoheal_clip_threshold != 1e-3,
-             "--fp8-autoheal-flush-threshold": a.fp8_autoheal_flush_threshold != 1e-2,
-             "--fp8-autoheal-patience": a.fp8_autoheal_patience != 1,
-             "--fp8-autoheal-max-margin": a.fp8_autoheal_max_margin != 4,
-             "--fp8-autoheal-undo-after": a.fp8_autoheal_undo_after != 0}
+             **{"--fp8-autoheal-" + f.replace("_", "-"): getattr(a, "fp8_autoheal_" + f) != getattr(_AUTOHEAL, f)
+                for f in _AUTOHEAL_TUNABLES}}
     unused = [flag for flag, given in tuned.items() if given and not a.fp8_autoheal]
     if unused:
         raise ValueError(f"{', '.join(unused)} only apply with --fp8-autoheal: add it or drop them")
@@ -514,10 +513,8 @@ def _fp8_autoheal(a: argparse.Namespace) -> Fp8AutohealConfig:
         refused = [f"{x} ({why_not[x]})" for x in actions if why_not.get(x)]
         if refused:
             raise ValueError(f"--fp8-autoheal-actions: {'; '.join(refused)}: drop it from the list")
-    return Fp8AutohealConfig(enabled=True, clip_threshold=a.fp8_autoheal_clip_threshold,
-                             flush_threshold=a.fp8_autoheal_flush_threshold, patience=a.fp8_autoheal_patience,
-                             max_margin=a.fp8_autoheal_max_margin, undo_after=a.fp8_autoheal_undo_after,
-                             actions=actions)
+    return Fp8AutohealConfig(enabled=True, actions=actions,
+                             **{f: getattr(a, "fp8_autoheal_" + f) for f in _AUTOHEAL_TUNABLES})
 
 
 def _fp8_recipe(a: argparse.Namespace, model: ModelConfig) -> Optional[Fp8Recipe]:
