@@ -106,14 +106,18 @@ def analyze_inject_run(entry: dict, base: Path, run: Path, base_iters: int, topk
     entry["end_alignment"] = align[saved[-1]] if saved else None
 
 
+def fp8_injections(cs: Sequence[float], c_star: Optional[float], fp8_every_c: bool) -> list[float]:
+    """The c values the FP8 variants are injected at: c* (none when no c held), or every c with `fp8_every_c`."""
+    return list(cs) if fp8_every_c else [c_star] if c_star is not None else []
+
+
 def inject_table(runs: dict, variants: Sequence[str], seeds: Sequence[int], cs: Sequence[float],
                  c_star: Optional[float], fp8_every_c: bool = False) -> dict:
     """Seed statistics per (variant, c) row; FP8 variants have rows for their control and c* only (every c with
     `fp8_every_c`)."""
     table = {}
     for variant in variants:
-        fp8_cs = list(cs) if fp8_every_c else [c_star] if c_star is not None else []
-        for c in [None] + (list(cs) if variant == "bf16" else fp8_cs):
+        for c in [None] + (list(cs) if variant == "bf16" else fp8_injections(cs, c_star, fp8_every_c)):
             tag = "control" if c is None else f"c{c:g}"
             sums = [runs.get(f"{variant}_{tag}_s{s}", {}).get("summary", {}) for s in seeds]
             table[f"{variant}/{tag}"] = {
@@ -185,8 +189,7 @@ def run_inject(out: Path, data_dir: Path, setup: TinySetup, variants: Sequence[s
         return lambda: [one(variant, seed, c) for c in tags]
 
     def fp8_chains(c_star: Optional[float]) -> list[Callable[[], None]]:
-        injected = list(cs) if fp8_every_c else [c_star] if c_star is not None else []
-        tags = ([None] if controls and fp8_controls else []) + injected
+        tags = ([None] if controls and fp8_controls else []) + fp8_injections(cs, c_star, fp8_every_c)
         return [chain(v, s, tags) for v in variants if v != "bf16" for s in seeds]
 
     bf16 = [chain("bf16", s, ([None] if controls else []) + list(cs)) for s in seeds] if "bf16" in variants else []
