@@ -45,18 +45,16 @@ class Variant:
         self.trainer = Trainer(parse_config(argv + ["--log-interval", str(log_interval)]))
         self.log_interval = log_interval
         self.times: list[float] = []
-        self.iteration = 1
 
     def step(self, rows: list[torch.Tensor], device: torch.device) -> None:
         t0 = time.perf_counter()
         loss, _, _ = self.trainer.train_step(iter(rows))
         float(loss)
-        self.trainer.fp8.log_values(self.iteration, self.log_interval)
+        self.trainer.state.iteration += 1  # the loop's order: the step, its count, then its log work
+        self.trainer.fp8.log_values(self.trainer.state.iteration, self.log_interval)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         self.times.append(time.perf_counter() - t0)
-        self.iteration += 1
-        self.trainer.state.iteration += 1
 
 
 def main(argv: list[str] | None = None) -> dict:
