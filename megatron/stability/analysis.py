@@ -84,21 +84,17 @@ def fp8_tensor_maxima(scalars: dict, start_step: int = 0) -> dict[str, dict[str,
     return out
 
 
-def diagnostic_warnings(log: Path) -> list[dict]:
-    """The SwiGLU diagnostics' jump warnings of a run log, in order."""
-    if not log.exists():
-        return []
+def diagnostic_warnings(log_text: str) -> list[dict]:
+    """The SwiGLU diagnostics' jump warnings of a run log's text, in order."""
     return [{"iteration": int(m.group(1)), "stat": m.group(2), "layer": int(m.group(3))}
-            for m in _WARNING.finditer(log.read_text(errors="replace"))]
+            for m in _WARNING.finditer(log_text)]
 
 
-def autoheal_actions(log: Path) -> list[dict]:
-    """The FP8 controller's actions in a run log (`--fp8-autoheal`), in order: iteration, layer, tensor, and the
-    rest of the line (the signal and the action)."""
-    if not log.exists():
-        return []
+def autoheal_actions(log_text: str) -> list[dict]:
+    """The FP8 controller's actions in a run log's text (`--fp8-autoheal`), in order: iteration, layer, tensor, and
+    the rest of the line (the signal and the action)."""
     return [{"iteration": int(m.group(1)), "layer": m.group(2), "tensor": m.group(3), "what": m.group(4).strip()}
-            for m in _AUTOHEAL.finditer(log.read_text(errors="replace"))]
+            for m in _AUTOHEAL.finditer(log_text)]
 
 
 def diverged(summary: dict, rise: float = DIVERGENCE_RISE) -> bool:
@@ -126,6 +122,7 @@ def run_summary(scalars: dict, log: Optional[Path], start_step: int = 0, tail: i
     after = loss[steps > start_step]
     before = loss[steps <= start_step]
     finite = after[np.isfinite(after)]
+    log_text = log.read_text(errors="replace") if log is not None and log.exists() else ""  # read once
     s: dict = {
         "final_train_loss": float(np.mean(loss[-tail:])) if len(loss) else None,
         "min_train_loss": float(np.min(loss[np.isfinite(loss)])) if np.isfinite(loss).any() else None,
@@ -138,8 +135,8 @@ def run_summary(scalars: dict, log: Optional[Path], start_step: int = 0, tail: i
         "nan_iterations": _last(scalars, "nan-iterations"),
         "max_grad_norm_after_start": None,
         "fp8_tensors": fp8_tensor_maxima(scalars, start_step),
-        "warnings": diagnostic_warnings(log) if log is not None else [],
-        "autoheal": autoheal_actions(log) if log is not None else [],
+        "warnings": diagnostic_warnings(log_text),
+        "autoheal": autoheal_actions(log_text),
     }
     if GRAD_NORM in scalars:
         g_steps, g = scalars[GRAD_NORM]
