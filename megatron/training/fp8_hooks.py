@@ -137,7 +137,7 @@ class Fp8Hooks:
 
             ladder = saved.get("ladder", {})
             frozen = Fp8AutohealConfig(actions=tuple(ladder.get("actions", ("margin",))),
-                                       max_margin=int(ladder.get("max_margin", 4)))
+                                       max_margin=int(ladder.get("max_margin", Fp8AutohealConfig.max_margin)))
             self.controller = Fp8Controller(self.model, frozen, self.amax_group, self.tp_group)
             logger.warning("checkpoint %s holds %d FP8 controller action(s) (--fp8-autoheal): kept; add "
                            "--fp8-autoheal to let it act further", source, int(saved.get("actions", 0)))
