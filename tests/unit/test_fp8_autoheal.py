@@ -348,3 +348,19 @@ def test_an_injected_outlier_triggers_an_action_and_a_resumed_run_repeats_it(tmp
     assert a["fp8"]["autoheal"]["level"] == b["fp8"]["autoheal"]["level"]
     for key, tensor in a["model"].items():
         assert torch.equal(tensor, b["model"][key]), key
+
+
+def test_a_run_resumed_without_the_flag_keeps_the_actions_and_takes_no_new_ones(tmp_path, monkeypatch, capfd):
+    lines = _actions(monkeypatch)
+    common = dict(save=tmp_path, train_iters=8, save_interval=4, log_interval=1, eval_iters=0)
+    pretrain(parse_config(tiny_argv(*ACTING, exit_interval=4, **common)))
+    assert lines, "the tiny run never clipped: lower the threshold of ACTING"
+    taken = _margins(tmp_path)
+    lines.clear()
+    capfd.readouterr()
+    pretrain(parse_config(tiny_argv(*EAGER, load=tmp_path, **common)))
+    assert lines == []  # no controller steps
+    log = capfd.readouterr()
+    assert "FP8 controller action(s) (--fp8-autoheal): kept; add --fp8-autoheal to let it act further" in (
+        log.out + log.err)
+    assert _margins(tmp_path) == taken  # the iteration-8 checkpoint holds the same margins, roles and levels
