@@ -61,7 +61,7 @@ def _rss() -> int:
 
 def _worker(argv: list[str]) -> None:
     from megatron.arguments import parse_config
-    from megatron.training.flops import count_parameters, memory_estimate_bytes
+    from megatron.perf.flops import count_parameters, memory_estimate_bytes
     from megatron.training.loop import Trainer
 
     config = parse_config(argv)

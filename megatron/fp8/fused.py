@@ -22,8 +22,9 @@ shape share one compiled kernel. The per-function recompile limit is raised to h
 """
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -77,6 +78,21 @@ def _fused(fn: Callable[..., Any]) -> CompiledOrEager:
     wrapper = CompiledOrEager(fn, f"the fused FP8 quantization ({fn.__name__})")
     _ALL.append(wrapper)
     return wrapper
+
+
+@contextlib.contextmanager
+def uncompiled() -> Iterator[None]:
+    """Inside: every fused function runs its Python (the same arithmetic, op by op) instead of compiled code.
+    For tensors without storage (the performance model's fake tensors, megatron/perf/extract.py), on which
+    compiled kernels cannot run."""
+    saved = [w.failed for w in _ALL]
+    for w in _ALL:
+        w.failed = True
+    try:
+        yield
+    finally:
+        for w, failed in zip(_ALL, saved):
+            w.failed = failed
 
 
 def failed_functions() -> list[str]:

@@ -150,7 +150,7 @@ def compile_block(block: nn.Module) -> None:
 
 
 @torch.compiler.disable
-def _refresh_fp8_weights(block: nn.Module, args: Any) -> None:
+def refresh_fp8_weights(block: nn.Module, args: Any) -> None:
     from megatron.fp8 import Fp8Linear
 
     per_call = {id(m.linear_fc2) for m in block.modules() if getattr(m, "fc2_weight_column_scaled", False)}
@@ -169,7 +169,7 @@ def register_fp8_weight_refresh(block: nn.Module) -> None:
     step, not once per micro-batch (a Smooth-SwiGLU fc2 makes W diag(c) per call: it gets this step's column
     maxima of W instead, from which the amax of W diag(c) follows without a pass over W). A hook on the compiled
     module itself runs outside its graph."""
-    block.register_forward_pre_hook(_refresh_fp8_weights)
+    block.register_forward_pre_hook(refresh_fp8_weights)
 
 
 def warm_up(model: nn.Module, run_micro_batch) -> float:

@@ -1,4 +1,5 @@
-"""`--dry-run`: the resolved configuration, parameter count, FLOPs and memory, without building anything.
+"""`--dry-run`: the resolved configuration, parameter count, FLOPs and memory, without building anything; with
+`--project-on`, the run projected on hardware (megatron/perf/planner.py).
 
 The memory estimate is `flops.memory_estimate_bytes`; `persistent_line` adds what the weight layout
 (`--params-dtype`) and ZeRO decide: persistent bytes per parameter on one device.
@@ -8,7 +9,7 @@ from __future__ import annotations
 import json
 
 from megatron.config import MegatronConfig
-from megatron.training.flops import count_parameters, flops_per_iteration, memory_estimate_bytes
+from megatron.perf.flops import count_parameters, flops_per_iteration, memory_estimate_bytes
 
 
 def describe(config: MegatronConfig) -> str:
@@ -28,6 +29,10 @@ def describe(config: MegatronConfig) -> str:
     if mem["fp8_weights_in_step_GiB"]:
         lines.append(f"FP8 weight copies during a step (not in the total; made at the step's first forward, dropped "
                      f"after its optimizer step; real FP8 GEMMs): {mem['fp8_weights_in_step_GiB']:.2f} GiB")
+    if t.project_on:
+        from megatron.perf.planner import projection_lines
+
+        lines += projection_lines(config)
     return "\n".join(lines)
 
 

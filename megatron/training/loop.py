@@ -39,7 +39,7 @@ from megatron.training.datasets import build_datasets
 from megatron.training.deepspeed_zero3 import zero3_partitioner
 from megatron.training.divergence import DivergenceGuard, max_abs_weight
 from megatron.training.engines import build_engine
-from megatron.training.flops import flops_per_iteration
+from megatron.perf.flops import flops_per_iteration
 from megatron.training.fp8_hooks import Fp8Hooks
 from megatron.training.log import TrainingLogger, host_floats, setup_logging
 from megatron.training.swiglu_hooks import STATE_KEY as SWIGLU_STATE_KEY, SwiGLUHooks

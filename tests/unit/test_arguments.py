@@ -6,7 +6,7 @@ import pytest
 from megatron.arguments import parse_config
 from megatron.config import LrDecayStyle, Normalization, PositionEmbedding
 from megatron.model import GPTModel
-from megatron.training.flops import count_parameters
+from megatron.perf.flops import count_parameters
 from tests.support.config import tiny_argv
 
 
@@ -69,7 +69,7 @@ def test_fp8_weight_copies_are_those_of_the_converted_model():
     """2 bytes (FP8 and its transpose) per weight of every layer `convert_to_fp8` swaps; one linear at ZeRO-3."""
     from megatron.fp8 import Fp8Linear, convert_to_fp8
     from megatron.model import GPTModel
-    from megatron.training.flops import memory_estimate_bytes
+    from megatron.perf.flops import memory_estimate_bytes
 
     for extra in ((), ("--fp8-mlp-fc2-bf16",), ("--fp8-first-last-layers-bf16", "1")):
         config = parse_config(tiny_argv("--bf16", "--fp8-format", "hybrid", *extra, num_layers=4))
@@ -86,7 +86,7 @@ def test_fp8_weight_copies_are_those_of_the_converted_model():
 
 def test_memory_estimate_counts_fp8_saved_activations():
     """FP8 linears keep the inputs of QKV, proj, fc1 (h wide) and fc2 (ffn wide) in 1 byte instead of 2."""
-    from megatron.training.flops import memory_estimate_bytes
+    from megatron.perf.flops import memory_estimate_bytes
 
     shape = dict(num_layers=4, seq_length=32, micro_batch_size=4)
     bf16 = memory_estimate_bytes(parse_config(tiny_argv("--bf16", **shape)))

@@ -12,7 +12,7 @@ from torch import nn
 from megatron.arguments import parse_config
 from megatron.checkpoint import store as ckpt
 from megatron.optimizer.main_params import MainParams
-from megatron.training.flops import memory_estimate_bytes
+from megatron.perf.flops import memory_estimate_bytes
 from megatron.training.loop import pretrain
 from tests.support.config import tiny_argv
 from tests.support.flags import MAIN_PARAMS_FP8 as FP8, PARAMS_BF16 as MAIN
@@ -84,7 +84,7 @@ def test_torch_engine_trains_like_the_fp32_layout_and_resumes_exactly(tmp_path):
 def _bytes_per_param(argv: tuple, **overrides) -> float:
     cfg = parse_config(LLAMA_7B + list(argv) + [f"--{k.replace('_', '-')}={v}" for k, v in overrides.items()])
     mem = memory_estimate_bytes(cfg)
-    from megatron.training.flops import count_parameters
+    from megatron.perf.flops import count_parameters
 
     persistent = sum(mem[k] for k in ("weights_GiB", "grads_GiB", "master_GiB", "optimizer_GiB")) * 2.0**30
     return persistent / count_parameters(cfg.model)

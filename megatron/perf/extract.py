@@ -1,0 +1,298 @@
+"""The kernels of one compiled transformer block, forward and backward, read from inductor's scheduler.
+
+How: the block is built at the run's real shapes under `FakeTensorMode` (tensors with shapes, dtypes and devices
+and no storage), compiled as `--torch-compile` compiles it (`compile_block`'s joint-graph pass that keeps the
+forward's FP8 casts for backward, FP8 layers traced into the graph, the FP8 weights of the step as graph inputs,
+delayed scaling in its steady state where the history holds a scale), and called once. Inductor lowers the forward
+and the backward graph (the backward eagerly: `force_non_lazy_backward_lowering`), fuses, and hands its scheduled
+nodes to `_post_fusion_custom_pass`; the pass here turns each node into a `Kernel` and stops the compilation
+before any code is generated. The compiled function then returns uninitialised outputs of the right shapes:
+nothing runs at the real size, and a Llama2-7B block takes seconds on a 2-core CPU.
+
+Each scheduled node is one kernel:
+- an extern GEMM (`mm`, `addmm`, `bmm`, `_scaled_mm`): inductor's FLOP count; FP8 when it is `_scaled_mm`;
+- fused attention (`scaled_dot_product_*`): 4 b h s_q s_k d FLOPs forward, halved when causal (the kernels skip
+  the masked half), and 2.5x that backward (five matmuls against two). The block is traced without attention
+  dropout, which would send CPU SDPA to its unfused math path where a GPU's flash attention takes it;
+- every other node (a fused pointwise or reduction kernel, or a fallback op): memory-bound, its bytes being
+  inductor's count of what it must read and write (`get_read_write_buffer_accesses`: each buffer once, no
+  intermediate that the fusion keeps in registers). It is FP8 quantization when it reads or writes an FP8 buffer
+  or when every line that produced it is in megatron/fp8 (or torchao's float8): amaxes and scales; a norm fused
+  with its output's FP8 cast is a quantization kernel as a whole.
+
+CPU and Triton fusion differ, and the rule here: the CPU scheduler (the only one that runs without a GPU) decides
+the fusions, except its outer-loop fusion (several kernels sharing an outer loop, a C++-only transformation),
+which is split back into its parts, as Triton would emit them. Triton's mix-order reductions (a reduction over
+rows and one over columns of the same tensor in one kernel) are not formed on CPU: where the backward of an FP8
+GEMM reduces dy both ways, the model charges two passes where a GPU may make one. GEMMs and attention are extern
+kernels on both, so their count and size are exact.
+
+The FP8 GEMMs are traced with the `scaled_mm` backend (the CUDA one); the same kernel list stands for Gaudi,
+whose backend is not traceable (megatron/perf/hardware.py says how the model treats Gaudi).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import re
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from megatron import cpu_bf16
+from megatron.config import ModelConfig
+from megatron.fp8.recipe import Fp8Backend, Fp8Recipe
+from megatron.perf.kernels import Kernel, KernelClass
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\w+)')
+_FP8_SOURCES = ("megatron/fp8/", "torchao/float8/")
+_GEMMS = ("aten.mm.", "aten.addmm.", "aten.bmm.", "aten._scaled_mm.", "aten.baddbmm.")
+_ATTENTION = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention")
+
+
+@dataclass(frozen=True)
+class BlockKernels:
+    """The kernels of one block's forward and backward for one micro-batch; `graphs` compiled graphs (2 when the
+    block is one graph: no graph break), `seconds` the extraction took."""
+
+    forward: tuple[Kernel, ...]
+    backward: tuple[Kernel, ...]
+    graphs: int
+    seconds: float
+
+    @property
+    def kernels(self) -> tuple[Kernel, ...]:
+        return self.forward + self.backward
+
+
+class _Captured(Exception):
+    """Raised by the post-fusion pass once the kernels are read: nothing after scheduling is needed."""
+
+
+def _innermost_frame(stack_trace: Optional[str]) -> Optional[tuple[str, str]]:
+    frames = _FRAME.findall(stack_trace or "")
+    return (frames[-1][0], frames[-1][2]) if frames else None
+
+
+def _origins(node: Any) -> list[tuple[str, str]]:
+    frames = []
+    for origin in getattr(node.node, "origins", ()) if node.node is not None else ():
+        frame = _innermost_frame(origin.meta.get("stack_trace"))
+        if frame is not None:
+            frames.append(frame)
+    return frames
+
+
+def _attention_flops(op: Any, fx_node: Any) -> float:
+    """FLOPs of a fused attention call from its FX node: query [b, h, s_q, d], key [b, h_kv, s_k, d]."""
+    names = [a.name for a in op._schema.arguments]
+    values = dict(zip(names, fx_node.args))
+    values.update(fx_node.kwargs)
+    backward = "grad_out" in values
+    q, k = values["query"].meta["val"], values["key"].meta["val"]
+    b, h, s_q, d = q.shape
+    forward = 4.0 * b * h * s_q * k.shape[-2] * d * (0.5 if values.get("is_causal", False) else 1.0)
+    return 2.5 * forward if backward else forward
+
+
+def _kernel(node: Any, where: str) -> Optional[Kernel]:
+    """The kernel of one scheduled node, or None for nodes that launch nothing (views, multi-output unpacking)."""
+    from torch._inductor.scheduler import ExternKernelSchedulerNode, NopKernelSchedulerNode
+    from torch._inductor.virtualized import V
+
+    if isinstance(node, NopKernelSchedulerNode):
+        return None
+    accesses = node.get_read_write_buffer_accesses(include_reads=True, include_writes=True)
+    size = float(sum(accesses.values()))
+    if isinstance(node, ExternKernelSchedulerNode):
+        op = getattr(node.node, "op_overload", None)
+        name = str(op) if op is not None else ""
+        if any(name.startswith(g) for g in _GEMMS):
+            return Kernel(name.split(".")[1], KernelClass.GEMM, float(node.estimate_flops() or 0), size,
+                          fp8="_scaled_mm" in name, where=where)
+        if any(a in name for a in _ATTENTION):
+            fx = node.node.get_origin_node() or next(iter(node.node.origins))
+            return Kernel(name.split(".")[1], KernelClass.ATTENTION, _attention_flops(op, fx), size, where=where)
+        if size == 0:
+            return None
+
+    def dtype(buffer: str) -> Optional[torch.dtype]:
+        try:
+            return V.graph.get_dtype(buffer)
+        except Exception:  # noqa: BLE001 - buffers without a plain layout (multi-output): no dtype to read
+            return None
+
+    fp8 = any(dtype(b) in (torch.float8_e4m3fn, torch.float8_e5m2) for b in accesses)
+    frames = _origins(node)
+    if frames and all(any(s in f for s in _FP8_SOURCES) for f, _ in frames):
+        fp8 = True
+    places = sorted({f"{f.rsplit('/', 1)[-1]}:{fn}" for f, fn in frames})
+    label = ", ".join(places[:3]) + (", ..." if len(places) > 3 else "")
+    return Kernel(label or node.get_name(), KernelClass.QUANTIZATION if fp8 else KernelClass.POINTWISE,
+                  bytes=size, where=where)
+
+
+def _kernels(nodes: list[Any], where: str) -> list[Kernel]:
+    out = []
+    for node in nodes:
+        parts = node.get_outer_nodes() if hasattr(node, "get_outer_nodes") else [node]  # Triton's split, above
+        for part in parts:
+            k = _kernel(part, where)
+            if k is not None:
+                out.append(k)
+    return out
+
+
+def _capturing_backend(graphs: list[tuple[str, list[Kernel]]]) -> Callable:
+    """A torch.compile backend: inductor up to its scheduler (kernels appended to `graphs`), then outputs of the
+    right shapes and no computation."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    from megatron.fp8.partition import SaveFp8Casts
+
+    def inner(gm: torch.fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Callable:
+        where = "backward" if kwargs.get("is_backward", False) else "forward"
+
+        def read(nodes: list[Any]) -> list[Any]:
+            graphs.append((where, _kernels(nodes, where)))
+            raise _Captured()
+
+        with inductor_config.patch(_post_fusion_custom_pass=read):
+            try:
+                compile_fx_inner(gm, example_inputs, **kwargs)
+            except Exception as exc:  # inductor wraps what the pass raises
+                if not isinstance(getattr(exc, "inner_exception", exc), _Captured):
+                    raise
+        outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        metas = [getattr(o, "meta", {}).get("val") if isinstance(o, torch.fx.Node) else o for o in outputs]
+
+        def run(args: list) -> list:
+            args.clear()
+            return [torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device=m.device)
+                    if isinstance(m, torch.Tensor) else m for m in metas]
+
+        run._boxed_call = True  # type: ignore[attr-defined]
+        return run
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Callable:
+        return compile_fx(gm, example_inputs, inner_compile=inner,
+                          config_patches={"joint_custom_pre_pass": SaveFp8Casts(), "fx_graph_cache": False})
+
+    return backend
+
+
+@contextlib.contextmanager
+def _fresh_compiler():
+    """No compiled code cached before or after; the backward lowered with the forward; BF16 autocast as torch
+    has it on a GPU (not this CPU's FP32 emulation of BF16 GEMMs, megatron/cpu_bf16.py, which would trace other
+    ops: attention as matmuls, the BF16 round trips kept)."""
+    import torch._dynamo
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    torch._dynamo.reset()
+    try:
+        with functorch_config.patch(force_non_lazy_backward_lowering=True, enable_autograd_cache=False), \
+                cpu_bf16.use_mode("native"), inductor_config.patch(emulate_precision_casts=False):
+            yield
+    finally:
+        torch._dynamo.reset()
+
+
+def _fp8_layers(model: torch.nn.Module, recipe: Fp8Recipe, blocks: list[torch.nn.Module]) -> None:
+    """Our FP8 layers as `--torch-compile` runs them: fused quantization traced into the graph, delayed scaling's
+    history known to hold a scale (the steady state), the step's FP8 weights made before the graph by each block's
+    pre-hook (with the fused functions' Python: their compiled code cannot run on tensors without storage). `model` is converted whole when it is a GPT model, else it is one linear."""
+    from megatron.fp8 import Fp8Linear, convert_to_fp8, fused, set_fused_quantization
+    from megatron.model.compile import refresh_fp8_weights
+
+    if hasattr(model, "decoder"):
+        convert_to_fp8(model, recipe)
+    set_fused_quantization(model, True)
+    for m in model.modules():
+        if isinstance(m, Fp8Linear):
+            m.fp8.learn_scale_validity([True, True, True])
+
+    def refresh(block: torch.nn.Module, args: Any) -> None:
+        with fused.uncompiled():
+            refresh_fp8_weights(block, args)
+
+    for block in blocks:
+        block.register_forward_pre_hook(refresh)
+
+
+def _capture(module: torch.nn.Module, args: Callable[[], tuple], bf16: bool) -> BlockKernels:
+    """Compile `module` (already on fake tensors) with the capturing backend, call it on `args()` (made under the
+    fake mode), and return the kernels of its forward and backward graphs."""
+    start = time.perf_counter()
+    graphs: list[tuple[str, list[Kernel]]] = []
+    compiled = torch.compile(module, backend=_capturing_backend(graphs), dynamic=False)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        compiled(*args())
+    forward = tuple(k for where, ks in graphs if where == "forward" for k in ks)
+    backward = tuple(k for where, ks in graphs if where == "backward" for k in ks)
+    return BlockKernels(forward, backward, len(graphs), time.perf_counter() - start)
+
+
+def extract_block(model: ModelConfig, recipe: Optional[Fp8Recipe], micro_batch_size: int, bf16: bool = True,
+                  torchao: Optional[str] = None) -> BlockKernels:
+    """The kernels of one compiled block of `model` (its shapes, recompute and Smooth-SwiGLU settings) for one
+    micro-batch: BF16 (`recipe` None), our FP8 `recipe` (traced with the `scaled_mm` backend), or torchao's
+    Float8Linear with its recipe `torchao` ("tensorwise", "rowwise") in the block's linears."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from megatron.model.gpt import GPTModel
+
+    # Attention dropout > 0 sends CPU SDPA to its unfused math path; on a GPU flash attention takes dropout.
+    net = GPTModel(dataclasses.replace(model, num_layers=1, attention_dropout=0.0), device="meta")
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    with _fresh_compiler(), FakeTensorMode(allow_non_fake_inputs=True):
+        net.to_empty(device="cpu")
+        block = net.decoder.layers[0]
+        if recipe is not None:
+            _fp8_layers(net, dataclasses.replace(recipe, backend=Fp8Backend.SCALED_MM), [block])
+        elif torchao is not None:
+            _torchao_linears(net.decoder, torchao)
+        net.train()
+
+        def args() -> tuple:
+            b, s = micro_batch_size, model.seq_length
+            x = torch.empty(b, s, model.hidden_size, dtype=dtype, requires_grad=True)
+            rotary = net.rotary(torch.arange(s).unsqueeze(0).expand(b, s)) if net.rotary is not None else None
+            return x, rotary, None
+
+        return _capture(block, args, bf16)
+
+
+def extract_linear(in_features: int, out_features: int, tokens: int, recipe: Optional[Fp8Recipe],
+                   torchao: Optional[str] = None) -> BlockKernels:
+    """The kernels of one linear layer's forward and backward on `tokens` BF16 tokens under autocast: nn.Linear
+    (`recipe` None), our Fp8Linear (`recipe`, its FP8 weight made once per step before the graph, as in a compiled
+    block), or torchao's Float8Linear (`torchao`, which casts its weight in the graph, per call)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from megatron.fp8 import Fp8Linear
+
+    with _fresh_compiler(), FakeTensorMode(allow_non_fake_inputs=True):
+        layer: torch.nn.Module = torch.nn.Linear(in_features, out_features, bias=False)
+        if recipe is not None:
+            layer = Fp8Linear.from_linear(layer, dataclasses.replace(recipe, backend=Fp8Backend.SCALED_MM))
+            _fp8_layers(layer, recipe, [layer])
+        elif torchao is not None:
+            holder = torch.nn.Sequential(layer)
+            _torchao_linears(holder, torchao)
+            layer = holder[0]
+
+        def args() -> tuple:
+            return (torch.empty(tokens, in_features, dtype=torch.bfloat16, requires_grad=True),)
+
+        return _capture(layer, args, True)
+
+
+def _torchao_linears(module: torch.nn.Module, recipe: str) -> None:
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    convert_to_float8_training(module, config=Float8LinearConfig.from_recipe_name(recipe))

@@ -1,0 +1,68 @@
+"""`--dry-run --project-on DEVICE[,DEVICE] [--project-devices N]`: this run projected on hardware, next to the same
+run in BF16: step time, tokens/s per device, MFU, wall time and device-hours to --train-iters, and the step's
+time per kernel class. Every line says "projected" and names the model's calibration error.
+
+The blocks are extracted once per variant (seconds each at 7B shapes) and timed on every device asked for. The
+projection is of compiled blocks (what `--torch-compile auto` runs on CUDA); a run whose blocks stay eager
+(pipeline parallelism or ZeRO-3 on our engines) is told so, as a line of the output.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from megatron.config import MegatronConfig
+from megatron.perf.calibration import CALIBRATION_SUMMARY
+from megatron.perf.extract import extract_block
+from megatron.perf.hardware import device
+from megatron.perf.kernels import KernelClass
+from megatron.perf.step import Projection, days, project
+
+
+def bf16_twin(config: MegatronConfig) -> MegatronConfig:
+    """The same run in BF16: no FP8 recipe, no Smooth-SwiGLU, AdamW."""
+    return dataclasses.replace(config, fp8=None, model=dataclasses.replace(config.model, smooth_swiglu=None),
+                               optimizer=dataclasses.replace(config.optimizer, optimizer="adam"))
+
+
+def _line(label: str, p: Projection, iters: int) -> str:
+    step = p.step_seconds
+    total = step * iters
+    return (f"  {label}: step {step:.3f} s, {p.tokens_per_second_per_device:,.0f} tokens/s per device, MFU "
+            f"{100 * p.mfu:.1f}%, {iters:,} iterations in {days(total):.1f} days = {total * p.devices / 3600:,.0f} "
+            "device-hours")
+
+
+def _classes(p: Projection) -> str:
+    return ", ".join(f"{k.value} {1e3 * v:,.0f}" for k, v in p.by_class.items() if v > 0)
+
+
+def projection_lines(config: MegatronConfig) -> list[str]:
+    t = config.training
+    twin = bf16_twin(config)
+    mb = t.micro_batch_size
+    bf16_block = extract_block(twin.model, None, mb, bf16=t.bf16)
+    fp8_block = extract_block(config.model, config.fp8, mb, bf16=t.bf16) if config.fp8 is not None else None
+    recipe = "BF16" if config.fp8 is None else f"FP8 {config.fp8.format.value} {config.fp8.scaling.value}" + (
+        " + Smooth-SwiGLU" if config.model.smooth_swiglu is not None else "")
+    lines = ["", f"projected (megatron/perf roofline of the compiled blocks; {CALIBRATION_SUMMARY}):"]
+    p = config.parallel
+    if p.pipeline_model_parallel_size > 1 or (p.deepspeed and p.zero_stage == 3):
+        lines.append("  note: this layout keeps the transformer blocks eager on our engines (megatron/model/compile.py); "
+                     "the projection is of compiled blocks, so it is optimistic for this run")
+    for name in t.project_on:
+        dev = device(name)
+        run = project(config, dev, fp8_block, bf16_block, t.project_devices) if fp8_block else \
+            project(config, dev, None, bf16_block, t.project_devices)
+        lines.append(f"{run.devices} x {dev.name} (projected):")
+        lines.append(_line(f"this run ({recipe})", run, t.train_iters))
+        lines.append(f"    ms per step by class: {_classes(run)}")
+        if fp8_block is not None:
+            base = project(twin, dev, None, bf16_block, t.project_devices)
+            lines.append(_line("the same run in BF16", base, t.train_iters))
+            lines.append(f"    ms per step by class: {_classes(base)}")
+            lines.append(f"  FP8 / BF16 speed-up (projected): {base.step_seconds / run.step_seconds:.2f}x")
+        exposed = run.by_class[KernelClass.COMMUNICATION]
+        if exposed > 0.2 * run.step_seconds:
+            lines.append(f"  exposed communication is {100 * exposed / run.step_seconds:.0f}% of the step (gradients "
+                         "and weights once per step): more micro-batches per step (--global-batch-size) amortize it")
+    return lines
