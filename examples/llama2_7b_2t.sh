@@ -33,8 +33,12 @@ RUN_DIR="${RUN_DIR:-runs/llama2_7b_2t_${PRECISION}_${PLATFORM}}"
 # The reference ran ZeRO 0 with DeepSpeed's BF16 weights; we keep FP32 master weights under BF16 autocast,
 # so ZeRO 1 (optimizer states sharded over the data-parallel ranks) is what fits 7B in device memory.
 ZERO_STAGE="${ZERO_STAGE:-1}"
+# Megatron-DeepSpeed's layout: BF16 weights, FP32 master weights and moments in ZeRO's shards (6 bytes of persistent
+# state per parameter at this scale instead of 8 with --params-dtype fp32). PARAMS_DTYPE=fp32 keeps FP32 weights;
+# with pipeline stages (PP > 1) FP32 weights are the default, since BF16 weights are not supported there yet.
 # Pipeline stages (DeepSpeed PipelineModule; ZeRO 0/1, must divide the 32 layers). 1 = the reference setup.
 PP="${PP:-1}"
+PARAMS_DTYPE="${PARAMS_DTYPE:-$([ "$PP" = 1 ] && echo bf16 || echo fp32)}"
 GLOBAL_BATCH=1024                               # x 4096 tokens = 4.2M tokens per step
 TRAIN_ITERS=476837                              # 2T tokens
 PY="${PYTHON:-python}"
@@ -48,7 +52,7 @@ TRAIN_ARGS=(
   --micro-batch-size 1 --global-batch-size "$GLOBAL_BATCH" --train-iters "$TRAIN_ITERS"
   --lr-decay-iters "$TRAIN_ITERS" --recompute-activations
   --tensor-model-parallel-size 1 --pipeline-model-parallel-size "$PP"
-  --deepspeed --zero-stage "$ZERO_STAGE"
+  --deepspeed --zero-stage "$ZERO_STAGE" --params-dtype "$PARAMS_DTYPE"
   --save "$RUN_DIR/checkpoints" --load "$RUN_DIR/checkpoints" --save-interval 1000
   --tensorboard-dir "$RUN_DIR/tensorboard" --log-interval 10 --eval-interval 1000 --eval-iters 10
   --exit-signal-handler
@@ -85,8 +89,11 @@ fi
 
 if [ "${DRY_RUN:-0}" = 1 ]; then
   # Resolve for the real world size, with synthetic data and no device, so any machine checks the flags.
+  # It also projects the run and its BF16 twin on 256 Gaudi2 and 256 H200 (megatron/perf, docs/performance.md);
+  # PROJECT_ON=h100,b200 picks other devices, PROJECT_ON= none.
+  PROJECT_ON="${PROJECT_ON-gaudi2,h200}"
   WORLD_SIZE=$((NNODES * GPUS_PER_NODE)) exec "$PY" pretrain_gpt.py "${TRAIN_ARGS[@]}" \
-    --mock-data --vocab-size 32000 --dry-run
+    --mock-data --vocab-size 32000 --dry-run ${PROJECT_ON:+--project-on "$PROJECT_ON"}
 fi
 
 mkdir -p "$RUN_DIR"

@@ -126,6 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-iters", type=int, default=100)
     g.add_argument("--dry-run", action="store_true",
                    help="print the resolved config, parameter count, FLOPs and memory estimate, then exit")
+    g.add_argument("--project-on", default=None, metavar="DEVICE[,DEVICE]",
+                   help="with --dry-run: also the projected step time, tokens/s, MFU and time to --train-iters of "
+                        "this run and of the same run in BF16 on these devices (h100, h200, b200, gaudi2, gaudi3; "
+                        "megatron/perf, docs/performance.md)")
+    g.add_argument("--project-devices", type=int, default=None, metavar="N",
+                   help="with --project-on: project on N devices (default: the world size this run resolves to)")
     g.add_argument("--torch-compile", choices=["auto", "on", "off"], default="auto",
                    help="torch.compile each transformer block (FP8 layers traced into it) and the FP8 quantization; "
                         "auto = both on CUDA (blocks eager with PP or ZeRO-3), on CPU the FP8 quantization only for "
@@ -279,6 +285,21 @@ def _json_zero_stage(path: Optional[str]) -> Optional[int]:
     except (TypeError, ValueError):
         raise ValueError(f"--deepspeed_config {path}: `zero_optimization.stage` is {zero['stage']!r}; "
                          "use 0, 1, 2 or 3") from None
+
+
+def _project_on(a: argparse.Namespace) -> tuple[str, ...]:
+    """--project-on's devices, checked; --project-on/--project-devices only with --dry-run."""
+    if a.project_devices is not None and a.project_on is None:
+        raise ValueError("--project-devices needs --project-on DEVICE (and --dry-run)")
+    if a.project_on is None:
+        return ()
+    if not a.dry_run:
+        raise ValueError("--project-on only applies with --dry-run: add --dry-run (nothing is trained)")
+    if a.project_devices is not None and a.project_devices < 1:
+        raise ValueError(f"--project-devices must be >= 1, got {a.project_devices}")
+    from megatron.perf.hardware import device
+
+    return tuple(device(name).name for name in a.project_on.split(",") if name.strip())
 
 
 def _not_supported_yet(a: argparse.Namespace) -> None:
@@ -685,6 +706,7 @@ def _resolve(a: argparse.Namespace, world_size: Optional[int], recipe: list) -> 
             seed=a.seed, eval_interval=a.eval_interval, eval_iters=a.eval_iters, exit_interval=a.exit_interval,
             exit_duration_in_mins=a.exit_duration_in_mins, exit_signal_handler=a.exit_signal_handler,
             max_consecutive_nan_steps=a.max_consecutive_nan_steps, bf16=a.bf16, params_dtype=a.params_dtype, dry_run=a.dry_run,
+            project_on=_project_on(a), project_devices=a.project_devices,
             torch_compile=a.torch_compile),
         checkpoint=CheckpointConfig(
             save=a.save, load=a.load, save_interval=a.save_interval, no_save_optim=a.no_save_optim,

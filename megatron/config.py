@@ -133,6 +133,8 @@ class TrainingConfig:
     # master copy with the optimizer state; megatron/optimizer/main_params.py), --params-dtype
     params_dtype: str = "fp32"
     dry_run: bool = False
+    project_on: Tuple[str, ...] = ()  # --project-on: devices the dry run projects this run on (megatron/perf)
+    project_devices: Optional[int] = None  # --project-devices: how many of them (default: the world size)
     # --torch-compile: "auto" (on for CUDA, off on CPU: docs/performance.md), "on" or "off"; per transformer block
     torch_compile: str = "auto"
 

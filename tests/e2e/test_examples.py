@@ -30,7 +30,9 @@ def test_tiny_cpu_example_trains():
 @pytest.mark.parametrize("precision", ["fp8", "bf16"])
 @pytest.mark.parametrize("platform", ["gaudi2", "cuda"])
 def test_llama2_7b_2t_launch_scripts_resolve(precision, platform):
-    env = dict(os.environ, PYTHON=sys.executable, DRY_RUN="1", PRECISION=precision, PLATFORM=platform)
+    project = precision == "fp8" and platform == "gaudi2"  # the projection of the others adds nothing to check
+    env = dict(os.environ, PYTHON=sys.executable, DRY_RUN="1", PRECISION=precision, PLATFORM=platform,
+               **({} if project else {"PROJECT_ON": ""}))
     out = subprocess.run(["bash", "examples/llama2_7b_2t.sh"], cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr
@@ -38,11 +40,21 @@ def test_llama2_7b_2t_launch_scripts_resolve(precision, platform):
     assert "gradient accumulation steps: 4" in out.stdout  # 1024 / (1 x 256 ranks)
     assert ('"smooth_swiglu": "channel"' in out.stdout) == (precision == "fp8")
     assert ('"optimizer": "fp8adam"' in out.stdout) == (precision == "fp8")
+    # Megatron-DeepSpeed's layout: BF16 weights, FP32 master and moments sharded by ZeRO-1
+    assert "bytes/param (--params-dtype bf16, ZeRO 1, data parallel 256)" in out.stdout
+    assert ("projected (megatron/perf" in out.stdout) == project
+    if project:
+        for device in ("256 x gaudi2 (projected):", "256 x h200 (projected):"):
+            section = out.stdout[out.stdout.index(device):]
+            assert "this run (FP8 hybrid delayed + Smooth-SwiGLU): step" in section
+            assert "the same run in BF16: step" in section and "FP8 / BF16 speed-up (projected):" in section
+            assert "476,837 iterations in" in section and "device-hours" in section
+        assert "calibration: ratios within" in out.stdout
 
 
 def test_llama2_7b_2t_with_pipeline_stages_and_the_fp8_controller_resolves():
     env = dict(os.environ, PYTHON=sys.executable, DRY_RUN="1", PRECISION="fp8", PLATFORM="cuda", PP="4",
-               AUTOHEAL="1")
+               AUTOHEAL="1", PROJECT_ON="")
     out = subprocess.run(["bash", "examples/llama2_7b_2t.sh"], cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr

@@ -1,0 +1,151 @@
+"""The step model (megatron/perf): kernels read from inductor's scheduler at tiny shapes on fake tensors, the
+roofline, the collectives' bytes, the projection's arithmetic, the --project-on flags."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from megatron.arguments import parse_config
+from megatron.perf import calibration, comm
+from megatron.perf.extract import BlockKernels, extract_block, extract_linear
+from megatron.perf.flops import count_parameters, flops_per_iteration
+from megatron.perf.hardware import GEMM_EFFICIENCY, MEMORY_EFFICIENCY, Device, device
+from megatron.perf.kernels import Kernel, KernelClass
+from megatron.perf.step import project
+
+TINY = ("--num-layers 2 --hidden-size 64 --ffn-hidden-size 176 --num-attention-heads 4 --num-key-value-heads 2 "
+        "--seq-length 32 --max-position-embeddings 32 --swiglu --normalization RMSNorm --disable-bias-linear "
+        "--use-rotary-position-embeddings --untie-embeddings-and-output-weights --attention-dropout 0 "
+        "--hidden-dropout 0 --mock-data --vocab-size 128 --train-iters 10 --lr 1e-4 --bf16 --micro-batch-size 1 "
+        "--global-batch-size 4")
+TENSORWISE = " --fp8-format hybrid --fp8-recipe tensorwise"
+M, K, N = 32, 64, 128  # tokens, in, out of the linear below
+
+
+def _config(extra: str = "", world: int = 1):
+    return parse_config(f"{TINY} {extra}".split(), world_size=world)
+
+
+def test_a_linears_three_gemms_are_counted_once_each_with_their_flops():
+    kernels = extract_linear(K, N, M, None)
+    gemms = [k for k in kernels.kernels if k.kind is KernelClass.GEMM]
+    assert [k.where for k in gemms] == ["forward", "backward", "backward"]
+    assert all(k.flops == 2 * M * K * N and not k.fp8 for k in gemms)
+    # forward: x [M, K] and W [N, K] in BF16 read, y [M, N] in BF16 written
+    assert gemms[0].bytes == 2 * (M * K + N * K + M * N)
+    # autocast's cast of the FP32 weight to BF16: read 4 bytes, write 2, per element, once in each graph
+    casts = [k for k in kernels.kernels if k.kind is KernelClass.POINTWISE]
+    assert [k.bytes for k in casts] == [6 * K * N, 6 * K * N]
+    assert kernels.graphs == 2
+
+
+def test_an_fp8_linear_runs_scaled_mm_and_its_input_cast_reads_and_writes_what_it_must():
+    recipe = _config(TENSORWISE).fp8
+    kernels = extract_linear(K, N, M, recipe)
+    gemms = [k for k in kernels.kernels if k.kind is KernelClass.GEMM]
+    assert len(gemms) == 3 and all(k.fp8 and k.flops == 2 * M * K * N for k in gemms)
+    quantization = [k.bytes for k in kernels.kernels if k.kind is KernelClass.QUANTIZATION and k.where == "forward"]
+    # x's amax reads x once (BF16); its cast reads x and writes 1 byte per element; each plus a few scalars
+    assert any(2 * M * K <= b < 2 * M * K + 64 for b in quantization), quantization
+    assert any(3 * M * K <= b < 3 * M * K + 64 for b in quantization), quantization
+    # the weight is cast once per step before the graph (the block's pre-hook), never in it
+    assert not any(b >= 4 * K * N for b in quantization), quantization
+
+
+def test_a_block_has_one_forward_and_one_backward_graph_and_causal_attention_flops():
+    cfg = _config()
+    block = extract_block(cfg.model, None, 2)
+    assert block.graphs == 2
+    attention = [k for k in block.kernels if k.kind is KernelClass.ATTENTION]
+    b, h, s, d = 2, 4, 32, 16
+    forward = 4.0 * b * h * s * s * d / 2  # causal: half the score matrix
+    assert [(k.where, k.flops) for k in attention] == [("forward", forward), ("backward", 2.5 * forward)]
+    # the block's GEMM FLOPs are the model's linear FLOPs of one layer, three passes
+    linear = sum(k.flops for k in block.kernels if k.kind is KernelClass.GEMM)
+    per_layer = flops_per_iteration(dataclasses.replace(cfg.model, num_layers=1, padded_vocab_size=0), 2)
+    attention_full = 3 * 4.0 * s * cfg.model.query_projection_size * b * s
+    assert linear == per_layer - attention_full
+
+
+DEV = Device("test", bf16_tflops=100.0, fp8_tflops=200.0, hbm_gbps=1000.0, memory_gib=80.0, intra_node_gbps=100.0,
+             scale_out_gbps=10.0, devices_per_node=8, launch_us=5.0, source="test")
+
+
+def test_the_roofline_takes_the_larger_of_compute_and_memory_and_never_less_than_the_launch():
+    flops, size = 1e12, 1e9
+    compute = flops / (200e12 * GEMM_EFFICIENCY)
+    memory = size / (1000e9 * MEMORY_EFFICIENCY)
+    assert Kernel("g", KernelClass.GEMM, flops, size, fp8=True).seconds(DEV) == max(compute, memory)
+    assert Kernel("g", KernelClass.GEMM, flops, 1e12, count=3).seconds(DEV) == 3 * 1e12 / (1000e9 * MEMORY_EFFICIENCY)
+    assert Kernel("p", KernelClass.POINTWISE, bytes=10.0).seconds(DEV) == DEV.launch_us * 1e-6
+    assert math.isclose(Kernel("p", KernelClass.POINTWISE, bytes=size, count=2).seconds(DEV), 2 * memory)
+
+
+def test_collectives_bytes_follow_the_layout():
+    params = count_parameters(_config().model)
+    ddp = comm.step_collectives(_config(world=4), 4, 8)
+    assert [(c.op, c.bytes, c.count) for c in ddp] == [("all-reduce", 4.0 * params, 1)]
+    assert math.isclose(ddp[0].seconds(DEV), 2 * 3 / 4 * 4.0 * params / (100e9 * comm.COMM_EFFICIENCY) + 10e-6)
+    zero1 = comm.step_collectives(_config("--deepspeed --zero-stage 1 --params-dtype bf16", world=4), 4, 8)
+    assert [(c.op, c.bytes) for c in zero1] == [("reduce-scatter", 4.0 * params), ("all-gather", 2.0 * params)]
+    tp = comm.step_collectives(_config("--tensor-model-parallel-size 2", world=2), 1, 8)
+    # 2 all-reduces forward + 2 backward per layer and micro-batch (4 micro-batches), BF16 activations
+    assert [(c.op, c.bytes, c.count, c.across_nodes) for c in tp] == [("all-reduce", 2.0 * 32 * 64, 4 * 2 * 4, False)]
+    across = comm.step_collectives(_config("--global-batch-size 16", world=16), 16, 8)
+    assert across[0].across_nodes  # 16 ranks of 8 per node: at the scale-out bandwidth
+    assert math.isclose(across[0].seconds(DEV), 2 * 15 / 16 * 4.0 * params / (10e9 * comm.COMM_EFFICIENCY) + 10e-6)
+
+
+def _block(flops: float) -> BlockKernels:
+    return BlockKernels((Kernel("f", KernelClass.GEMM, flops, 0.0, where="forward"),),
+                        (Kernel("b", KernelClass.GEMM, 2 * flops, 0.0, where="backward"),), 2, 0.0)
+
+
+def test_the_projection_adds_its_parts_and_derives_tokens_and_mfu():
+    cfg = _config()
+    p = project(cfg, DEV, None, _block(1e12))
+    assert math.isclose(p.step_seconds, sum(p.by_class.values()))
+    gemm = 4 * 2 * 3e12 / (100e12 * GEMM_EFFICIENCY)  # 4 micro-batches x 2 layers x 3e12 FLOPs, BF16
+    head = p.by_class[KernelClass.GEMM] - gemm
+    assert 0 < head < 1e-3 * gemm
+    assert p.by_class[KernelClass.COMMUNICATION] == 0 and p.by_class[KernelClass.BUBBLE] == 0
+    assert math.isclose(p.tokens_per_second_per_device, 4 * 32 / p.step_seconds)
+    assert math.isclose(p.mfu, flops_per_iteration(cfg.model, 4) / p.step_seconds / 100e12)
+    # on 2 devices: half the micro-batches each, a gradient all-reduce partly hidden by the last backward
+    p2 = project(_config(world=2), DEV, None, _block(1e12), devices=2)
+    assert math.isclose(p2.by_class[KernelClass.GEMM] - head / 2, gemm / 2, rel_tol=1e-9)
+
+
+def test_pipeline_stages_add_a_bubble_of_stages_minus_one_micro_batches():
+    cfg = _config("--pipeline-model-parallel-size 2 --deepspeed --zero-stage 1", world=2)
+    p = project(cfg, DEV, None, _block(1e12))
+    per_micro = sum(k.seconds(DEV) for k in p.kernels if k.where in ("forward", "backward")) / 4
+    assert math.isclose(p.by_class[KernelClass.BUBBLE], per_micro)
+
+
+def test_project_on_flags_are_checked():
+    with pytest.raises(ValueError, match="--project-on only applies with --dry-run"):
+        _config("--project-on h200")
+    with pytest.raises(ValueError, match="unknown device 'tpu'"):
+        _config("--dry-run --project-on tpu")
+    with pytest.raises(ValueError, match="--project-devices needs --project-on"):
+        _config("--dry-run --project-devices 8")
+    assert _config("--dry-run --project-on H200,gaudi2").training.project_on == ("h200", "gaudi2")
+    assert device("gaudi3").fp8_tflops == device("gaudi3").bf16_tflops
+
+
+def test_the_dry_run_prints_the_projection_of_the_run_and_its_bf16_twin():
+    from megatron.training.dry_run import describe
+
+    text = describe(_config(f"{TENSORWISE} --dry-run --project-on h100 --project-devices 1"))
+    assert "1 x h100 (projected):" in text and calibration.CALIBRATION_SUMMARY in text
+    assert "this run (FP8 hybrid tensorwise): step" in text and "the same run in BF16: step" in text
+    assert "FP8 / BF16 speed-up (projected):" in text and "10 iterations in" in text
+
+
+@pytest.mark.slow
+def test_the_calibration_summary_printed_with_projections_is_the_tables():
+    rows = calibration.calibration_rows(parse_config)
+    assert calibration.summary(rows) == calibration.CALIBRATION_SUMMARY
