@@ -126,13 +126,22 @@ def _to_bf16(value, emulate: bool):
     return value
 
 
+def _is_subclass(value) -> bool:
+    """A tensor subclass with its own operators (torchao's Float8TrainingTensor); not the fake and functional
+    tensors of tracing, which stand for plain tensors."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    return isinstance(value, torch.Tensor) and is_traceable_wrapper_subclass(value)
+
+
 def _autocast_kernel(op):
     keys = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
 
     def kernel(*args, **kwargs):
         # torch's own autocast kernel casts to BF16 and runs the op below autocast; only use_mode() reaches
-        # that branch here (on CPUs with fast BF16 kernels nothing is registered).
-        emulate = emulates_bf16_gemms()
+        # that branch here (on CPUs with fast BF16 kernels nothing is registered). A tensor subclass (torchao's
+        # Float8TrainingTensor) implements its own GEMM and takes only the BF16 cast, as under torch's kernel.
+        emulate = emulates_bf16_gemms() and not any(_is_subclass(v) for v in (*args, *kwargs.values()))
         args = [_to_bf16(a, emulate) for a in args]
         kwargs = {k: _to_bf16(v, emulate) for k, v in kwargs.items()}
         with torch._C._ExcludeDispatchKeyGuard(keys):
