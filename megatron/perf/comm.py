@@ -31,6 +31,8 @@ from typing import Optional
 
 from megatron.config import MegatronConfig
 from megatron.perf.hardware import COMM_EFFICIENCY, Device
+from megatron.perf import outside
+from megatron.perf.outside import device_parameters
 
 # Per-collective latency (NCCL's small-message all-reduce on NVLink is ~10 us; across nodes ~20-30 us).
 COLLECTIVE_LATENCY_US = 10.0
@@ -56,15 +58,15 @@ class Collective:
         return self.count * (factor * self.bytes / bandwidth + COLLECTIVE_LATENCY_US * 1e-6)
 
 
-def step_collectives(config: MegatronConfig, data_parallel: int, devices_per_node: int,
+def step_collectives(config: MegatronConfig, devices_per_node: int,
                      gather_bytes: Optional[float] = None) -> list[Collective]:
     """Every collective one device takes part in during one step (module docstring). `gather_bytes`: bytes per
     parameter of ZeRO's weight all-gathers when they are not the weights' dtype (a peer that gathers FP8 weights)."""
     m, t, p = config.model, config.training, config.parallel
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-    micro = t.global_batch_size // (t.micro_batch_size * data_parallel)
-    params = _parameters(config) / (tp * pp)
-    weight_bytes = gather_bytes if gather_bytes is not None else (2.0 if t.params_dtype == "bf16" else 4.0)
+    data_parallel, micro = t.data_parallel_size, t.num_micro_batches
+    params = device_parameters(config)
+    weight_bytes = gather_bytes if gather_bytes is not None else outside.weight_bytes(config)
     activation = 2.0 * t.micro_batch_size * m.seq_length * m.hidden_size
     out: list[Collective] = []
     if data_parallel > 1:
@@ -94,8 +96,3 @@ def step_collectives(config: MegatronConfig, data_parallel: int, devices_per_nod
                               tp * data_parallel >= devices_per_node))
     return out
 
-
-def _parameters(config: MegatronConfig) -> float:
-    from megatron.perf.flops import count_parameters
-
-    return float(count_parameters(config.model))

@@ -8,7 +8,7 @@ from __future__ import annotations
 from megatron.config import MegatronConfig, ModelConfig, PositionEmbedding, RecomputeGranularity
 
 
-def _block_linear_weights(m: ModelConfig) -> dict[str, int]:
+def block_linear_weights(m: ModelConfig) -> dict[str, int]:
     """Elements of each weight matrix of one transformer block (TP = 1)."""
     return {"qkv": m.hidden_size * (m.query_projection_size + 2 * m.kv_projection_size),
             "proj": m.query_projection_size * m.hidden_size,
@@ -17,7 +17,7 @@ def _block_linear_weights(m: ModelConfig) -> dict[str, int]:
 
 
 def _block_linear_params(m: ModelConfig) -> int:
-    params = sum(_block_linear_weights(m).values())
+    params = sum(block_linear_weights(m).values())
     if m.add_bias_linear:
         params += (m.query_projection_size + 2 * m.kv_projection_size) + m.hidden_size
         params += m.ffn_hidden_size * (2 if m.swiglu else 1) + m.hidden_size
@@ -111,7 +111,7 @@ def fp8_weight_copy_bytes(cfg: MegatronConfig) -> float:
     m, p = cfg.model, cfg.parallel
     if cfg.fp8 is None:
         return 0.0
-    linears = [n for name, n in _block_linear_weights(m).items() if not (name == "fc2" and cfg.fp8.mlp_fc2_bf16)]
+    linears = [n for name, n in block_linear_weights(m).items() if not (name == "fc2" and cfg.fp8.mlp_fc2_bf16)]
     fp8_layers = max(m.num_layers - 2 * cfg.fp8.first_last_layers_bf16, 0)
     if not fp8_layers:
         return 0.0

@@ -62,12 +62,3 @@ def seconds_by_class(kernels: list[Kernel], dev: Device) -> dict[KernelClass, fl
     for k in kernels:
         out[k.kind] += k.seconds(dev)
     return out
-
-
-def merge(kernels: list[Kernel]) -> list[Kernel]:
-    """Kernels of identical name, class, size and place folded into one row with their counts added."""
-    rows: dict[tuple, Kernel] = {}
-    for k in kernels:
-        key = (k.name, k.kind, k.flops, k.bytes, k.fp8, k.where)
-        rows[key] = k if key not in rows else replace(rows[key], count=rows[key].count + k.count)
-    return list(rows.values())

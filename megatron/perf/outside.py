@@ -23,7 +23,7 @@ and writes. The bytes per element used below, with their reasons:
 from __future__ import annotations
 
 from megatron.config import MegatronConfig, SmoothSwiGLUGranularity
-from megatron.perf.flops import count_parameters
+from megatron.perf.flops import block_linear_weights, count_parameters
 from megatron.perf.kernels import Kernel, KernelClass
 
 P = KernelClass.POINTWISE
@@ -62,16 +62,21 @@ def head_kernels(config: MegatronConfig, tokens: int) -> list[Kernel]:
             Kernel("grad downcast", P, bytes=6 * logits, where="backward")]
 
 
+def weight_bytes(config: MegatronConfig) -> float:
+    """Bytes of one weight element: BF16 weights (--params-dtype bf16) or FP32."""
+    return 2.0 if config.training.params_dtype == "bf16" else 4.0
+
+
 def device_parameters(config: MegatronConfig) -> float:
     p = config.parallel
     return count_parameters(config.model) / (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
 
 
-def optimizer_kernels(config: MegatronConfig, data_parallel: int) -> list[Kernel]:
+def optimizer_kernels(config: MegatronConfig) -> list[Kernel]:
     """Once per step: the optimizer update on this device's share (ZeRO >= 1 shards it), clipping and zeroing."""
     params = device_parameters(config)
     zero = config.parallel.zero_stage or 0
-    owned = params / (data_parallel if zero >= 1 else 1)
+    owned = params / (config.training.data_parallel_size if zero >= 1 else 1)
     fp8_adam = config.optimizer.optimizer == "fp8adam"
     per_param = (16.0 if fp8_adam else 28.0) + (2.0 if config.training.params_dtype == "bf16" else 0.0)
     launches = max(1.0, owned / FP8_ADAM_CHUNK) if fp8_adam else 1.0
@@ -85,25 +90,22 @@ def fp8_weight_kernels(config: MegatronConfig) -> list[Kernel]:
     if config.fp8 is None:
         return []
     m, p = config.model, config.parallel
-    fp8_layers = max(m.num_layers - 2 * config.fp8.first_last_layers_bf16, 0) / p.pipeline_model_parallel_size
-    weight_bytes = 2.0 if config.training.params_dtype == "bf16" else 4.0
-    h = m.hidden_size
-    shapes = {"qkv": h * (m.query_projection_size + 2 * m.kv_projection_size), "proj": m.query_projection_size * h,
-              "fc1": h * m.ffn_hidden_size * (2 if m.swiglu else 1), "fc2": m.ffn_hidden_size * h}
+    # launches of each weight's kernels per step: one per FP8 layer of this stage
+    layers = max(m.num_layers - 2 * config.fp8.first_last_layers_bf16, 0) / p.pipeline_model_parallel_size
+    size = weight_bytes(config)
     column_scaled_fc2 = m.smooth_swiglu is SmoothSwiGLUGranularity.CHANNEL
-    layers = fp8_layers  # launches of each weight's kernels per step: one per FP8 layer of this stage
     out = []
-    for name, elements in shapes.items():
+    for name, elements in block_linear_weights(m).items():
         if name == "fc2" and config.fp8.mlp_fc2_bf16:
             continue
         n = elements / p.tensor_model_parallel_size  # this device's piece of one layer's weight
         if name == "fc2" and column_scaled_fc2:
-            out.append(Kernel("fc2 weight column maxima", KernelClass.QUANTIZATION, bytes=weight_bytes * n,
+            out.append(Kernel("fc2 weight column maxima", KernelClass.QUANTIZATION, bytes=size * n,
                               count=layers, where="step"))
             continue
-        out += [Kernel(f"{name} weight amax", KernelClass.QUANTIZATION, bytes=weight_bytes * n, count=layers,
+        out += [Kernel(f"{name} weight amax", KernelClass.QUANTIZATION, bytes=size * n, count=layers,
                        where="step"),
-                Kernel(f"{name} weight cast", KernelClass.QUANTIZATION, bytes=(weight_bytes + 1.0) * n, count=layers,
+                Kernel(f"{name} weight cast", KernelClass.QUANTIZATION, bytes=(size + 1.0) * n, count=layers,
                        where="step"),
                 Kernel(f"{name} weight transpose", KernelClass.QUANTIZATION, bytes=2.0 * n, count=layers,
                        where="step")]

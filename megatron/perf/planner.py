@@ -51,8 +51,7 @@ def projection_lines(config: MegatronConfig) -> list[str]:
                      "the projection is of compiled blocks, so it is optimistic for this run")
     for name in t.project_on:
         dev = device(name)
-        run = project(config, dev, fp8_block, bf16_block, t.project_devices) if fp8_block else \
-            project(config, dev, None, bf16_block, t.project_devices)
+        run = project(config, dev, fp8_block, bf16_block, t.project_devices)
         lines.append(f"{run.devices} x {dev.name} (projected):")
         lines.append(_line(f"this run ({recipe})", run, t.train_iters))
         lines.append(f"    ms per step by class: {_classes(run)}")

@@ -15,7 +15,6 @@ MFU follows Megatron's convention (megatron/perf/flops.py: matmul FLOPs, attenti
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -67,11 +66,10 @@ def data_parallel_size(config: MegatronConfig, devices: Optional[int]) -> int:
     return dp
 
 
-def step_kernels(config: MegatronConfig, fp8_block: Optional[BlockKernels], bf16_block: BlockKernels,
-                 data_parallel: int) -> list[Kernel]:
+def step_kernels(config: MegatronConfig, fp8_block: Optional[BlockKernels], bf16_block: BlockKernels) -> list[Kernel]:
     """Every compute kernel of one step on the most loaded device (module docstring)."""
     m, t, p = config.model, config.training, config.parallel
-    micro = t.global_batch_size // (t.micro_batch_size * data_parallel)
+    micro = t.num_micro_batches
     layers = m.num_layers / p.pipeline_model_parallel_size
     bf16_layers = layers if fp8_block is None else min(layers, 2 * config.fp8.first_last_layers_bf16)
     tokens = t.micro_batch_size * m.seq_length
@@ -86,7 +84,7 @@ def step_kernels(config: MegatronConfig, fp8_block: Optional[BlockKernels], bf16
     per_micro += outside.head_kernels(config, tokens)
     if p.pipeline_model_parallel_size == 1:
         per_micro += outside.embedding_kernels(config, tokens)
-    once = outside.optimizer_kernels(config, data_parallel) + outside.fp8_weight_kernels(config)
+    once = outside.optimizer_kernels(config) + outside.fp8_weight_kernels(config)
     return [k.times(micro) for k in per_micro] + once
 
 
@@ -94,16 +92,17 @@ def project(config: MegatronConfig, device: Device, fp8_block: Optional[BlockKer
             devices: Optional[int] = None, gather_bytes: Optional[float] = None) -> Projection:
     """The step of `config` (its recipe when `fp8_block` is given, else BF16) on `devices` devices
     (`gather_bytes`: see `comm.step_collectives`)."""
-    t, p = config.training, config.parallel
-    dp = data_parallel_size(config, devices)
-    n_devices = dp * p.tensor_model_parallel_size * p.pipeline_model_parallel_size
-    kernels = step_kernels(config, fp8_block, bf16_block, dp)
+    p = config.parallel
+    config = replace(config, training=replace(config.training, data_parallel_size=data_parallel_size(config, devices)))
+    t = config.training
+    n_devices = t.data_parallel_size * p.tensor_model_parallel_size * p.pipeline_model_parallel_size
+    kernels = step_kernels(config, fp8_block, bf16_block)
     by_class = seconds_by_class(kernels, device)
-    micro = t.global_batch_size // (t.micro_batch_size * dp)
+    micro = t.num_micro_batches
     forward = sum(k.seconds(device) for k in kernels if k.where == "forward") / micro
     backward = sum(k.seconds(device) for k in kernels if k.where == "backward") / micro
     exposed = 0.0
-    for c in comm.step_collectives(config, dp, device.devices_per_node, gather_bytes):
+    for c in comm.step_collectives(config, device.devices_per_node, gather_bytes):
         hidden = {"backward": backward, "forward": forward}.get(c.overlaps, 0.0) * (c.count if c.count > 1 else 1)
         exposed += max(0.0, c.seconds(device) - hidden)
     by_class[KernelClass.COMMUNICATION] = exposed
@@ -117,9 +116,3 @@ def project(config: MegatronConfig, device: Device, fp8_block: Optional[BlockKer
 def days(seconds: float) -> float:
     return seconds / 86400.0
 
-
-def iterations_for(config: MegatronConfig, train_tokens: Optional[int]) -> int:
-    """--train-iters, or the iterations that reach `train_tokens`."""
-    if train_tokens is None:
-        return config.training.train_iters
-    return math.ceil(train_tokens / (config.training.global_batch_size * config.model.seq_length))

@@ -85,15 +85,15 @@ def test_the_roofline_takes_the_larger_of_compute_and_memory_and_never_less_than
 
 def test_collectives_bytes_follow_the_layout():
     params = count_parameters(_config().model)
-    ddp = comm.step_collectives(_config(world=4), 4, 8)
+    ddp = comm.step_collectives(_config(world=4), 8)
     assert [(c.op, c.bytes, c.count) for c in ddp] == [("all-reduce", 4.0 * params, 1)]
     assert math.isclose(ddp[0].seconds(DEV), 2 * 3 / 4 * 4.0 * params / (100e9 * comm.COMM_EFFICIENCY) + 10e-6)
-    zero1 = comm.step_collectives(_config("--deepspeed --zero-stage 1 --params-dtype bf16", world=4), 4, 8)
+    zero1 = comm.step_collectives(_config("--deepspeed --zero-stage 1 --params-dtype bf16", world=4), 8)
     assert [(c.op, c.bytes) for c in zero1] == [("reduce-scatter", 4.0 * params), ("all-gather", 2.0 * params)]
-    tp = comm.step_collectives(_config("--tensor-model-parallel-size 2", world=2), 1, 8)
+    tp = comm.step_collectives(_config("--tensor-model-parallel-size 2", world=2), 8)
     # 2 all-reduces forward + 2 backward per layer and micro-batch (4 micro-batches), BF16 activations
     assert [(c.op, c.bytes, c.count, c.across_nodes) for c in tp] == [("all-reduce", 2.0 * 32 * 64, 4 * 2 * 4, False)]
-    across = comm.step_collectives(_config("--global-batch-size 16", world=16), 16, 8)
+    across = comm.step_collectives(_config("--global-batch-size 16", world=16), 8)
     assert across[0].across_nodes  # 16 ranks of 8 per node: at the scale-out bandwidth
     assert math.isclose(across[0].seconds(DEV), 2 * 15 / 16 * 4.0 * params / (10e9 * comm.COMM_EFFICIENCY) + 10e-6)
 
