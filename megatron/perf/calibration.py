@@ -17,10 +17,17 @@ The configurations of the published runs, as their sources give them (unknowns a
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+import torch
+
+from megatron.config import ModelConfig
+from megatron.perf.extract import BlockKernels, extract_block, extract_linear
 from megatron.perf.hardware import device
+from megatron.perf.kernels import Kernel
+from megatron.perf.step import project
 
 # Filled from `bench/project.py --calibrate` (docs/performance.md, "Calibration"); a test recomputes the table.
 CALIBRATION_SUMMARY = "calibration: ratios within 17%, absolutes within 67% (docs/performance.md#calibration)"
@@ -65,13 +72,23 @@ def _config(parse: Parse, flags: str, world: int):
     return parse(flags.split(), world_size=world)
 
 
-def linear_rows() -> list[Row]:
-    from megatron.perf.extract import extract_linear
+@functools.cache
+def _bf16_linear(in_features: int, out_features: int) -> tuple[Kernel, ...]:
+    """A BF16 linear's kernels at LINEAR_TOKENS tokens: read once for the H200 rows and the H100 roofline rows."""
+    return extract_linear(in_features, out_features, LINEAR_TOKENS, None).kernels
 
+
+@functools.cache
+def _bf16_block(model: ModelConfig, micro_batch_size: int) -> BlockKernels:
+    """A BF16 block's kernels: read once for every run row of the same model."""
+    return extract_block(model, None, micro_batch_size)
+
+
+def linear_rows() -> list[Row]:
     h200 = device("h200")
     rows = []
     for name, (k, n) in LINEARS.items():
-        kernels = extract_linear(k, n, LINEAR_TOKENS, None).kernels
+        kernels = _bf16_linear(k, n)
         predicted = sum(x.seconds(h200) for x in kernels) * 1e3
         rows.append(Row(f"H200 BF16 nn.Linear fwd+bwd, 7b.{name} {k}x{n}, {LINEAR_TOKENS} tokens (ms)",
                         H200_BF16_LINEAR_MS[name], predicted, False,
@@ -84,51 +101,34 @@ def torchao_roofline_rows() -> list[Row]:
     BF16 speed-up of one linear with torchao's Float8Linear (tensorwise), per 7B linear shape."""
     from torchao.testing.training import roofline_utils as ao
 
-    from megatron.perf.extract import extract_linear
-
     h100 = device("h100")
     rows = []
     for name, (k, n) in LINEARS.items():
         m = LINEAR_TOKENS
-        bf16 = float(ao.get_gemm_time_sympy(m, k, n, _bf16(), None, None, "NVIDIA H100"))
-        fp8 = float(ao.get_gemm_time_sympy(m, k, n, _e4m3(), "tensorwise", None, "NVIDIA H100")
+        bf16 = float(ao.get_gemm_time_sympy(m, k, n, torch.bfloat16, None, None, "NVIDIA H100"))
+        fp8 = float(ao.get_gemm_time_sympy(m, k, n, torch.float8_e4m3fn, "tensorwise", None, "NVIDIA H100")
                     + ao.get_float8_mem_sympy(m, k, n, "tensorwise", None, True, "NVIDIA H100"))
-        ours_bf16 = sum(x.seconds(h100) for x in extract_linear(k, n, m, None).kernels)
+        ours_bf16 = sum(x.seconds(h100) for x in _bf16_linear(k, n))
         ours_fp8 = sum(x.seconds(h100) for x in extract_linear(k, n, m, None, torchao="tensorwise").kernels)
         rows.append(Row(f"torchao Float8Linear tensorwise speed-up, 7b.{name}, H100, torchao's roofline",
                         bf16 / fp8, ours_bf16 / ours_fp8, True, "torchao/testing/training/roofline_utils.py"))
     return rows
 
 
-def _bf16():
-    import torch
-
-    return torch.bfloat16
-
-
-def _e4m3():
-    import torch
-
-    return torch.float8_e4m3fn
-
-
 def _throughput(parse: Parse, flags: str, world: int, dev: str, fp8_flags: Optional[str] = None,
                 torchao: Optional[str] = None, gather_bytes: Optional[float] = None) -> float:
     """Projected tokens/s per device of the run `flags` (+ `fp8_flags`, or torchao's recipe in the blocks)."""
-    from megatron.perf.extract import extract_block
-    from megatron.perf.step import project
 
     base = _config(parse, flags, world)
-    bf16 = extract_block(base.model, None, base.training.micro_batch_size)
+    mb = base.training.micro_batch_size
     if fp8_flags:
         cfg = _config(parse, f"{flags} {fp8_flags}", world)
-        block = extract_block(cfg.model, cfg.fp8, cfg.training.micro_batch_size)
-        return project(cfg, device(dev), block, bf16, gather_bytes=gather_bytes).tokens_per_second_per_device
-    if torchao:
-        block = extract_block(base.model, None, base.training.micro_batch_size, torchao=torchao)
-        # torchao's blocks are BF16 blocks with other linears: project them as the BF16 run with those kernels
-        return project(base, device(dev), None, block, gather_bytes=gather_bytes).tokens_per_second_per_device
-    return project(base, device(dev), None, bf16, gather_bytes=gather_bytes).tokens_per_second_per_device
+        block = extract_block(cfg.model, cfg.fp8, mb)
+        return project(cfg, device(dev), block, _bf16_block(base.model, mb),
+                       gather_bytes=gather_bytes).tokens_per_second_per_device
+    # torchao's blocks are BF16 blocks with other linears: projected as the BF16 run with those kernels
+    block = extract_block(base.model, None, mb, torchao=torchao) if torchao else _bf16_block(base.model, mb)
+    return project(base, device(dev), None, block, gather_bytes=gather_bytes).tokens_per_second_per_device
 
 
 def run_rows(parse: Parse) -> list[Row]:
