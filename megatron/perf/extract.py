@@ -43,6 +43,7 @@ import torch
 
 from megatron import cpu_bf16
 from megatron.config import ModelConfig
+from megatron.fp8.partition import FP8_DTYPES
 from megatron.fp8.recipe import Fp8Backend, Fp8Recipe
 from megatron.perf.kernels import Kernel, KernelClass
 
@@ -124,7 +125,7 @@ def _kernel(node: Any, where: str) -> Optional[Kernel]:
         except Exception:  # noqa: BLE001 - buffers without a plain layout (multi-output): no dtype to read
             return None
 
-    fp8 = any(dtype(b) in (torch.float8_e4m3fn, torch.float8_e5m2) for b in accesses)
+    fp8 = any(dtype(b) in FP8_DTYPES for b in accesses)
     frames = _origins(node)
     if frames and all(any(s in f for s in _FP8_SOURCES) for f, _ in frames):
         fp8 = True
