@@ -35,6 +35,22 @@ def _init_linear(linear: nn.Linear, std: float) -> None:
         nn.init.zeros_(linear.bias)
 
 
+def _sdpa_takes_enable_gqa() -> bool:
+    """Whether this torch's SDPA attends a group of query heads to one key/value head itself (torch >= 2.5)."""
+    one = torch.zeros(1, 2, 1, 1)
+    try:
+        F.scaled_dot_product_attention(one, one[:, :1], one[:, :1], enable_gqa=True)
+    except TypeError:
+        return False
+    return True
+
+
+# GQA without expanding K and V: SDPA's `enable_gqa` reads each key/value head for its group of query heads, so
+# neither forward nor backward holds K and V at num_heads (autograd saves them at num_kv_heads) and no backward
+# sums the expanded gradients back. Older torch (2.4) gets the expansion.
+SDPA_ENABLE_GQA = _sdpa_takes_enable_gqa()
+
+
 def output_layer_std(config: ModelConfig) -> float:
     """Megatron's scaled init for the projections that write into the residual stream."""
     return config.init_method_std / math.sqrt(2.0 * config.num_layers)
@@ -66,14 +82,17 @@ class SelfAttention(nn.Module):
 
     def _core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        grouped = {}
         if self.num_kv_heads != self.num_heads:
-            repeat = self.num_heads // self.num_kv_heads
-            k = k.repeat_interleave(repeat, dim=1)
-            v = v.repeat_interleave(repeat, dim=1)
+            if SDPA_ENABLE_GQA:
+                grouped = {"enable_gqa": True}
+            else:
+                repeat = self.num_heads // self.num_kv_heads
+                k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
         dropout = self.config.attention_dropout if self.training else 0.0
         if attention_mask is None:
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, dropout_p=dropout)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, **grouped)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, dropout_p=dropout, **grouped)
 
     def forward(self, hidden: torch.Tensor, rotary: Optional[tuple[torch.Tensor, torch.Tensor]],
                 attention_mask: Optional[torch.Tensor]) -> torch.Tensor:

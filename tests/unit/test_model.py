@@ -4,7 +4,7 @@ import torch
 
 from megatron.arguments import parse_config
 from megatron.data.provider import get_ltor_masks_and_position_ids
-from megatron.model import GPTModel
+from megatron.model import GPTModel, transformer
 from tests.support.config import tiny_argv
 
 
@@ -84,6 +84,51 @@ def test_gqa_equals_mha_with_repeated_kv_heads():
     # differently: a reordered sum of n terms moves by at most ~n ulps; n = hidden, per layer. Wrong heads: O(1).
     bound = cfg.hidden_size * cfg.num_layers * 2.0**-52 * out_gqa.abs().max()
     assert (out_gqa - out_mha).abs().max() <= bound
+
+
+def _attention_saved_shapes(attention, hidden, rotary):
+    shapes = []
+
+    def pack(tensor):
+        shapes.append(tuple(tensor.shape))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        attention(hidden, rotary, None)
+    return shapes
+
+
+@pytest.mark.skipif(not transformer.SDPA_ENABLE_GQA, reason="this torch's SDPA has no enable_gqa (torch < 2.5)")
+def test_gqa_keeps_key_and_value_at_their_own_head_count(monkeypatch):
+    """GQA attends each key/value head for its group of query heads inside SDPA: autograd saves no K or V expanded to
+    the query heads, and the expansion it replaces gives the same output and gradients (float64)."""
+    model, cfg = _model(num_key_value_heads=2)
+    attention = model.decoder.layers[0].self_attention.double().train()
+    hidden = torch.randn(2, 32, cfg.hidden_size, dtype=torch.float64, requires_grad=True)
+    b, s, d = 2, 32, cfg.kv_channels
+    expanded = (b, cfg.num_attention_heads, s, d)
+    saved = _attention_saved_shapes(attention, hidden, None)
+    assert (b, cfg.num_key_value_heads, s, d) in saved
+    # q and the attention output are the only (b, heads, s, d) tensors SDPA saves; K and V expanded would add two.
+    assert saved.count(expanded) == 2, saved
+
+    def output_and_grads():
+        attention.zero_grad(set_to_none=True)
+        hidden.grad = None
+        out = attention(hidden, None, None)
+        out.square().sum().backward()
+        return [out.detach(), hidden.grad.clone(), attention.linear_qkv.weight.grad.clone()]
+
+    grouped = output_and_grads()
+    monkeypatch.setattr(transformer, "SDPA_ENABLE_GQA", False)
+    repeated_saved = _attention_saved_shapes(attention, hidden, None)
+    assert repeated_saved.count(expanded) == 4, repeated_saved
+    repeated = output_and_grads()
+    # Same products, summed in another order over at most s keys (forward) or `heads / groups` query heads
+    # (backward's K and V gradients): each result moves by a few ulps of its largest term's magnitude.
+    for a, r in zip(grouped, repeated):
+        terms = max(s, cfg.num_attention_heads) * cfg.hidden_size
+        assert (a - r).abs().max() <= terms * 2.0**-52 * r.abs().max()
 
 
 # Not isa_sensitive: recompute runs the same kernels on the same inputs again, bitwise equal under any ISA.
