@@ -36,6 +36,18 @@ logger = logging.getLogger(__name__)
 _RECOMPILE_LIMIT = 64
 
 
+def raise_recompile_limit() -> None:
+    """Dynamo's per-code-object cache limit raised to `_RECOMPILE_LIMIT` (never lowered): beyond its limit dynamo
+    runs the function eagerly, with one log line. For the fused functions here and the compiled blocks
+    (megatron/model/compile.py), whose variants (training, evaluation, FP8 statistics iterations, delayed
+    scaling's history turned valid) are one cache entry each on one code object."""
+    from torch._dynamo import config as dynamo_config
+
+    for name in ("recompile_limit", "cache_size_limit"):  # renamed across torch versions
+        if hasattr(dynamo_config, name):
+            setattr(dynamo_config, name, max(getattr(dynamo_config, name), _RECOMPILE_LIMIT))
+
+
 class CompiledOrEager:
     """`fn` compiled on first use; `fn` itself after compiling or running the compiled code failed once (warned
     once, naming `what`; eager for the rest of the process). Compiler failures surface on the first call, before
@@ -55,11 +67,7 @@ class CompiledOrEager:
         if self.failed or torch.compiler.is_compiling():
             return self.fn(*args)
         if self.compiled is None:
-            from torch._dynamo import config as dynamo_config
-
-            for name in ("recompile_limit", "cache_size_limit"):  # renamed across torch versions
-                if hasattr(dynamo_config, name):
-                    setattr(dynamo_config, name, max(getattr(dynamo_config, name), _RECOMPILE_LIMIT))
+            raise_recompile_limit()
             self.compiled = torch.compile(self.fn, dynamic=self.dynamic, fullgraph=self.fullgraph)
         try:
             return self.compiled(*args)

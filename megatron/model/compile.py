@@ -5,8 +5,12 @@ What is compiled
 - Every `TransformerLayer` is compiled in place with `nn.Module.compile(dynamic=False)`: the module object and
   its parameters stay where they are, so state-dict keys do not gain `_orig_mod.` (checkpoints, optimizers,
   DDP/DeepSpeed wrappers and the Smooth-SwiGLU / FP8 hooks all still see the plain model). Blocks have one
-  shape, so they share one compiled graph (dynamo caches on the code object; a block differing in shape or
-  in its FP8 recipe gets its own entry). The embedding, the final norm and the LM head stay eager.
+  shape, so they share one compiled graph: dynamo caches on the code object, and every block is compiled with
+  one backend object (`BLOCK_BACKEND`; a cache entry matches only its own backend). A block differing in shape
+  or in its FP8 recipe gets its own entry, as does each variant of the step (delayed scaling's history turned
+  valid, FP8 statistics iterations, evaluation): a handful per model, not per layer, under a recompile limit
+  raised to 64 (`fused.raise_recompile_limit`). The startup line counts the graphs. The embedding, the final
+  norm and the LM head stay eager.
 - The FP8 layers of the per-tensor recipes are traced into their block's graph (megatron/fp8/traced.py): one
   graph per block, so inductor fuses each FP8 cast into the op producing its operand (the RMSNorm before qkv
   and fc1, the SwiGLU product before fc2). The other recipes (tiled, stochastic rounding of gradients) and
@@ -140,13 +144,43 @@ def compile_blocks(model: nn.Module) -> int:
     return len(blocks)
 
 
-def compile_block(block: nn.Module) -> None:
-    """One block compiled in place: the FP8 weights' pre-hook, and backward keeps the FP8 casts of the forward
-    instead of recomputing them (megatron/fp8/partition.py)."""
+def block_inductor_options() -> dict[str, Any]:
+    """Inductor's settings for a transformer block (also the performance model's, megatron/perf/extract.py):
+    - backward keeps the FP8 casts of the forward instead of recomputing them (megatron/fp8/partition.py);
+    - `emulate_precision_casts`: a value the block rounds to BF16 (the RMSNorm output under `--bf16`, the
+      input of qkv and fc1) is rounded inside fused kernels too, as eager rounds it, so the FP8 cast that
+      follows quantizes the same BF16 value in both (by default inductor elides the round trip and quantizes
+      the FP32 value: docs/fp8.md, "Compiled and eager numerics"). A conversion in registers: no extra bytes."""
     from megatron.fp8.partition import SaveFp8Casts
 
+    return {"joint_custom_pre_pass": SaveFp8Casts(), "emulate_precision_casts": True}
+
+
+class _BlockBackend:
+    """The one torch.compile backend of every transformer block. Dynamo's cache entries carry their backend and
+    match only the same object (its BACKEND_MATCH guard), so a backend made per block would compile every block
+    separately: identical blocks share one graph only through one backend. `graphs` counts the graphs compiled."""
+
+    def __init__(self) -> None:
+        self.graphs = 0
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        from torch._inductor.compile_fx import compile_fx
+
+        self.graphs += 1
+        return compile_fx(gm, example_inputs, config_patches=block_inductor_options())
+
+
+BLOCK_BACKEND = _BlockBackend()
+
+
+def compile_block(block: nn.Module) -> None:
+    """One block compiled in place with the blocks' shared backend, after the FP8 weights' pre-hook."""
+    from megatron.fp8.fused import raise_recompile_limit
+
     register_fp8_weight_refresh(block)
-    block.compile(dynamic=False, options={"joint_custom_pre_pass": SaveFp8Casts()})
+    raise_recompile_limit()
+    block.compile(dynamic=False, backend=BLOCK_BACKEND)
 
 
 @torch.compiler.disable
@@ -173,13 +207,20 @@ def register_fp8_weight_refresh(block: nn.Module) -> None:
 
 
 def warm_up(model: nn.Module, run_micro_batch) -> float:
-    """Seconds spent in `run_micro_batch()` (one forward + backward that triggers compilation), leaving the
-    model as it was: RNG streams forked, buffers (FP8 amaxes, scales, statistics) restored, FP8 weight caches
-    dropped, gradients cleared."""
+    """Seconds spent in `run_micro_batch()` (one forward + backward that triggers compilation, FP8 statistics
+    off), leaving the model as it was: RNG streams forked, buffers (FP8 amaxes, scales, statistics) restored, FP8
+    weight caches dropped, gradients cleared."""
     model.train()  # the mode training runs in (dynamo guards on it)
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     counters = {name: m.fp8_weight_quantizations for name, m in model.named_modules()
                 if hasattr(m, "fp8_weight_quantizations")}
+    # The step most iterations run: without FP8 statistics (on in logging iterations only, where the FP8 layers
+    # are graph breaks; their graphs compile in the first such iteration). Nor do the synthetic batch's
+    # statistics reach the first log line.
+    stats = {name: m.fp8.stats_enabled for name, m in model.named_modules() if hasattr(m, "fp8_weight_quantizations")}
+    for name, m in model.named_modules():
+        if name in stats:
+            m.fp8.stats_enabled = False
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     start = time.perf_counter()
     try:
@@ -194,6 +235,7 @@ def warm_up(model: nn.Module, run_micro_batch) -> float:
         for name, m in model.named_modules():
             if name in counters:
                 m.fp8_weight_quantizations = counters[name]
+                m.fp8.stats_enabled = stats[name]
             if hasattr(m, "invalidate_fp8_weight_cache"):
                 m.invalidate_fp8_weight_cache()
                 m.forget_scale_validity()
@@ -234,6 +276,7 @@ def apply_torch_compile(config: Any, model: nn.Module, device: torch.device) -> 
             per_token = model(batch.tokens, batch.position_ids, batch.attention_mask, labels=batch.labels)
         (per_token * batch.loss_mask).sum().backward()
 
+    graphs_before = BLOCK_BACKEND.graphs
     try:
         seconds = _warm_up_blocks(model, run, n, fp8_layers)
     except Exception as exc:  # noqa: BLE001 - the fused quantization falls back by itself; compiled blocks cannot
@@ -244,6 +287,10 @@ def apply_torch_compile(config: Any, model: nn.Module, device: torch.device) -> 
                          "traceback)") from exc
     from megatron.fp8 import fused as fp8_fused
 
+    if n:  # the graphs the warm-up compiled, for all the blocks together (more only if blocks differ)
+        graphs = BLOCK_BACKEND.graphs - graphs_before
+        what = what.replace(f"{n} transformer blocks",
+                            f"{n} transformer blocks ({graphs} graph{'' if graphs == 1 else 's'} for all)", 1)
     failed = fp8_fused.failed_functions() if fused else []
     if failed:  # CompiledOrEager warned already; the startup line must not claim compiled quantization
         logger.info("> torch.compile: %s warmed up in %.1f s; the FP8 quantization runs eagerly (compiling %s "

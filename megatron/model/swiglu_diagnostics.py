@@ -71,24 +71,29 @@ class ActivationRecorder:
         self.mlps = _swiglu_mlps(model)
         self._handles: list[Any] = []
         self._maxima: list[Optional[torch.Tensor]] = [None] * len(self.mlps)
+        self._index: dict[int, int] = {}
 
     @property
     def armed(self) -> bool:
         return bool(self._handles)
 
-    def _hook(self, index: int):
-        def hook(_module: nn.Module, _inputs: Any, out: torch.Tensor) -> None:
-            cmax = swiglu_channel_maxima(out)
-            prev = self._maxima[index]
-            self._maxima[index] = cmax if prev is None else torch.maximum(prev, cmax)
-        return hook
+    # Outside any compiled graph (a graph break in a compiled block, on the armed iterations only): traced, this
+    # hook's per-layer bookkeeping (which list slot, whether it is empty) would make dynamo compile the block once
+    # more per layer. One bound method for every layer, the layer found by its fc1.
+    @torch.compiler.disable
+    def _record(self, fc1: nn.Module, _inputs: Any, out: torch.Tensor) -> None:
+        index = self._index[id(fc1)]
+        cmax = swiglu_channel_maxima(out)
+        prev = self._maxima[index]
+        self._maxima[index] = cmax if prev is None else torch.maximum(prev, cmax)
 
     def arm(self) -> None:
         """Record from the next forward passes on (idempotent)."""
         if self.armed:
             return
         self._maxima = [None] * len(self.mlps)
-        self._handles = [mlp.linear_fc1.register_forward_hook(self._hook(i)) for i, mlp in enumerate(self.mlps)]
+        self._index = {id(mlp.linear_fc1): i for i, mlp in enumerate(self.mlps)}  # the fc1s of now (FP8 swaps them)
+        self._handles = [mlp.linear_fc1.register_forward_hook(self._record) for mlp in self.mlps]
 
     def collect(self) -> list[Optional[torch.Tensor]]:
         """Per layer the per-channel max recorded since `arm()` (None if no forward ran); disarms."""

@@ -1,8 +1,8 @@
 """The kernels of one compiled transformer block, forward and backward, read from inductor's scheduler.
 
 How: the block is built at the run's real shapes under `FakeTensorMode` (tensors with shapes, dtypes and devices
-and no storage), compiled as `--torch-compile` compiles it (`compile_block`'s joint-graph pass that keeps the
-forward's FP8 casts for backward, FP8 layers traced into the graph, the FP8 weights of the step as graph inputs,
+and no storage), compiled as `--torch-compile` compiles it (`block_inductor_options`: the joint-graph pass that keeps the
+forward's FP8 casts for backward, BF16 round trips kept, FP8 layers traced into the graph, the FP8 weights of the step as graph inputs,
 delayed scaling in its steady state where the history holds a scale), and called once. Inductor lowers the forward
 and the backward graph (the backward eagerly: `force_non_lazy_backward_lowering`), fuses, and hands its scheduled
 nodes to `_post_fusion_custom_pass`; the pass here turns each node into a `Kernel` and stops the compilation
@@ -152,7 +152,7 @@ def _capturing_backend(graphs: list[tuple[str, list[Kernel]]]) -> Callable:
     import torch._inductor.config as inductor_config
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
-    from megatron.fp8.partition import SaveFp8Casts
+    from megatron.model.compile import block_inductor_options
 
     def inner(gm: torch.fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Callable:
         where = "backward" if kwargs.get("is_backward", False) else "forward"
@@ -180,7 +180,7 @@ def _capturing_backend(graphs: list[tuple[str, list[Kernel]]]) -> Callable:
 
     def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Callable:
         return compile_fx(gm, example_inputs, inner_compile=inner,
-                          config_patches={"joint_custom_pre_pass": SaveFp8Casts(), "fx_graph_cache": False})
+                          config_patches={**block_inductor_options(), "fx_graph_cache": False})
 
     return backend
 
@@ -189,15 +189,14 @@ def _capturing_backend(graphs: list[tuple[str, list[Kernel]]]) -> Callable:
 def _fresh_compiler():
     """No compiled code cached before or after; the backward lowered with the forward; BF16 autocast as torch
     has it on a GPU (not this CPU's FP32 emulation of BF16 GEMMs, megatron/cpu_bf16.py, which would trace other
-    ops: attention as matmuls, the BF16 round trips kept)."""
+    ops: attention as matmuls)."""
     import torch._dynamo
     import torch._functorch.config as functorch_config
-    import torch._inductor.config as inductor_config
 
     torch._dynamo.reset()
     try:
         with functorch_config.patch(force_non_lazy_backward_lowering=True, enable_autograd_cache=False), \
-                cpu_bf16.use_mode("native"), inductor_config.patch(emulate_precision_casts=False):
+                cpu_bf16.use_mode("native"):
             yield
     finally:
         torch._dynamo.reset()

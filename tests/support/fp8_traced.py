@@ -13,7 +13,7 @@ from megatron.config import ModelConfig
 from megatron.fp8 import fp8_optimizer_step, set_fused_quantization
 from megatron.fp8.linear import Fp8Linear
 from megatron.fp8.recipe import Fp8Recipe
-from megatron.model.compile import register_fp8_weight_refresh
+from megatron.model.compile import BLOCK_BACKEND, register_fp8_weight_refresh
 from megatron.model.smooth_swiglu import SmoothSwiGLUGranularity
 from megatron.model.transformer import TransformerLayer
 
@@ -89,13 +89,14 @@ def assert_traced_equals_eager(recipe: Fp8Recipe, column: bool, bf16: bool, step
     torch._dynamo.reset()
     if step_weights:
         register_fp8_weight_refresh(traced)
-    traced.compile(fullgraph=True, dynamic=False)  # fullgraph: a graph break would raise
+    # As compiled blocks are compiled (their backend keeps BF16 round trips: `block_inductor_options`); fullgraph: a
+    # graph break would raise.
+    traced.compile(fullgraph=True, dynamic=False, backend=BLOCK_BACKEND)
     xs = [torch.randn(3, 8, 64, device=device) * s for s in (1.0, 3.0, 0.5)]
     got, graphs = [], []
-    with inductor_config.patch(emulate_precision_casts=True):
-        for step, x in enumerate(xs):
-            got += steps(traced, [x], bf16, first=step)
-            graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    for step, x in enumerate(xs):
+        got += steps(traced, [x], bf16, first=step)
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
     # Later steps compile nothing new, but for one graph when delayed scaling's history becomes valid (the first
     # update's fp8_optimizer_step tells the layers, whose casts then use the history's scale without the amax:
     # Fp8Linear.fp8_scale_known_valid).

@@ -4,8 +4,9 @@ The reference is the eager layer with fused quantization (itself bitwise the eag
 Inductor, by default, keeps a fused op's input in fp32 where eager rounds it to bf16 first (e.g. a bf16 GEMM
 output feeding the next layer's amax); `emulate_precision_casts` makes it round as eager does, so the traced
 layers can be compared bit for bit: outputs, dx, dW, db and every scaling buffer over three steps (delayed
-scaling's history becomes valid at the second). In a real block that option is off, and the traced and eager
-blocks then agree within rounding noise (tests/unit/test_torch_compile.py).
+scaling's history becomes valid at the second). Compiled blocks are built with that option
+(`block_inductor_options`); whole blocks still differ from eager blocks by the summation order of their
+reductions (the norms, attention), within rounding noise (tests/unit/test_torch_compile.py).
 """
 from __future__ import annotations
 
