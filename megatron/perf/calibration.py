@@ -30,7 +30,7 @@ from megatron.perf.kernels import Kernel
 from megatron.perf.step import project
 
 # Filled from `bench/project.py --calibrate` (docs/performance.md, "Calibration"); a test recomputes the table.
-CALIBRATION_SUMMARY = "calibration: ratios within 17%, absolutes within 67% (docs/performance.md#calibration)"
+CALIBRATION_SUMMARY = "calibration: ratios within 19%, absolutes within 67% (docs/performance.md#calibration)"
 
 LLAMA2_7B = ("--num-layers 32 --hidden-size 4096 --ffn-hidden-size 11008 --num-attention-heads 32 "
              "--num-key-value-heads 32 --seq-length 4096 --max-position-embeddings 4096 --vocab-size 32000")

@@ -22,7 +22,13 @@ Each scheduled node is one kernel:
 
 CPU and Triton fusion differ, and the rule here: the CPU scheduler (the only one that runs without a GPU) decides
 the fusions, except its outer-loop fusion (several kernels sharing an outer loop, a C++-only transformation),
-which is split back into its parts, as Triton would emit them. Triton's mix-order reductions (a reduction over
+which is split back into its parts, as Triton would emit them. Then Triton's horizontal fusion is applied
+(`_triton_groups`): pointwise kernels of one iteration size that read a common buffer and do not depend on each
+other become one kernel reading that buffer once, as inductor's `SIMDScheduling.can_fuse` allows (equal numel and
+rnumel) and Triton's 2-D tiling makes efficient. The C++ scheduler fuses only loops of one order, so the FP8 cast
+of x or dy and its transposed cast (the wgrad operand) are two loops on CPU; on Triton they are one kernel that
+reads the tensor once and writes both layouts, Transformer Engine's cast-transpose. Reductions are not merged
+with pointwise kernels (an amax stays its own pass). Triton's mix-order reductions (a reduction over
 rows and one over columns of the same tensor in one kernel) are not formed on CPU: where the backward of an FP8
 GEMM reduces dy both ways, the model charges two passes where a GPU may make one. GEMMs and attention are extern
 kernels on both, so their count and size are exact.
@@ -98,6 +104,11 @@ def _attention_flops(op: Any, fx_node: Any) -> float:
     return 2.5 * forward if backward else forward
 
 
+def _accesses(node: Any) -> dict[str, int]:
+    """Bytes per buffer the node reads or writes (each buffer once; what fusion keeps in registers not at all)."""
+    return node.get_read_write_buffer_accesses(include_reads=True, include_writes=True)
+
+
 def _kernel(node: Any, where: str) -> Optional[Kernel]:
     """The kernel of one scheduled node, or None for nodes that launch nothing (views, multi-output unpacking)."""
     from torch._inductor.scheduler import ExternKernelSchedulerNode, NopKernelSchedulerNode
@@ -105,7 +116,7 @@ def _kernel(node: Any, where: str) -> Optional[Kernel]:
 
     if isinstance(node, NopKernelSchedulerNode):
         return None
-    accesses = node.get_read_write_buffer_accesses(include_reads=True, include_writes=True)
+    accesses = _accesses(node)
     size = float(sum(accesses.values()))
     if isinstance(node, ExternKernelSchedulerNode):
         op = getattr(node.node, "op_overload", None)
@@ -135,14 +146,70 @@ def _kernel(node: Any, where: str) -> Optional[Kernel]:
                   bytes=size, where=where)
 
 
+def _pointwise_numel(node: Any) -> Optional[int]:
+    """The iteration size of a fused pointwise kernel (no reduction loop); None for anything else."""
+    from torch._inductor.scheduler import FusedSchedulerNode, SchedulerNode
+
+    if not isinstance(node, (SchedulerNode, FusedSchedulerNode)) or node.is_reduction():
+        return None
+    sizes, reduction = node.group[1]
+    if reduction:
+        return None
+    numel = 1
+    for size in sizes:
+        numel *= int(size)
+    return numel
+
+
+def _triton_groups(parts: list[Any]) -> list[list[Any]]:
+    """The CPU scheduler's kernels grouped as Triton fuses them horizontally: pointwise kernels of one iteration size
+    that read a common buffer and do not depend on one another (inductor's `SIMDScheduling.can_fuse`: equal numel
+    and rnumel, fused when they share a read). The CPU scheduler fuses only loops of the same order, so a cast and
+    a transposed cast of one tensor (dy for dgrad and for wgrad) stay two loops on CPU; Triton tiles them in two
+    dimensions and reads the tensor once."""
+    groups: list[list[Any]] = []
+    keys: list[tuple[int, set[str], set[str]]] = []  # per group: numel, buffers read, nodes in it
+    for part in parts:
+        numel = _pointwise_numel(part)
+        reads = {dep.name for dep in part.read_writes.reads}
+        names = {n.get_name() for n in part.get_nodes()}
+        ancestors = set(getattr(part, "ancestors", ()))
+        for group, (g_numel, g_reads, g_names) in zip(groups, keys):
+            if numel is not None and numel == g_numel and reads & g_reads and not ancestors & g_names \
+                    and not any(names & set(getattr(member, "ancestors", ())) for member in group):
+                group.append(part)
+                g_reads |= reads
+                g_names |= names
+                break
+        else:
+            groups.append([part])
+            keys.append((numel if numel is not None else -1, reads, names))
+    return groups
+
+
+def _merged(kernels: list[Kernel], accesses: list[dict[str, int]]) -> Kernel:
+    """One kernel made of horizontally fused ones: each buffer read or written once."""
+    union: dict[str, int] = {}
+    for access in accesses:
+        for buffer, size in access.items():
+            union[buffer] = max(union.get(buffer, 0), size)
+    kind = KernelClass.QUANTIZATION if any(k.kind is KernelClass.QUANTIZATION for k in kernels) \
+        else kernels[0].kind
+    return Kernel(" + ".join(k.name for k in kernels), kind, bytes=float(sum(union.values())),
+                  where=kernels[0].where)
+
+
 def _kernels(nodes: list[Any], where: str) -> list[Kernel]:
+    # The C++ outer-loop fusion split back into its parts (Triton has none), then Triton's horizontal fusion.
+    parts = [part for node in nodes
+             for part in (node.get_outer_nodes() if hasattr(node, "get_outer_nodes") else [node])]
     out = []
-    for node in nodes:
-        parts = node.get_outer_nodes() if hasattr(node, "get_outer_nodes") else [node]  # Triton's split, above
-        for part in parts:
-            k = _kernel(part, where)
-            if k is not None:
-                out.append(k)
+    for group in _triton_groups(parts):
+        made = [(k, part) for part in group if (k := _kernel(part, where)) is not None]
+        if len(made) > 1:
+            out.append(_merged([k for k, _ in made], [_accesses(part) for _, part in made]))
+        elif made:
+            out.append(made[0][0])
     return out
 
 
