@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from megatron.config import ModelConfig
+from megatron.perf.comm import ShardedPeer
 from megatron.perf.extract import BlockKernels, extract_block, extract_linear
 from megatron.perf.hardware import device
 from megatron.perf.kernels import Kernel
@@ -116,7 +117,7 @@ def torchao_roofline_rows() -> list[Row]:
 
 
 def _throughput(parse: Parse, flags: str, world: int, dev: str, fp8_flags: Optional[str] = None,
-                torchao: Optional[str] = None, gather_bytes: Optional[float] = None) -> float:
+                torchao: Optional[str] = None, peer: Optional[ShardedPeer] = None) -> float:
     """Projected tokens/s per device of the run `flags` (+ `fp8_flags`, or torchao's recipe in the blocks)."""
 
     base = _config(parse, flags, world)
@@ -125,10 +126,10 @@ def _throughput(parse: Parse, flags: str, world: int, dev: str, fp8_flags: Optio
         cfg = _config(parse, f"{flags} {fp8_flags}", world)
         block = extract_block(cfg.model, cfg.fp8, mb)
         return project(cfg, device(dev), block, _bf16_block(base.model, mb),
-                       gather_bytes=gather_bytes).tokens_per_second_per_device
+                       peer=peer).tokens_per_second_per_device
     # torchao's blocks are BF16 blocks with other linears: projected as the BF16 run with those kernels
     block = extract_block(base.model, None, mb, torchao=torchao) if torchao else _bf16_block(base.model, mb)
-    return project(base, device(dev), None, block, gather_bytes=gather_bytes).tokens_per_second_per_device
+    return project(base, device(dev), None, block, peer=peer).tokens_per_second_per_device
 
 
 def run_rows(parse: Parse) -> list[Row]:
@@ -137,9 +138,12 @@ def run_rows(parse: Parse) -> list[Row]:
     g_bf16 = _throughput(parse, paper, 8, "gaudi2") * 8 / 4096
     g_fp8 = _throughput(parse, paper, 8, "gaudi2", DELAYED_SMOOTH) * 8 / 4096
     titan = f"{COMMON} {LLAMA3_8B} --global-batch-size 8 --params-dtype bf16 --deepspeed --zero-stage 3"
-    t_bf16 = _throughput(parse, titan, 8, "h100", gather_bytes=2.0)
-    t_tw = _throughput(parse, titan, 8, "h100", torchao="tensorwise", gather_bytes=1.0)
-    t_rw = _throughput(parse, titan, 8, "h100", torchao="rowwise", gather_bytes=2.0)
+    # FSDP2 as torchtitan runs it: BF16 weights gathered (FP8 with torchao's float8 all-gather), FP32 gradients
+    # reduce-scattered, every block but the last resharded after forward (regathered for backward)
+    reshard = 31 / 32
+    t_bf16 = _throughput(parse, titan, 8, "h100", peer=ShardedPeer(2.0, 4.0, reshard))
+    t_tw = _throughput(parse, titan, 8, "h100", torchao="tensorwise", peer=ShardedPeer(1.0, 4.0, reshard))
+    t_rw = _throughput(parse, titan, 8, "h100", torchao="rowwise", peer=ShardedPeer(2.0, 4.0, reshard))
     bridge = (f"{COMMON} {LLAMA3_8B} --global-batch-size 128 --params-dtype bf16 --recompute-granularity full "
               "--recompute-method block --recompute-num-layers 5 --deepspeed --zero-stage 1")
     b_fp8 = _throughput(parse, bridge, 8, "h100", TENSORWISE)

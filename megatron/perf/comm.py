@@ -7,17 +7,26 @@ nodes is bound by it). A collective of `n` ranks over a tensor of B bytes moves 
 (all-reduce, ring) or (n-1)/n B (all-gather, reduce-scatter); a pipeline send moves B. Each costs a latency of
 `COLLECTIVE_LATENCY_US` more.
 
-What is sent, per our code:
-- data parallel (the torch engine's DDP, DeepSpeed ZeRO 0-2): FP32 gradients (4 bytes per parameter: FP32 weights,
-  or FP32 main gradients with `--params-dtype bf16`), reduced once per step after the last micro-batch (DDP's
-  no_sync, DeepSpeed's accumulation boundary); all-reduce for ZeRO 0, reduce-scatter for ZeRO 1-2, whose updated
-  weights are then all-gathered (their dtype's bytes). ZeRO-3 all-gathers the weights before each micro-batch's
-  forward and again before its backward, and reduce-scatters the gradients after each micro-batch.
+What is sent, per our code (each count checked against a counting process group in 2-rank gloo runs,
+tests/e2e/test_perf_comm.py):
+- data parallel, the torch engine: FP32 gradients (4 bytes per parameter: DDP's buckets with FP32 weights, or the
+  flat FP32 main gradient with `--params-dtype bf16`), all-reduced once per step after the last micro-batch (DDP's
+  no_sync).
+- data parallel, DeepSpeed: gradients in the weights' dtype (BF16 with `--params-dtype bf16`). ZeRO 0-1 all-reduce
+  them once per step (at the accumulation boundary); ZeRO-2 reduces each micro-batch's gradients as backward makes
+  them, an all-reduce per owner's slice: the bytes of a full all-reduce per micro-batch. ZeRO 1-2 then all-gather
+  the updated weights (their dtype's bytes). ZeRO-3 all-gathers the weights before each micro-batch's forward,
+  again before its backward for the blocks whose weights it has released (those used again only after
+  `stage3_max_reuse_distance` elements, 1e9 by default, have been gathered), and reduce-scatters the gradients
+  after each micro-batch.
 - tensor parallel: per layer and micro-batch, the outputs of the attention projection and fc2 are all-reduced in
-  forward and the inputs' gradients of qkv and fc1 in backward (BF16 activations, tokens x hidden); sequence
-  parallelism turns each all-reduce into a reduce-scatter and an all-gather, the same bytes.
-- pipeline parallel: each micro-batch's activations (BF16, tokens x hidden) sent forward and their gradient
-  backward, at every stage boundary.
+  forward and the inputs' gradients of qkv and fc1 in backward (activations, tokens x hidden, 2 bytes under
+  `--bf16`, else 4); sequence parallelism turns each all-reduce into a reduce-scatter and an all-gather, the same
+  bytes. Per micro-batch also the vocabulary-parallel embedding's output (forward, in the weights' dtype) and the
+  LM head's input gradient (backward), and the vocabulary-parallel cross-entropy's three all-reduces of one FP32
+  value per token; with sequence parallelism once per step the norms' weight gradients.
+- pipeline parallel: each micro-batch's activations sent forward and their gradient backward at every stage
+  boundary: a middle stage sends two per micro-batch, the first and last one.
 
 Overlap rule: the data-parallel gradient reduction is issued during the last micro-batch's backward and overlaps
 it; only the part longer than that backward is exposed. ZeRO-3's gathers overlap the forward and backward they
@@ -26,12 +35,14 @@ pipeline collectives are exposed in full (they sit on the critical path of the l
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Optional
 
 from megatron.config import MegatronConfig
 from megatron.perf.hardware import COMM_EFFICIENCY, Device
 from megatron.perf import outside
+from megatron.perf.flops import block_linear_weights
 from megatron.perf.outside import device_parameters
 
 # Per-collective latency (NCCL's small-message all-reduce on NVLink is ~10 us; across nodes ~20-30 us).
@@ -58,41 +69,93 @@ class Collective:
         return self.count * (factor * self.bytes / bandwidth + COLLECTIVE_LATENCY_US * 1e-6)
 
 
+@dataclass(frozen=True)
+class ShardedPeer:
+    """A peer's sharded data parallelism where the model stands it in as ZeRO-3 (torchtitan's FSDP2): bytes per
+    parameter of its weight all-gathers and of its gradient reduce-scatter, and the fraction of the weights it
+    gathers again for backward (FSDP2's reshard after forward: 1)."""
+
+    gather_bytes: float
+    grad_bytes: float
+    backward_regather: float = 1.0
+
+
 def step_collectives(config: MegatronConfig, devices_per_node: int,
-                     gather_bytes: Optional[float] = None) -> list[Collective]:
-    """Every collective one device takes part in during one step (module docstring). `gather_bytes`: bytes per
-    parameter of ZeRO's weight all-gathers when they are not the weights' dtype (a peer that gathers FP8 weights)."""
+                     peer: Optional[ShardedPeer] = None) -> list[Collective]:
+    """Every collective one device takes part in during one step (module docstring); `peer`: see `ShardedPeer`."""
     m, t, p = config.model, config.training, config.parallel
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     data_parallel, micro = t.data_parallel_size, t.num_micro_batches
     params = device_parameters(config)
-    weight_bytes = gather_bytes if gather_bytes is not None else outside.weight_bytes(config)
-    activation = 2.0 * t.micro_batch_size * m.seq_length * m.hidden_size
+    weight_bytes = peer.gather_bytes if peer is not None else outside.weight_bytes(config)
+    grad_bytes = peer.grad_bytes if peer is not None else None
+    tokens = t.micro_batch_size * m.seq_length
+    activation = (2.0 if t.bf16 else 4.0) * tokens * m.hidden_size
     out: list[Collective] = []
     if data_parallel > 1:
         dp_inter = tp * data_parallel > devices_per_node
         zero = p.zero_stage or 0
+        if grad_bytes is None:  # DeepSpeed reduces in the weights' dtype; the torch engine in FP32
+            grad_bytes = outside.weight_bytes(config) if p.deepspeed else 4.0
         if zero == 3:
+            regather = peer.backward_regather if peer is not None else _zero3_backward_regather(config)
             out += [Collective("ZeRO-3 weight all-gather (forward)", "all-gather", params * weight_bytes,
                                data_parallel, micro, dp_inter, "forward"),
-                    Collective("ZeRO-3 weight all-gather (backward)", "all-gather", params * weight_bytes,
-                               data_parallel, micro, dp_inter, "backward"),
-                    Collective("ZeRO-3 gradient reduce-scatter", "reduce-scatter", params * 4.0, data_parallel,
-                               micro, dp_inter, "backward")]
-        elif zero in (1, 2):
-            out += [Collective("gradient reduce-scatter", "reduce-scatter", params * 4.0, data_parallel, 1,
-                               dp_inter, "backward"),
-                    Collective("updated weight all-gather", "all-gather", params * weight_bytes, data_parallel, 1,
-                               dp_inter)]
+                    Collective("ZeRO-3 gradient reduce-scatter", "reduce-scatter", params * grad_bytes,
+                               data_parallel, micro, dp_inter, "backward")]
+            if regather > 0:
+                out.insert(1, Collective("ZeRO-3 weight all-gather (backward)", "all-gather",
+                                         regather * params * weight_bytes, data_parallel, micro, dp_inter, "backward"))
         else:
-            out.append(Collective("gradient all-reduce", "all-reduce", params * 4.0, data_parallel, 1, dp_inter,
-                                  "backward"))
+            per_micro = zero == 2 and p.deepspeed
+            out.append(Collective("gradient all-reduce", "all-reduce", params * grad_bytes, data_parallel,
+                                  micro if per_micro else 1, dp_inter, "backward"))
+            if zero in (1, 2):
+                out.append(Collective("updated weight all-gather", "all-gather", params * weight_bytes,
+                                      data_parallel, 1, dp_inter))
     if tp > 1:
         layers = m.num_layers / pp
-        out.append(Collective("tensor-parallel activations" + (" (SP)" if p.sequence_parallel else ""),
-                              "all-reduce", activation, tp, 4 * layers * micro, tp > devices_per_node))
+        tp_inter = tp > devices_per_node
+        sp = " (SP)" if p.sequence_parallel else ""
+        out.append(Collective("tensor-parallel activations" + sp, "all-reduce", activation, tp, 4 * layers * micro,
+                              tp_inter))
+        # The first stage holds the embedding, the last the LM head and the loss (both without pipelining).
+        first, last = True, True
+        if pp > 1:
+            first = False  # the last stage's share is the larger one: the head's gradient and the loss
+        embedding = outside.weight_bytes(config) * tokens * m.hidden_size
+        if first:
+            out.append(Collective("tensor-parallel embedding output" + sp, "all-reduce", embedding, tp, micro,
+                                  tp_inter))
+        if last:
+            out += [Collective("tensor-parallel LM head input gradient" + sp, "all-reduce", activation, tp, micro,
+                               tp_inter),
+                    Collective("vocabulary-parallel cross-entropy", "all-reduce", 4.0 * tokens, tp, 3 * micro,
+                               tp_inter)]
+        if p.sequence_parallel:
+            norms = (2 * layers + (1 if last else 0)) * m.hidden_size
+            out.append(Collective("sequence-parallel norm gradients", "all-reduce",
+                                  norms * outside.weight_bytes(config), tp, 1, tp_inter))
     if pp > 1:
-        out.append(Collective("pipeline sends", "send", activation, 2, 2 * micro,
+        out.append(Collective("pipeline sends", "send", activation, 2, (1 if pp == 2 else 2) * micro,
                               tp * data_parallel >= devices_per_node))
     return out
 
+
+def _zero3_backward_regather(config: MegatronConfig) -> float:
+    """The fraction of the weights DeepSpeed's ZeRO-3 gathers again for backward: a block's weights stay gathered
+    from its forward to its backward when fewer than `stage3_max_reuse_distance` elements (the DeepSpeed JSON's, or
+    1e9) are gathered in between: the blocks after it, forward and backward, and the LM head."""
+    reuse = 1e9
+    if config.parallel.deepspeed_config:
+        try:
+            with open(config.parallel.deepspeed_config) as f:
+                reuse = float(json.load(f).get("zero_optimization", {}).get("stage3_max_reuse_distance", reuse))
+        except (OSError, ValueError, AttributeError):
+            pass  # parse_config has read and checked the file; a model of it keeps DeepSpeed's default
+    m = config.model
+    layers = m.num_layers // config.parallel.pipeline_model_parallel_size
+    block = sum(block_linear_weights(m).values()) / config.parallel.tensor_model_parallel_size
+    head = m.padded_vocab_size * m.hidden_size / config.parallel.tensor_model_parallel_size
+    released = sum(1 for i in range(layers) if 2 * (layers - 1 - i) * block + head >= reuse)
+    return released / layers

@@ -89,9 +89,9 @@ def step_kernels(config: MegatronConfig, fp8_block: Optional[BlockKernels], bf16
 
 
 def project(config: MegatronConfig, device: Device, fp8_block: Optional[BlockKernels], bf16_block: BlockKernels,
-            devices: Optional[int] = None, gather_bytes: Optional[float] = None) -> Projection:
-    """The step of `config` (its recipe when `fp8_block` is given, else BF16) on `devices` devices
-    (`gather_bytes`: see `comm.step_collectives`)."""
+            devices: Optional[int] = None, peer: Optional[comm.ShardedPeer] = None) -> Projection:
+    """The step of `config` (its recipe when `fp8_block` is given, else BF16) on `devices` devices (`peer`: a peer's
+    sharded data parallelism, `comm.ShardedPeer`)."""
     p = config.parallel
     config = replace(config, training=replace(config.training, data_parallel_size=data_parallel_size(config, devices)))
     t = config.training
@@ -102,7 +102,7 @@ def project(config: MegatronConfig, device: Device, fp8_block: Optional[BlockKer
     forward = sum(k.seconds(device) for k in kernels if k.where == "forward") / micro
     backward = sum(k.seconds(device) for k in kernels if k.where == "backward") / micro
     exposed = 0.0
-    for c in comm.step_collectives(config, device.devices_per_node, gather_bytes):
+    for c in comm.step_collectives(config, device.devices_per_node, peer):
         hidden = {"backward": backward, "forward": forward}.get(c.overlaps, 0.0) * (c.count if c.count > 1 else 1)
         exposed += max(0.0, c.seconds(device) - hidden)
     by_class[KernelClass.COMMUNICATION] = exposed

@@ -95,10 +95,18 @@ def test_collectives_bytes_follow_the_layout():
     assert [(c.op, c.bytes, c.count) for c in ddp] == [("all-reduce", 4.0 * params, 1)]
     assert math.isclose(ddp[0].seconds(DEV), 2 * 3 / 4 * 4.0 * params / (100e9 * comm.COMM_EFFICIENCY) + 10e-6)
     zero1 = comm.step_collectives(_config("--deepspeed --zero-stage 1 --params-dtype bf16", world=4), 8)
-    assert [(c.op, c.bytes) for c in zero1] == [("reduce-scatter", 4.0 * params), ("all-gather", 2.0 * params)]
+    # DeepSpeed's ZeRO-1 all-reduces the gradients in the weights' dtype, then gathers the updated weights
+    assert [(c.op, c.bytes) for c in zero1] == [("all-reduce", 2.0 * params), ("all-gather", 2.0 * params)]
+    zero2 = comm.step_collectives(_config("--deepspeed --zero-stage 2 --global-batch-size 16", world=4), 8)
+    # ZeRO-2 reduces each micro-batch's gradients (DeepSpeed's per-owner all-reduces: a full all-reduce's bytes)
+    assert [(c.op, c.bytes, c.count) for c in zero2] == [("all-reduce", 4.0 * params, 4),
+                                                         ("all-gather", 4.0 * params, 1)]
     tp = comm.step_collectives(_config("--tensor-model-parallel-size 2", world=2), 8)
-    # 2 all-reduces forward + 2 backward per layer and micro-batch (4 micro-batches), BF16 activations
-    assert [(c.op, c.bytes, c.count, c.across_nodes) for c in tp] == [("all-reduce", 2.0 * 32 * 64, 4 * 2 * 4, False)]
+    # 2 all-reduces forward + 2 backward per layer and micro-batch (4 micro-batches), BF16 activations; per
+    # micro-batch the embedding's output (FP32 weights), the head's input gradient, the loss's 3 values per token
+    assert [(c.op, c.bytes, c.count, c.across_nodes) for c in tp] == [
+        ("all-reduce", 2.0 * 32 * 64, 4 * 2 * 4, False), ("all-reduce", 4.0 * 32 * 64, 4, False),
+        ("all-reduce", 2.0 * 32 * 64, 4, False), ("all-reduce", 4.0 * 32, 3 * 4, False)]
     across = comm.step_collectives(_config("--global-batch-size 16", world=16), 8)
     assert across[0].across_nodes  # 16 ranks of 8 per node: at the scale-out bandwidth
     assert math.isclose(across[0].seconds(DEV), 2 * 15 / 16 * 4.0 * params / (10e9 * comm.COMM_EFFICIENCY) + 10e-6)
