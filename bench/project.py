@@ -10,8 +10,13 @@ Nothing runs at the real size: each variant's compiled block is read from induct
 3. the largest FP8 overhead kernels of our delayed recipe's block: the list to work down on a GPU;
 4. with `--calibrate`, the calibration table (megatron/perf/calibration.py): predicted next to observed.
 
+With `--against block_stack.json` (bench/bench_block_stack.py's rows from a GPU, as scripts/gpu_check.sh writes
+them) it prints instead each measured row next to the model's projection of the same stack (same flags, blocks,
+tokens, optimizer step) on that GPU, with the residuals: each GPU run is a calibration row.
+
     python bench/project.py                      # H200
     python bench/project.py --device gaudi2 --calibrate --json out.json
+    python bench/project.py --against docs/gpu/block_stack.json --json docs/gpu/model_vs_measured.json
 """
 from __future__ import annotations
 
@@ -66,14 +71,85 @@ def linear_table(dev_name: str) -> list[dict]:
     return rows
 
 
+# GPU names as torch.cuda.get_device_name gives them -> megatron/perf/hardware.py's devices
+GPU_NAMES = (("H200", "h200"), ("H100", "h100"), ("B200", "b200"))
+
+
+def device_of(gpu_name: str) -> str | None:
+    return next((key for part, key in GPU_NAMES if part in gpu_name), None)
+
+
+def against(measured: dict) -> list[dict]:
+    """The model's projection of each measured block-stack row (bench/bench_block_stack.py's JSON) on its GPU."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is not a package
+    import bench_block_stack as stack
+    from megatron.perf.step import project
+
+    dev_name = device_of(measured["device"])
+    if dev_name is None:
+        raise SystemExit(f"bench/project.py --against: no model of {measured['device']!r} (megatron/perf/hardware.py "
+                         f"has {', '.join(sorted(DEVICES))})")
+    dev = device(dev_name)
+    shape = stack.SHAPES[measured["shape"]]
+    seq = int(shape.split("--seq-length ")[1].split()[0])
+    mb = measured["tokens_per_step"] // seq
+    flags = f"{stack.COMMON} {shape} --num-layers {measured['layers']} --micro-batch-size {mb} --global-batch-size {mb}"
+    base = parse_config(flags.split())
+    bf16_block = extract_block(base.model, None, mb)
+    rows = [r for r in measured["rows"] if "median_step_s" in r]
+    projected = {}
+    for r in rows:
+        name = r["variant"]
+        if name == "torchao":
+            p = project(base, dev, None, extract_block(base.model, None, mb, torchao="tensorwise"), devices=1)
+        elif stack.VARIANTS[name]:
+            cfg = parse_config(f"{flags} {stack.VARIANTS[name]}".split())
+            p = project(cfg, dev, extract_block(cfg.model, cfg.fp8, mb), bf16_block, devices=1)
+        else:
+            p = project(base, dev, None, bf16_block, devices=1)
+        projected[name] = p.step_seconds
+    out = []
+    for r in rows:
+        name = r["variant"]
+        row = {"variant": name, "measured_ms": r["median_step_s"] * 1e3, "projected_ms": projected[name] * 1e3}
+        row["residual"] = row["projected_ms"] / row["measured_ms"] - 1
+        if "bf16" in projected:
+            row["measured_vs_bf16"] = r["vs_bf16"]
+            row["projected_vs_bf16"] = projected[name] / projected["bf16"]
+            row["ratio_residual"] = row["projected_vs_bf16"] / row["measured_vs_bf16"] - 1
+        out.append(row)
+    return out
+
+
+def print_against(measured: dict, rows: list[dict]) -> None:
+    print(f"== {measured['layers']} x {measured['shape']} blocks, {measured['tokens_per_step']} tokens/step, on "
+          f"{measured['device']} (torch {measured.get('torch', '?')}): measured vs projected "
+          f"({calibration.CALIBRATION_SUMMARY})")
+    print("variant | measured ms | projected ms | residual | measured vs bf16 | projected vs bf16 | residual")
+    for r in rows:
+        ratio = (f"{r['measured_vs_bf16']:.2f}x | {r['projected_vs_bf16']:.2f}x | {100 * r['ratio_residual']:+.0f}%"
+                 if "measured_vs_bf16" in r else "- | - | -")
+        print(f"{r['variant']} | {r['measured_ms']:.1f} | {r['projected_ms']:.1f} | {100 * r['residual']:+.0f}% | "
+              f"{ratio}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="h200", choices=sorted(DEVICES))
     ap.add_argument("--calibrate", action="store_true", help="also the calibration table (about a minute more)")
+    ap.add_argument("--against", metavar="BLOCK_STACK_JSON",
+                    help="measured block-stack rows (bench/bench_block_stack.py --json) to put the model next to")
     ap.add_argument("--json", help="write every table here")
     args = ap.parse_args(argv)
     logging.disable(logging.WARNING)
     start = time.perf_counter()
+    if args.against:
+        measured = json.loads(Path(args.against).read_text())
+        rows = against(measured)
+        print_against(measured, rows)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"measured": args.against, "rows": rows}, indent=2))
+        return 0
     out: dict = {"device": args.device}
     print(f"== projected on one {args.device} (megatron/perf; {calibration.CALIBRATION_SUMMARY})")
     print(f"\n7B block stack: {LAYERS} blocks, 4096 tokens, forward + backward, ms per class")

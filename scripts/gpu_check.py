@@ -16,6 +16,10 @@ stage, the block-stack bench's rows after every variant: a stage cut short keeps
   train_1gpu   pretrain_gpt.py under torchrun on one GPU: FP8 + Smooth-SwiGLU + Fp8AdamW, NCCL process group
                with the collective path forced on at world size 1 (MEGATRON_FORCE_COLLECTIVES=1)
   train_tp2    the same at tensor-parallel size 2 (only with 2+ GPUs, within what the deadline leaves)
+  model        bench/project.py --against block_stack.json: each measured block-stack row next to the performance
+               model's projection of the same stack on this GPU, with the residuals (CPU work, last, in what the
+               deadline leaves; `python bench/project.py --against docs/gpu/block_stack.json` makes the same table
+               anywhere afterwards)
 
     bash scripts/gpu_check.sh                # all stages; writes gpu_check.json and gpu_check.md
     bash scripts/gpu_check.sh --dry-run      # print the plan (commands and limits) and exit 0
@@ -68,6 +72,9 @@ def plan(gpus: int) -> list[dict]:
     if gpus >= 2:
         stages.append({"name": "train_tp2", "limit": 45, "env": {},
                        "cmd": _torchrun(2, "--tensor-model-parallel-size 2 --sequence-parallel")})
+    stages.append({"name": "model", "limit": 90, "env": {}, "leftover": True,
+                   "cmd": [PY, str(REPO / "bench" / "project.py"), "--against", "{out}/block_stack.json", "--json",
+                           "{out}/model_vs_measured.json"]})
     return stages
 
 
@@ -99,11 +106,14 @@ def _summary_line(name: str, output: str) -> str:
     """The one line of a stage's output worth putting in the summary."""
     patterns = {"gpu_tests": r"^\d+ (passed|failed).*$|^=+ .*(passed|failed).* =+$",
                 "train_1gpu": r"iteration +\d+/ +\d+ \|.*$", "train_tp2": r"iteration +\d+/ +\d+ \|.*$",
-                "block_stack": r"^(fp8-delayed|fp8-tensorwise|torchao) .*$"}
+                "block_stack": r"^(fp8-delayed|fp8-tensorwise|torchao) .*$",
+                "model": r"^(bf16|fp8-delayed|fp8-tensorwise|torchao) \| .*$"}
     lines = [ln for ln in output.splitlines() if re.search(patterns.get(name, r"$^"), ln)]
     if not lines:
         return ""
-    return " / ".join(ln.strip() for ln in lines[-3:]) if name == "block_stack" else lines[-1].strip()
+    if name in ("block_stack", "model"):
+        return " / ".join(ln.strip() for ln in lines[-4:])
+    return lines[-1].strip()
 
 
 def run_stage(stage: dict, out: Path, limit: float, echo=print) -> dict:
@@ -137,8 +147,10 @@ def run_stage(stage: dict, out: Path, limit: float, echo=print) -> dict:
 
 def run_stages(stages: list[dict], results: dict, out: Path, json_path: Path, deadline_s: float, tag: str) -> bool:
     """Run `stages` in order within `deadline_s` (a stage starts only with 10 s left, and gets at most what is left),
-    rewriting `json_path` with `results` after each: a later stage may not finish. Whether every stage passed."""
+    rewriting `json_path` with `results` after each: a later stage may not finish. Whether every stage passed (a
+    `leftover` stage, the CPU-only model table, does not decide it: it can be made afterwards)."""
     deadline = time.time() + deadline_s
+    leftover = {s["name"] for s in stages if s.get("leftover")}
     for stage in stages:
         left = deadline - time.time()
         if left < 10:
@@ -149,7 +161,7 @@ def run_stages(stages: list[dict], results: dict, out: Path, json_path: Path, de
         result = results[stage["name"]] = run_stage(stage, out, min(stage["limit"], left))
         print(f"[{tag}] {stage['name']}: rc {result['rc']} in {result['seconds']} s {result['summary']}", flush=True)
         json_path.write_text(json.dumps(results, indent=1))
-    return all(r["rc"] == 0 for k, r in results.items() if k != "env")
+    return all(r["rc"] == 0 for k, r in results.items() if k != "env" and k not in leftover)
 
 
 def write_markdown(results: dict, path: Path) -> None:
@@ -164,6 +176,9 @@ def write_markdown(results: dict, path: Path) -> None:
             lines.append(f"| {name} | {r['rc']} | {r['seconds']} | {r['summary'].replace('|', '/')[:300]} |")
     if "block_stack" in results:
         lines += ["", "## block_stack", "", "```", results["block_stack"]["output_tail"][-4000:].strip(), "```"]
+    if "model" in results:
+        lines += ["", "## model: measured vs projected (bench/project.py --against)", "", "```",
+                  results["model"]["output_tail"][-3000:].strip(), "```"]
     path.write_text("\n".join(lines) + "\n")
 
 
