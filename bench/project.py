@@ -16,7 +16,7 @@ tokens, optimizer step) on that GPU, with the residuals: each GPU run is a calib
 
     python bench/project.py                      # H200
     python bench/project.py --device gaudi2 --calibrate --json out.json
-    python bench/project.py --against docs/gpu/block_stack.json --json docs/gpu/model_vs_measured.json
+    python bench/project.py --against OUT/block_stack.json --json OUT/model_vs_measured.json
 """
 from __future__ import annotations
 

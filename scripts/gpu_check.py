@@ -18,7 +18,7 @@ stage, the block-stack bench's rows after every variant: a stage cut short keeps
   train_tp2    the same at tensor-parallel size 2 (only with 2+ GPUs, within what the deadline leaves)
   model        bench/project.py --against block_stack.json: each measured block-stack row next to the performance
                model's projection of the same stack on this GPU, with the residuals (CPU work, last, in what the
-               deadline leaves; `python bench/project.py --against docs/gpu/block_stack.json` makes the same table
+               deadline leaves; `python bench/project.py --against OUT/block_stack.json` makes the same table
                anywhere afterwards)
 
     bash scripts/gpu_check.sh                # all stages; writes gpu_check.json and gpu_check.md
