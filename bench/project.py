@@ -4,8 +4,8 @@ Nothing runs at the real size: each variant's compiled block is read from induct
 (megatron/perf/extract.py) and timed by the roofline of megatron/perf/kernels.py on the chosen device. Prints:
 
 1. the 7B block stack (32 blocks, one micro-batch of 4096 tokens, forward + backward; the blocks only) per kernel
-   class, BF16 vs our recipes (delayed + Smooth-SwiGLU, tensorwise) vs torchao's Float8Linear (tensorwise), with
-   the FP8 / BF16 speed-up;
+   class, BF16 vs our recipes (delayed + Smooth-SwiGLU, tensorwise, rowwise: its FP8 layers run eagerly inside the
+   compiled block, counted op by op) vs torchao's Float8Linear (tensorwise), with the FP8 / BF16 speed-up;
 2. the four linears of a 7B block (qkv, proj, fc1, fc2) at 8192 tokens, forward + backward, the same variants;
 3. the largest FP8 overhead kernels of our delayed recipe's block: the list to work down on a GPU;
 4. with `--calibrate`, the calibration table (megatron/perf/calibration.py): predicted next to observed.
@@ -37,7 +37,8 @@ from megatron.perf.kernels import KernelClass, seconds_by_class  # noqa: E402
 
 LAYERS = 32
 VARIANTS = {"bf16": {}, "fp8-delayed": {"flags": calibration.DELAYED_SMOOTH},
-            "fp8-tensorwise": {"flags": calibration.TENSORWISE}, "torchao": {"torchao": "tensorwise"}}
+            "fp8-tensorwise": {"flags": calibration.TENSORWISE}, "fp8-rowwise": {"flags": calibration.ROWWISE},
+            "torchao": {"torchao": "tensorwise"}}
 CLASSES = (KernelClass.GEMM, KernelClass.ATTENTION, KernelClass.QUANTIZATION, KernelClass.POINTWISE)
 
 

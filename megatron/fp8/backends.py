@@ -95,6 +95,11 @@ def _round_up(n: int, multiple: int = 16) -> int:
     return (n + multiple - 1) // multiple * multiple
 
 
+def _padded(t: torch.Tensor, pad: tuple[int, ...], value: float = 0.0) -> torch.Tensor:
+    """`F.pad(t, pad, value=value)`, or `t` itself when nothing is padded (a pad by nothing still copies)."""
+    return F.pad(t, pad, value=value) if any(pad) else t
+
+
 def _dequantization_factor(scale: torch.Tensor) -> torch.Tensor:
     """1 / scale as the 0-d fp32 tensor `_scaled_mm` takes: one kernel (`reciprocal` is the correctly rounded
     1 / x, as a division would be)."""
@@ -154,10 +159,10 @@ class CudaScaledMmBackend:
         n = b.data.shape[0]
         mp, kp, np_ = _round_up(m), _round_up(k), _round_up(n)
         # Zero columns along K add nothing; padded rows get factor 1 and are sliced off.
-        qa = F.pad(a.data.contiguous(), (0, kp - k, 0, mp - m))
-        qb = F.pad(b.data.contiguous(), (0, kp - k, 0, np_ - n))
-        sa = F.pad(a.scale.float().reciprocal().reshape(m, 1), (0, 0, 0, mp - m), value=1.0)
-        sb = F.pad(b.scale.float().reciprocal().reshape(1, n), (0, np_ - n), value=1.0)
+        qa = _padded(a.data.contiguous(), (0, kp - k, 0, mp - m))
+        qb = _padded(b.data.contiguous(), (0, kp - k, 0, np_ - n))
+        sa = _padded(a.scale.float().reciprocal().reshape(m, 1), (0, 0, 0, mp - m), value=1.0)
+        sb = _padded(b.scale.float().reciprocal().reshape(1, n), (0, np_ - n), value=1.0)
         out = torch._scaled_mm(qa, qb.t(), scale_a=sa.contiguous(), scale_b=sb.contiguous(), out_dtype=out_dtype,
                                use_fast_accum=fast_accum)
         return out[:m, :n] if (mp, np_) != (m, n) else out
@@ -175,12 +180,12 @@ def _blockwise_gemm(a: TiledFp8, b: TiledFp8, out_dtype: torch.dtype, fast_accum
     m, k = a.data.shape
     n = b.data.shape[0]
     mp, np_, kp = _round_up(m, 16), _round_up(n, 128), _round_up(k, 512)
-    qa = F.pad(a.data.contiguous(), (0, kp - k, 0, mp - m))
-    qb = F.pad(b.data.contiguous(), (0, kp - k, 0, np_ - n))
+    qa = _padded(a.data.contiguous(), (0, kp - k, 0, mp - m))
+    qb = _padded(b.data.contiguous(), (0, kp - k, 0, np_ - n))
 
     def factors(t: TiledFp8, rows: int) -> torch.Tensor:
         f = t.scale.float().reciprocal()
-        return F.pad(f, (0, kp // 128 - f.shape[1], 0, rows - f.shape[0]), value=1.0)
+        return _padded(f, (0, kp // 128 - f.shape[1], 0, rows - f.shape[0]), value=1.0)
 
     fa = factors(a, mp).t().contiguous().t()
     if b.tile.rows == 1:

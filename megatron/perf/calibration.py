@@ -43,6 +43,7 @@ COMMON = ("--swiglu --normalization RMSNorm --use-rotary-position-embeddings --u
 DELAYED_SMOOTH = ("--fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 16 --fp8-amax-compute-algo max "
                   "--fp8-power-of-two-scales --smooth-swiglu")
 TENSORWISE = "--fp8-format hybrid --fp8-recipe tensorwise"
+ROWWISE = "--fp8-format e4m3 --fp8-recipe rowwise"  # ours: its FP8 layers are graph breaks in a compiled block
 # The four linears of a Llama2-7B block (in, out), and the H200 BF16 nn.Linear forward + backward at 8192 tokens
 # (docs/performance.md, "The H200 check": bench/bench_fp8_linear.py, torch 2.11, 2026-11-30), milliseconds.
 LINEARS = {"qkv": (4096, 12288), "proj": (4096, 4096), "fc1": (4096, 22016), "fc2": (11008, 4096)}

@@ -43,9 +43,10 @@ import dataclasses
 import re
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron import cpu_bf16
 from megatron.config import ModelConfig
@@ -291,16 +292,121 @@ def _fp8_layers(model: torch.nn.Module, recipe: Fp8Recipe, blocks: list[torch.nn
         block.register_forward_pre_hook(refresh)
 
 
+# Ops that launch nothing in eager PyTorch (allocation, metadata) besides views (`OpOverload.is_view`).
+_NO_KERNEL = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "detach", "lift_fresh",
+              "_local_scalar_dense", "set_", "resize_", "sym_size", "sym_stride", "sym_numel", "is_same_size"}
+_EAGER_GEMMS = {"mm": "mm", "addmm": "addmm", "bmm": "bmm", "_scaled_mm": "_scaled_mm"}
+
+
+def _tensor_bytes(values: Any) -> float:
+    from torch.utils._pytree import tree_leaves
+
+    return float(sum(t.numel() * t.element_size() for t in tree_leaves(values) if isinstance(t, torch.Tensor)))
+
+
+class _EagerOps(TorchDispatchMode):
+    """The FP8 layers that run eagerly inside a compiled block (a graph break: the tiled recipes, `traced.py`), op by
+    op as eager PyTorch launches them: one kernel per op, reading its tensor arguments and writing its outputs.
+    Active only inside those layers' forward and backward (`_eager_fp8_layers`), never while dynamo traces."""
+
+    def __init__(self, kernels: list[Kernel], where: str) -> None:
+        super().__init__()
+        self.kernels, self.where = kernels, where
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func._schema.name.split("::")[-1]
+        if func.is_view or name in _NO_KERNEL or (not _tensor_bytes(out) and not func._schema.is_mutable):
+            return out  # a view, an allocation, or a query (x.device): no kernel
+        size = _tensor_bytes((args, kwargs)) + _tensor_bytes(out)
+        if name in _EAGER_GEMMS:
+            a, b = args[0], args[1] if name != "addmm" else args[2]
+            flops = 2.0 * a.shape[-2] * a.shape[-1] * b.shape[-1] * (a.shape[0] if a.dim() == 3 else 1)
+            self.kernels.append(Kernel(name, KernelClass.GEMM, flops, size, fp8=name == "_scaled_mm",
+                                       where=self.where))
+        else:
+            self.kernels.append(Kernel(f"eager {name}", KernelClass.QUANTIZATION, bytes=size, where=self.where))
+        return out
+
+
+@contextlib.contextmanager
+def _eager_fp8_layers(kernels: list[Kernel]) -> Iterator[None]:
+    """Record the FP8 layers' eager path (their forward and both autograd functions' backward): its ops one kernel
+    each (`_EagerOps`), except the fused functions of megatron/fp8/fused.py, compiled there as in a run and read
+    here through the capturing backend like the block's graphs. Elsewhere (the compiled graphs trace the fused
+    functions in; the pre-hook's weight casts are counted once per step in outside.py) they run as Python."""
+    from torch.utils._python_dispatch import _pop_mode_temporarily
+
+    from megatron.fp8 import fused
+    from megatron.fp8.linear import Fp8Linear
+    from megatron.fp8.per_tensor import Fp8LinearFunction
+    from megatron.fp8.tiled import TiledFp8LinearFunction
+
+    phase: list[Optional[str]] = [None]
+    graphs: list[tuple[str, list[Kernel]]] = []
+    backend = _capturing_backend(graphs)
+    compiled: dict[int, Callable] = {}
+    eager_forward, fused_call = Fp8Linear._eager_forward, fused.CompiledOrEager.__call__
+    backwards = {cls: cls.__dict__["backward"] for cls in (Fp8LinearFunction, TiledFp8LinearFunction)}
+
+    @contextlib.contextmanager
+    def recording(where: str) -> Iterator[None]:
+        phase[0] = where
+        try:
+            with _EagerOps(kernels, where):
+                yield
+        finally:
+            phase[0] = None
+
+    def forward(self: Any, *args: Any) -> Any:
+        with recording("forward"):
+            return eager_forward(self, *args)
+
+    def recorded(original: Any) -> Any:
+        def backward(ctx: Any, *grads: Any) -> Any:
+            with recording("backward"):
+                return original.__func__(ctx, *grads)
+        return staticmethod(backward)
+
+    def call(self: Any, *args: Any) -> Any:
+        if phase[0] is None or torch.compiler.is_compiling():
+            return self.fn(*args)
+        where = phase[0]
+        with _pop_mode_temporarily():
+            fn = compiled.setdefault(id(self), torch.compile(self.fn, backend=backend, dynamic=False))
+            out = fn(*args)
+        kernels.extend(dataclasses.replace(k, where=where) for _, ks in graphs for k in ks)
+        graphs.clear()
+        return out
+
+    Fp8Linear._eager_forward, fused.CompiledOrEager.__call__ = forward, call
+    for cls, original in backwards.items():
+        cls.backward = recorded(original)
+    try:
+        yield
+    finally:
+        Fp8Linear._eager_forward, fused.CompiledOrEager.__call__ = eager_forward, fused_call
+        for cls, original in backwards.items():
+            cls.backward = original
+
+
 def _capture(module: torch.nn.Module, args: Callable[[], tuple], bf16: bool) -> BlockKernels:
-    """Compile `module` (already on fake tensors) with the capturing backend, call it on `args()` (made under the
-    fake mode), and return the kernels of its forward and backward graphs."""
+    """Compile `module` (already on fake tensors) with the capturing backend, run its forward and backward on `args()`
+    (made under the fake mode), and return the kernels of its forward and backward graphs and of any FP8 layer that
+    runs eagerly between them."""
     start = time.perf_counter()
     graphs: list[tuple[str, list[Kernel]]] = []
+    eager: list[Kernel] = []
     compiled = torch.compile(module, backend=_capturing_backend(graphs), dynamic=False)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-        compiled(*args())
+    with _eager_fp8_layers(eager):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            out = compiled(*args())
+        out.float().sum().backward()
     forward = tuple(k for where, ks in graphs if where == "forward" for k in ks)
     backward = tuple(k for where, ks in graphs if where == "backward" for k in ks)
+    forward += tuple(k for k in eager if k.where == "forward")
+    backward += tuple(k for k in eager if k.where == "backward")
     return BlockKernels(forward, backward, len(graphs), time.perf_counter() - start)
 
 

@@ -60,6 +60,26 @@ def test_an_fp8_linear_runs_scaled_mm_and_its_input_cast_reads_and_writes_what_i
     assert not any(b >= 4 * K * N for b in quantization), quantization
 
 
+def test_an_fp8_layer_that_breaks_the_graph_is_counted_op_by_op():
+    """Rowwise scaling runs the eager FP8 layer inside a compiled block (a graph break): its three GEMMs are counted
+    from the eager ops (FP8, 2MKN each), its fused quantization from the compiled function's kernels, and nothing
+    else; a traced layer has no eager kernel at all."""
+    rowwise = extract_linear(K, N, M, _config("--fp8-format e4m3 --fp8-recipe rowwise").fp8)
+    gemms = [k for k in rowwise.kernels if k.kind is KernelClass.GEMM]
+    assert [(k.name, k.where, k.fp8, k.flops) for k in gemms] == [
+        ("_scaled_mm", "forward", True, 2 * M * K * N), ("_scaled_mm", "backward", True, 2 * M * K * N),
+        ("_scaled_mm", "backward", True, 2 * M * K * N)]
+    # forward: Q(x) [M, K] and Q(W) [N, K] in E4M3 read, y [M, N] in BF16 written, plus the [M] and [N] factors
+    assert gemms[0].bytes == M * K + N * K + 2 * M * N + 4 * (M + N)
+    quantization = [k for k in rowwise.kernels if k.kind is KernelClass.QUANTIZATION]
+    # each reads at most one operand in FP32 and writes its E4M3 copy and factors: 5 bytes per element and change
+    largest = max(M * K, N * K, M * N)
+    assert quantization and all(k.bytes <= 5 * largest + 4 * (M + N) + 256 for k in quantization)
+    traced = extract_linear(K, N, M, _config(TENSORWISE).fp8)
+    assert not any(k.name.startswith("eager ") for k in traced.kernels)
+    assert [k.name for k in traced.kernels if k.kind is KernelClass.GEMM] == ["_scaled_mm"] * 3
+
+
 def test_a_block_has_one_forward_and_one_backward_graph_and_causal_attention_flops():
     cfg = _config()
     block = extract_block(cfg.model, None, 2)
