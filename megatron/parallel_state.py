@@ -103,9 +103,11 @@ def initialize_parallel_state(cfg: ParallelConfig, accelerator: Accelerator) -> 
     world = world_size_from_env()
     if world == 1 and not dist.is_initialized() and not comm.collectives_forced():
         return ParallelState()
+    # --distributed-timeout-minutes: how long any collective waits, on every group (a group made without a
+    # timeout would wait for a hung rank without end on gloo)
+    timeout = datetime.timedelta(minutes=cfg.distributed_timeout_minutes)
     if not dist.is_initialized():
         backend = cfg.distributed_backend or accelerator.distributed_backend
-        timeout = datetime.timedelta(minutes=cfg.distributed_timeout_minutes)  # --distributed-timeout-minutes
         if world == 1:  # forced collectives: a one-rank group; a HashStore needs no address or port
             dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         else:
@@ -114,16 +116,16 @@ def initialize_parallel_state(cfg: ParallelConfig, accelerator: Accelerator) -> 
         # still joinable at exit ("terminate called without an active exception", SIGABRT).
         atexit.register(_destroy_process_groups)
     rank, world = dist.get_rank(), dist.get_world_size()
-    host_group = _host_group(world)
+    host_group = _host_group(world, timeout)
     return _build_parallel_state(rank, world, cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
-                                 host_group)
+                                 host_group, timeout)
 
 
-def _host_group(world: int) -> object:
+def _host_group(world: int, timeout: datetime.timedelta) -> object:
     """The default group when it is gloo already, else a gloo group over every rank (created by all ranks)."""
     if "gloo" in str(dist.get_backend()).split(","):
         return dist.group.WORLD
-    return dist.new_group(list(range(world)), backend="gloo")
+    return dist.new_group(list(range(world)), backend="gloo", timeout=timeout)
 
 
 @dataclass(frozen=True)
@@ -152,31 +154,33 @@ class RankLayout:
         return [[self.rank(s, d, t) for d in range(self.dp) for t in range(self.tp)] for s in range(self.pp)]
 
 
-def _new_groups(rank: int, rank_lists: list[list[int]]) -> Optional[object]:
-    """Create a group for every list (all ranks must, in the same order); return the one holding `rank`."""
+def _new_groups(rank: int, rank_lists: list[list[int]], timeout: datetime.timedelta) -> Optional[object]:
+    """Create a group for every list (all ranks must, in the same order), each with the run's collective `timeout`;
+    return the one holding `rank`."""
     mine = None
     for ranks in rank_lists:
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
             mine = group
     return mine
 
 
-def _build_parallel_state(rank: int, world: int, tp: int, pp: int, host_group: object) -> ParallelState:
+def _build_parallel_state(rank: int, world: int, tp: int, pp: int, host_group: object,
+                          timeout: datetime.timedelta) -> ParallelState:
     if world % (tp * pp):
         raise ValueError(f"world size {world} is not divisible by --tensor-model-parallel-size {tp} x "
                          f"--pipeline-model-parallel-size {pp}")
     layout = RankLayout(tp=tp, pp=pp, dp=world // (tp * pp))
     stage, replica, tp_rank = layout.coordinates(rank)
-    tp_group = _new_groups(rank, layout.tensor_parallel_groups()) if tp > 1 else None
+    tp_group = _new_groups(rank, layout.tensor_parallel_groups(), timeout) if tp > 1 else None
     if pp == 1:
-        world_group = _new_groups(rank, [list(range(world))])
-        dp_group = world_group if tp == 1 else _new_groups(rank, layout.data_parallel_groups())
+        world_group = _new_groups(rank, [list(range(world))], timeout)
+        dp_group = world_group if tp == 1 else _new_groups(rank, layout.data_parallel_groups(), timeout)
         amax_group = world_group
     else:
-        dp_group = _new_groups(rank, layout.data_parallel_groups())
+        dp_group = _new_groups(rank, layout.data_parallel_groups(), timeout)
         # With TP = 1 a stage's ranks are exactly its data-parallel group.
-        amax_group = dp_group if tp == 1 else _new_groups(rank, layout.stage_groups())
+        amax_group = dp_group if tp == 1 else _new_groups(rank, layout.stage_groups(), timeout)
     logger.info("initialized torch.distributed: rank %d of %d (pipeline stage %d of %d x data parallel %d x tensor "
                 "parallel %d)", rank, world, stage, pp, layout.dp, tp)
     return ParallelState(world_size=world, rank=rank, data_parallel_size=layout.dp, data_parallel_rank=replica,
