@@ -110,6 +110,8 @@ def initialize_parallel_state(cfg: ParallelConfig, accelerator: Accelerator) -> 
         backend = cfg.distributed_backend or accelerator.distributed_backend
         if world == 1:  # forced collectives: a one-rank group; a HashStore needs no address or port
             dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        elif "TORCHELASTIC_RESTART_COUNT" in os.environ:
+            _init_elastic_attempt(backend, timeout)
         else:
             dist.init_process_group(backend=backend, timeout=timeout)
         # Tear the groups down before the interpreter does: gloo's threads otherwise may be destroyed while
@@ -119,6 +121,16 @@ def initialize_parallel_state(cfg: ParallelConfig, accelerator: Accelerator) -> 
     host_group = _host_group(world, timeout)
     return _build_parallel_state(rank, world, cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
                                  host_group, timeout)
+
+
+def _init_elastic_attempt(backend: str, timeout: datetime.timedelta) -> None:
+    """The process group of this torchrun attempt. torchrun's store outlives a failed attempt (`--max-restarts`):
+    initialised from the environment, the restarted workers would read the dead attempt's keys and fail to connect
+    (gloo's connectFullMesh to the old ports). Each attempt's keys get their own prefix in that store."""
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    dist.init_process_group(backend=backend, store=dist.PrefixStore(f"megatron_attempt_{attempt}", store),
+                            rank=rank, world_size=world, timeout=timeout)
 
 
 def _host_group(world: int, timeout: datetime.timedelta) -> object:

@@ -111,21 +111,18 @@ def install() -> None:
 
 
 def main() -> None:
-    out, argv = sys.argv[1], sys.argv[sys.argv.index("--") + 1:]
-    repo = Path(__file__).resolve().parents[2]
-    sys.path.insert(0, str(repo))
-    install()
-    import pretrain_gpt
-    from megatron.errors import run_cli
-    from megatron.parallel_state import finish_distributed_run, world_size_from_env
+    from tests.support import pretrain_main
 
-    code = run_cli(pretrain_gpt.main, argv)
-    rank = os.environ.get("RANK", "0")
-    Path(f"{out}.rank{rank}.json").write_text(json.dumps({str(k): v for k, v in _COUNTS.items()}))
-    if world_size_from_env() > 1:
-        finish_distributed_run(code)
-    sys.exit(code)
+    out, argv = sys.argv[1], sys.argv[sys.argv.index("--") + 1:]
+    install()
+
+    def write(_code: int) -> None:
+        rank = os.environ.get("RANK", "0")
+        Path(f"{out}.rank{rank}.json").write_text(json.dumps({str(k): v for k, v in _COUNTS.items()}))
+
+    pretrain_main.run(argv, write)
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     main()
