@@ -35,20 +35,11 @@ def _init_linear(linear: nn.Linear, std: float) -> None:
         nn.init.zeros_(linear.bias)
 
 
-def _sdpa_takes_enable_gqa() -> bool:
-    """Whether this torch's SDPA attends a group of query heads to one key/value head itself (torch >= 2.5)."""
-    one = torch.zeros(1, 2, 1, 1)
-    try:
-        F.scaled_dot_product_attention(one, one[:, :1], one[:, :1], enable_gqa=True)
-    except TypeError:
-        return False
-    return True
-
-
-# GQA without expanding K and V: SDPA's `enable_gqa` reads each key/value head for its group of query heads, so
-# neither forward nor backward holds K and V at num_heads (autograd saves them at num_kv_heads) and no backward
-# sums the expanded gradients back. Older torch (2.4) gets the expansion.
-SDPA_ENABLE_GQA = _sdpa_takes_enable_gqa()
+# GQA without expanding K and V: SDPA's `enable_gqa` (torch >= 2.5) reads each key/value head for its group of query
+# heads, so neither forward nor backward holds K and V at num_heads (autograd saves them at num_kv_heads) and no
+# backward sums the expanded gradients back. Older torch (2.4) gets the expansion. Decided from the version, not by
+# calling SDPA: an op run at import starts the thread pools of a process that may fork (tests/support/forkserver.py).
+SDPA_ENABLE_GQA = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)
 
 
 def output_layer_std(config: ModelConfig) -> float:
