@@ -27,6 +27,7 @@ from torch import nn
 from megatron import comm
 from megatron.accelerator import Accelerator, get_accelerator
 from megatron.checkpoint import store as ckpt
+from megatron.checkpoint.folders import check_load_folder, check_save_folder
 from megatron.checkpoint.train_state import TrainState
 from megatron.config import MegatronConfig
 from megatron.data.provider import Batch, build_loader, make_batch
@@ -138,8 +139,10 @@ class Trainer:
         self.state = TrainState()
         self.guard = DivergenceGuard(config.divergence, config.scheduler.warmup_iters)
         self.last_healthy: Optional[str] = None  # the newest checkpoint known healthy (loaded or saved by this run)
+        check_load_folder(config.checkpoint.load, config.checkpoint.save)
         if config.checkpoint.load:
             self._load()
+        check_save_folder(config.checkpoint.save, config.checkpoint.load, self.state.iteration)
         self.train_ds, self.valid_ds, self.test_ds, self.eod = build_datasets(config, tokenizer, self.parallel)
         self.flops_per_iter = flops_per_iteration(config.model, t.global_batch_size)
         self.tlog = TrainingLogger(config.logging.log_interval, t.train_iters, config.logging.tensorboard_dir,

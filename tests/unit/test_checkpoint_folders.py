@@ -1,0 +1,32 @@
+"""`--load` and `--save` folders checked before a run trains (megatron/checkpoint/folders.py): a mistyped `--load`
+and a `--save` holding newer checkpoints are refused in one line; a run that resumes itself is not."""
+from __future__ import annotations
+
+import pytest
+
+from megatron.arguments import parse_config
+from megatron.checkpoint.folders import check_load_folder, check_save_folder
+from megatron.training.loop import pretrain
+from tests.support.config import tiny_argv
+
+RUN = dict(train_iters=4, save_interval=2, eval_iters=0, eval_interval=1000, log_interval=1)
+
+
+def test_a_missing_load_folder_is_an_error_unless_it_is_also_save(tmp_path):
+    missing = str(tmp_path / "typo")
+    with pytest.raises(FileNotFoundError, match=r"--load .*typo does not exist"):
+        check_load_folder(missing, str(tmp_path / "out"))
+    check_load_folder(missing, missing)  # a run that resumes itself: its first start has nothing to load
+    check_load_folder(None, missing)
+
+
+def test_a_save_folder_with_newer_checkpoints_is_refused_and_resuming_it_is_not(tmp_path):
+    save = tmp_path / "ckpt"
+    pretrain(parse_config(tiny_argv(save=save, **RUN)))  # checkpoints of iterations 2 and 4
+    with pytest.raises(ValueError, match=r"--save .*ckpt holds checkpoints up to iteration 4, newer than this run's "
+                                         r"start \(iteration 0\).*--load .*ckpt, or pass a new --save folder"):
+        pretrain(parse_config(tiny_argv(save=save, **RUN)))
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "4"  # untouched
+    check_save_folder(str(save), None, 4)  # a start at the newest iteration overwrites nothing
+    resumed = pretrain(parse_config(tiny_argv(save=save, load=save, **{**RUN, "train_iters": 6})))
+    assert resumed.state.iteration == 6
