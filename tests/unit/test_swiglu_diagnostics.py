@@ -57,6 +57,18 @@ def test_recorder_records_only_while_armed():
     assert not recorder.armed and all(not m.linear_fc1._forward_hooks for m in recorder.mlps)
 
 
+def test_recorder_hooks_compiled_blocks_once_for_all_layers():
+    """Every layer's fc1 gets the same hook, which dynamo does not trace (a graph break on the armed iterations):
+    traced, its per-layer bookkeeping compiled the block once more per layer, 80 times for a 70B model."""
+    model = GPTModel(CFG)
+    recorder = ActivationRecorder(model)
+    recorder.arm()
+    hooks = [list(m.linear_fc1._forward_hooks.values()) for m in recorder.mlps]
+    assert all(len(h) == 1 for h in hooks) and len({h[0].__func__ for h in hooks}) == 1
+    assert getattr(hooks[0][0].__func__, "_torchdynamo_disable", False)
+    recorder.collect()
+
+
 def test_jump_detector_needs_history_and_a_doubling():
     jumps = JumpDetector(factor=2.0, min_points=3)
     assert [jumps.update("k", v) for v in (1.0, 1.1, 50.0)] == [None, None, None]  # too little history
