@@ -201,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--finetune", action="store_true", help="load weights only; reset iteration and optimizer")
+    g.add_argument("--keep-last-n-checkpoints", type=int, default=None, metavar="K",
+                   help="after each complete save, remove all but the K newest checkpoints of --save (never the "
+                        "newest healthy one); default: keep all")
 
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=100)
@@ -312,6 +315,9 @@ def _not_supported_yet(a: argparse.Namespace) -> None:
     if a.deepspeed and a.no_save_optim:
         raise ValueError("--no-save-optim is not supported with --deepspeed: DeepSpeed checkpoints always carry "
                          "the (partitioned) optimizer state; drop the flag")
+    if a.keep_last_n_checkpoints is not None and (a.keep_last_n_checkpoints < 1 or not a.save):
+        raise ValueError(f"--keep-last-n-checkpoints {a.keep_last_n_checkpoints} needs --save and a count of at least "
+                         "1 (the checkpoints it keeps); leave it out to keep every checkpoint")
     env_local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if a.local_rank is not None and a.local_rank != env_local_rank:
         raise ValueError(f"--local_rank {a.local_rank} disagrees with the environment's LOCAL_RANK={env_local_rank}, "
@@ -711,7 +717,7 @@ def _resolve(a: argparse.Namespace, world_size: Optional[int], recipe: list) -> 
         checkpoint=CheckpointConfig(
             save=a.save, load=a.load, save_interval=a.save_interval, no_save_optim=a.no_save_optim,
             no_save_rng=a.no_save_rng, no_load_optim=a.no_load_optim, no_load_rng=a.no_load_rng, finetune=a.finetune,
-            verify=a.verify_checkpoint),
+            verify=a.verify_checkpoint, keep_last=a.keep_last_n_checkpoints),
         logging=LoggingConfig(log_interval=a.log_interval, tensorboard_dir=a.tensorboard_dir,
                               log_fp8_stats=a.log_fp8_stats, log_swiglu_diagnostics=not a.no_swiglu_diagnostics,
                               log_batch_size=a.log_batch_size_to_tensorboard,

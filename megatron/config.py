@@ -154,6 +154,7 @@ class CheckpointConfig:
     no_load_rng: bool = False
     finetune: bool = False
     verify: bool = False  # --verify-checkpoint: each file read back and compared before the commit
+    keep_last: Optional[int] = None  # --keep-last-n-checkpoints: older checkpoints removed after each save
 
 
 @dataclass(frozen=True)

@@ -5,13 +5,20 @@
 - A `--save` folder holding a checkpoint newer than where this run starts is refused, unless it is also `--load`
   (then that checkpoint is where it starts): training there from an older start would write older iterations
   over the tracker and leave the newer checkpoints unreachable.
+
+And after each complete save, `--keep-last-n-checkpoints K` removes the older ones (`prune_checkpoints`).
 """
 from __future__ import annotations
 
+import logging
+import os
+import shutil
 from pathlib import Path
 from typing import Optional
 
-from megatron.checkpoint.store import TRACKER_FILE, complete_iterations
+from megatron.checkpoint.store import TRACKER_FILE, complete_iterations, iteration_dir
+
+logger = logging.getLogger("megatron")
 
 
 def _same(a: Optional[str], b: Optional[str]) -> bool:
@@ -32,3 +39,25 @@ def check_save_folder(save: Optional[str], load: Optional[str], start_iteration:
         raise ValueError(f"--save {save} holds checkpoints up to iteration {found[-1]}, newer than this run's start "
                          f"(iteration {start_iteration}): saving there would leave them unreachable. Resume that run "
                          f"with --load {save}, or pass a new --save folder")
+
+
+def prune_checkpoints(save: str, keep: int, healthy: Optional[str]) -> list[int]:
+    """Remove the checkpoints of `save` older than its `keep` newest complete ones, except `healthy` (the newest
+    checkpoint known healthy: a run whose newest checkpoints were saved while diverging keeps a good one). Called
+    on one rank after a save is complete. Each folder is first renamed out of the `iter_*` names, so a crash while
+    deleting never leaves a half-removed folder that looks like a checkpoint. The iterations removed."""
+    found = complete_iterations(Path(save))
+    keep_healthy = Path(healthy).resolve() if healthy else None
+    removed = []
+    for iteration in found[:-keep] if len(found) > keep else []:
+        folder = Path(iteration_dir(save, iteration))
+        if keep_healthy is not None and folder.resolve() == keep_healthy:
+            continue
+        doomed = folder.with_name(f"{folder.name}.removing-{os.getpid()}")
+        folder.rename(doomed)
+        shutil.rmtree(doomed)
+        removed.append(iteration)
+    if removed:
+        logger.info("--keep-last-n-checkpoints %d: removed the checkpoints of iterations %s from %s", keep,
+                    ", ".join(map(str, removed)), save)
+    return removed

@@ -27,7 +27,7 @@ from torch import nn
 from megatron import comm
 from megatron.accelerator import Accelerator, get_accelerator
 from megatron.checkpoint import store as ckpt
-from megatron.checkpoint.folders import check_load_folder, check_save_folder
+from megatron.checkpoint.folders import check_load_folder, check_save_folder, prune_checkpoints
 from megatron.checkpoint.train_state import TrainState
 from megatron.config import MegatronConfig
 from megatron.data.provider import Batch, build_loader, make_batch
@@ -189,6 +189,10 @@ class Trainer:
         self.engine.save_checkpoint(c.save, self.state.iteration, extras, self.state.to_dict(), self.config.to_dict())
         if self.state.healthy:
             self.last_healthy = str(ckpt.iteration_dir(c.save, self.state.iteration))
+        if c.keep_last is not None:
+            comm.barrier(self.parallel.host_group)  # every rank's files are written before one rank removes any
+            if self.parallel.rank == 0:
+                prune_checkpoints(c.save, c.keep_last, self.last_healthy)
 
     # ---------------------------------------------------------------------------------- one step
     def _forward_loss(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:

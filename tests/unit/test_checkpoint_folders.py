@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from megatron.arguments import parse_config
-from megatron.checkpoint.folders import check_load_folder, check_save_folder
+from megatron.checkpoint.folders import check_load_folder, check_save_folder, prune_checkpoints
 from megatron.training.loop import pretrain
 from tests.support.config import tiny_argv
 
@@ -30,3 +30,22 @@ def test_a_save_folder_with_newer_checkpoints_is_refused_and_resuming_it_is_not(
     check_save_folder(str(save), None, 4)  # a start at the newest iteration overwrites nothing
     resumed = pretrain(parse_config(tiny_argv(save=save, load=save, **{**RUN, "train_iters": 6})))
     assert resumed.state.iteration == 6
+
+
+def test_keep_last_n_checkpoints_removes_older_ones_after_each_save_but_never_the_healthy_one(tmp_path):
+    save = tmp_path / "ckpt"
+    pretrain(parse_config(tiny_argv("--keep-last-n-checkpoints", "2", save=save, **{**RUN, "train_iters": 8})))
+    assert sorted(p.name for p in save.iterdir() if p.name.startswith("iter_")) == ["iter_0000006", "iter_0000008"]
+    resumed = pretrain(parse_config(tiny_argv(save=save, load=save, **{**RUN, "train_iters": 10})))
+    assert resumed.state.iteration == 10
+    # the newest healthy checkpoint survives even when newer ones (saved while diverging) fill the K kept
+    assert prune_checkpoints(str(save), 1, str(save / "iter_0000008")) == [6]
+    assert sorted(p.name for p in save.iterdir() if p.name.startswith("iter_")) == ["iter_0000008", "iter_0000010"]
+
+
+def test_keep_last_n_checkpoints_needs_save_and_a_positive_count(tmp_path):
+    match = "--keep-last-n-checkpoints .* needs --save and a count of at least 1"
+    with pytest.raises(ValueError, match=match):
+        parse_config(tiny_argv("--keep-last-n-checkpoints", "0", save=tmp_path / "ckpt", **RUN))
+    with pytest.raises(ValueError, match=match):
+        parse_config(tiny_argv("--keep-last-n-checkpoints", "2", **RUN))
