@@ -151,9 +151,8 @@ def use_weights_only_loading(engine) -> None:
             try:
                 with torch.serialization.safe_globals(deepspeed_safe_globals()):
                     return torch.load(path, map_location=map_location, weights_only=True)
-            except Exception as exc:  # pickle.UnpicklingError for code objects, RuntimeError for corruption
-                raise ckpt.CheckpointError(f"refusing to load {path}: {exc.__class__.__name__}: {str(exc)[:300]}. "
-                                           "Checkpoints may only hold tensors and plain data.") from exc
+            except Exception as exc:  # pickle.UnpicklingError for code objects, RuntimeError/OSError for corruption
+                raise ckpt.unreadable(path, exc) from exc
 
     current = engine.checkpoint_engine
     if type(current) is not TorchCheckpointEngine:

@@ -69,7 +69,7 @@ def load_file(file: Path) -> Any:
         with torch.serialization.safe_globals(_safe_globals()):
             return torch.load(file, map_location="cpu", weights_only=True)
     except Exception as exc:  # pickled code objects, or a corrupt file
-        raise ckpt.CheckpointError(f"refusing to load {file}: {exc.__class__.__name__}: {str(exc)[:300]}") from exc
+        raise ckpt.unreadable(file, exc) from exc
 
 
 def deepspeed_model_files(path: Path) -> list[Path]:

@@ -20,6 +20,7 @@ import errno
 import json
 import logging
 import os
+import pickle
 import random
 import re
 import shutil
@@ -312,6 +313,21 @@ def _healthy_iteration(root: Path, iteration: int) -> int:
     return healthy[-1]
 
 
+def unreadable(path: str | os.PathLike, exc: BaseException) -> CheckpointError:
+    """The error for a checkpoint file `torch.load(weights_only=True)` refused: objects other than tensors and plain
+    data (pickled code), or a file that is damaged or cut short (a node lost mid-write, a bad disk)."""
+    detail = f"{exc.__class__.__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+    if isinstance(exc, pickle.UnpicklingError) and "weights only" in str(exc).lower():
+        return CheckpointError(f"refusing to load {path}: it holds objects other than tensors and plain data "
+                               f"({detail}); checkpoints may only hold tensors and plain data")
+    try:
+        size = f"{os.path.getsize(path):,} bytes"
+    except OSError:
+        size = "size unknown"
+    return CheckpointError(f"cannot read {path} ({size}): the file is damaged or truncated ({detail}). Restore it, or "
+                           f"resume from an older checkpoint by writing its iteration into {TRACKER_FILE}")
+
+
 def load_checkpoint_files(load_dir: str | os.PathLike, mp_rank: int = 0) -> Optional[dict]:
     """Load the newest checkpoint under `load_dir`: {'payload', 'train_state', 'config', 'path'} or None."""
     iteration = read_tracker(load_dir)
@@ -324,9 +340,8 @@ def load_checkpoint_files(load_dir: str | os.PathLike, mp_rank: int = 0) -> Opti
                               "does not exist; restore that folder or fix the tracker file")
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # pickle.UnpicklingError for code objects, RuntimeError for corruption
-        raise CheckpointError(f"refusing to load {path}: {exc.__class__.__name__}: {str(exc)[:300]}. "
-                              "Checkpoints may only hold tensors and plain data.") from exc
+    except Exception as exc:  # pickle.UnpicklingError for code objects, RuntimeError/OSError for corruption
+        raise unreadable(path, exc) from exc
     train_state = read_json(ckpt / "train_state.json")
     config = read_json(ckpt / "config.json") if (ckpt / "config.json").exists() else {}
     return {"payload": payload, "train_state": train_state, "config": config, "path": ckpt}

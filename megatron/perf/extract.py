@@ -1,9 +1,10 @@
 """The kernels of one compiled transformer block, forward and backward, read from inductor's scheduler.
 
 How: the block is built at the run's real shapes under `FakeTensorMode` (tensors with shapes, dtypes and devices
-and no storage), compiled as `--torch-compile` compiles it (`block_inductor_options`: the joint-graph pass that keeps the
-forward's FP8 casts for backward, BF16 round trips kept, FP8 layers traced into the graph, the FP8 weights of the step as graph inputs,
-delayed scaling in its steady state where the history holds a scale), and called once. Inductor lowers the forward
+and no storage), compiled as `--torch-compile` compiles it (`block_inductor_options`: the joint-graph pass that
+keeps the forward's FP8 casts for backward, BF16 round trips kept; FP8 layers traced into the graph, the FP8
+weights of the step as graph inputs, delayed scaling in its steady state where the history holds a scale), and run
+forward and backward once. Inductor lowers the forward
 and the backward graph (the backward eagerly: `force_non_lazy_backward_lowering`), fuses, and hands its scheduled
 nodes to `_post_fusion_custom_pass`; the pass here turns each node into a `Kernel` and stops the compilation
 before any code is generated. The compiled function then returns uninitialised outputs of the right shapes:
@@ -273,7 +274,8 @@ def _fresh_compiler():
 def _fp8_layers(model: torch.nn.Module, recipe: Fp8Recipe, blocks: list[torch.nn.Module]) -> None:
     """Our FP8 layers as `--torch-compile` runs them: fused quantization traced into the graph, delayed scaling's
     history known to hold a scale (the steady state), the step's FP8 weights made before the graph by each block's
-    pre-hook (with the fused functions' Python: their compiled code cannot run on tensors without storage). `model` is converted whole when it is a GPT model, else it is one linear."""
+    pre-hook (with the fused functions' Python: their compiled code cannot run on tensors without storage). `model`
+    is converted whole when it is a GPT model, else it is one linear."""
     from megatron.fp8 import Fp8Linear, convert_to_fp8, fused, set_fused_quantization
     from megatron.model.compile import refresh_fp8_weights
 

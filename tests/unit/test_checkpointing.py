@@ -54,9 +54,19 @@ def test_malicious_pickle_is_refused(tmp_path, monkeypatch):
     target = ckpt.model_file(ckpt.iteration_dir(tmp_path, 1))
     torch.save({"model": _Evil()}, target)
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ckpt.CheckpointError, match="refusing to load"):
+    with pytest.raises(ckpt.CheckpointError, match="refusing to load .* holds objects other than tensors"):
         ckpt.load_checkpoint_files(tmp_path)
     assert not (tmp_path / "pwned_marker").exists()
+
+
+def test_a_truncated_checkpoint_file_is_reported_as_damaged_not_as_forbidden(tmp_path):
+    _save(tmp_path, 1, 1.0)
+    target = ckpt.model_file(ckpt.iteration_dir(tmp_path, 1))
+    target.write_bytes(target.read_bytes()[: target.stat().st_size // 2])
+    with pytest.raises(ckpt.CheckpointError, match=r"cannot read .*model_optim_rng.pt \([\d,]+ bytes\): the file is "
+                                                   r"damaged or truncated") as error:
+        ckpt.load_checkpoint_files(tmp_path)
+    assert "tensors and plain data" not in str(error.value)
 
 
 def test_tracker_errors(tmp_path):
