@@ -201,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--finetune", action="store_true", help="load weights only; reset iteration and optimizer")
+    g.add_argument("--exit-on-save-failure", type=int, default=3, metavar="N",
+                   help="a checkpoint that cannot be written at a --save-interval is logged and training goes on "
+                        "(the previous one stays the newest); N failed saves in a row end the run (default 3)")
     g.add_argument("--keep-last-n-checkpoints", type=int, default=None, metavar="K",
                    help="after each complete save, remove all but the K newest checkpoints of --save (never the "
                         "newest healthy one); default: keep all")
@@ -315,6 +318,9 @@ def _not_supported_yet(a: argparse.Namespace) -> None:
     if a.deepspeed and a.no_save_optim:
         raise ValueError("--no-save-optim is not supported with --deepspeed: DeepSpeed checkpoints always carry "
                          "the (partitioned) optimizer state; drop the flag")
+    if a.exit_on_save_failure < 1:
+        raise ValueError(f"--exit-on-save-failure must be at least 1 (the failed saves in a row that end the run), got "
+                         f"{a.exit_on_save_failure}")
     if a.keep_last_n_checkpoints is not None and (a.keep_last_n_checkpoints < 1 or not a.save):
         raise ValueError(f"--keep-last-n-checkpoints {a.keep_last_n_checkpoints} needs --save and a count of at least "
                          "1 (the checkpoints it keeps); leave it out to keep every checkpoint")
@@ -717,7 +723,8 @@ def _resolve(a: argparse.Namespace, world_size: Optional[int], recipe: list) -> 
         checkpoint=CheckpointConfig(
             save=a.save, load=a.load, save_interval=a.save_interval, no_save_optim=a.no_save_optim,
             no_save_rng=a.no_save_rng, no_load_optim=a.no_load_optim, no_load_rng=a.no_load_rng, finetune=a.finetune,
-            verify=a.verify_checkpoint, keep_last=a.keep_last_n_checkpoints),
+            verify=a.verify_checkpoint, keep_last=a.keep_last_n_checkpoints,
+            exit_on_save_failure=a.exit_on_save_failure),
         logging=LoggingConfig(log_interval=a.log_interval, tensorboard_dir=a.tensorboard_dir,
                               log_fp8_stats=a.log_fp8_stats, log_swiglu_diagnostics=not a.no_swiglu_diagnostics,
                               log_batch_size=a.log_batch_size_to_tensorboard,

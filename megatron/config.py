@@ -155,6 +155,7 @@ class CheckpointConfig:
     finetune: bool = False
     verify: bool = False  # --verify-checkpoint: each file read back and compared before the commit
     keep_last: Optional[int] = None  # --keep-last-n-checkpoints: older checkpoints removed after each save
+    exit_on_save_failure: int = 3  # failed interval saves in a row that end the run
 
 
 @dataclass(frozen=True)

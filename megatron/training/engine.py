@@ -189,11 +189,20 @@ class TorchEngine(MicroBatchEngine):
             payload = {"model": self.weights.state_dict(self.model), **extras}
             if self.save_optimizer:
                 payload["optimizer"] = self.optimizer.state_dict()
-        if self.parallel.tensor_parallel_size > 1:
+        if self.parallel.tensor_parallel_size > 1:  # every rank raises when any shard failed
             save_tensor_parallel_checkpoint(save_dir, iteration, payload, train_state, config, self.parallel,
                                             verify=self.verify)
-        elif self.parallel.is_logging_rank:
-            ckpt.save_checkpoint(save_dir, iteration, payload, train_state, config, verify=self.verify)
+        else:
+            error: Optional[ckpt.CheckpointError] = None
+            if self.parallel.is_logging_rank:
+                try:
+                    ckpt.save_checkpoint(save_dir, iteration, payload, train_state, config, verify=self.verify)
+                except ckpt.CheckpointError as exc:
+                    error = exc
+            # every rank takes the same branch: a rank that went on while rank 0 raised would wait in the barrier
+            if ckpt.any_rank_failed(error is not None, self.parallel.host_group):
+                raise error or ckpt.CheckpointError(f"rank 0 could not write the checkpoint of iteration {iteration} "
+                                                    f"into {save_dir} (see its error); the previous one is intact")
         comm.barrier(comm.world_group())
 
     def load_checkpoint(self, load_dir: str, load_optimizer: bool, module_only: bool) -> Optional[dict]:

@@ -139,6 +139,7 @@ class Trainer:
         self.state = TrainState()
         self.guard = DivergenceGuard(config.divergence, config.scheduler.warmup_iters)
         self.last_healthy: Optional[str] = None  # the newest checkpoint known healthy (loaded or saved by this run)
+        self.save_failures = 0  # interval saves that failed in a row
         check_load_folder(config.checkpoint.load, config.checkpoint.save)
         if config.checkpoint.load:
             self._load()
@@ -193,6 +194,25 @@ class Trainer:
             comm.barrier(self.parallel.host_group)  # every rank's files are written before one rank removes any
             if self.parallel.rank == 0:
                 prune_checkpoints(c.save, c.keep_last, self.last_healthy)
+
+    def _interval_save(self) -> bool:
+        """A --save-interval checkpoint; one that cannot be written (the engine has removed its partial folder on
+        every rank and kept the previous checkpoint as the newest) is logged and training goes on, until
+        --exit-on-save-failure failures in a row. Whether it was saved."""
+        c = self.config.checkpoint
+        try:
+            self.save()
+        except ckpt.CheckpointError as exc:
+            self.save_failures += 1
+            if self.save_failures >= c.exit_on_save_failure:
+                raise
+            logger.error("iteration %d: checkpoint not saved (%d failed in a row; --exit-on-save-failure %d ends the "
+                         "run): %s. Training goes on; the next save is at iteration %d", self.state.iteration,
+                         self.save_failures, c.exit_on_save_failure, str(exc).splitlines()[0],
+                         self.state.iteration + c.save_interval)
+            return False
+        self.save_failures = 0
+        return True
 
     # ---------------------------------------------------------------------------------- one step
     def _forward_loss(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -333,10 +353,9 @@ class Trainer:
                         logger.warning("iteration %d: not saving during a run of non-finite steps or while the "
                                        "divergence guard sees the loss far above its median or a zero gradient",
                                        s.iteration)
-                    else:
-                        self.save()
+                    elif self._interval_save():
                         saved_at = s.iteration
-                        t_mark = time.perf_counter()  # not iteration time (saving copies the state to the host)
+                    t_mark = time.perf_counter()  # not iteration time (saving copies the state to the host)
                 exit_reason = self._exit_reason(sig, start_time)
                 if exit_reason:
                     result.exit_reason = exit_reason

@@ -43,9 +43,48 @@ def test_keep_last_n_checkpoints_removes_older_ones_after_each_save_but_never_th
     assert sorted(p.name for p in save.iterdir() if p.name.startswith("iter_")) == ["iter_0000008", "iter_0000010"]
 
 
-def test_keep_last_n_checkpoints_needs_save_and_a_positive_count(tmp_path):
+def test_checkpoint_count_flags_are_checked(tmp_path):
     match = "--keep-last-n-checkpoints .* needs --save and a count of at least 1"
     with pytest.raises(ValueError, match=match):
         parse_config(tiny_argv("--keep-last-n-checkpoints", "0", save=tmp_path / "ckpt", **RUN))
     with pytest.raises(ValueError, match=match):
         parse_config(tiny_argv("--keep-last-n-checkpoints", "2", **RUN))
+    with pytest.raises(ValueError, match="--exit-on-save-failure must be at least 1"):
+        parse_config(tiny_argv("--exit-on-save-failure", "0", save=tmp_path / "ckpt", **RUN))
+
+
+def test_a_failed_interval_save_is_logged_and_training_goes_on_until_n_in_a_row(tmp_path, monkeypatch):
+    import logging
+
+    from megatron.checkpoint import store, tp_shards
+
+    errors: list[str] = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = lambda record: errors.append(record.getMessage())
+
+    write = store.write_model_file
+    failing = {2, 6}  # ENOSPC at these iterations' saves
+
+    def flaky(staging, rank, payload, iteration, verify=None):
+        if iteration in failing:
+            with store.checkpoint_write_errors(staging):
+                raise OSError(28, "No space left on device")
+        return write(staging, rank, payload, iteration, verify)
+
+    monkeypatch.setattr(store, "write_model_file", flaky)  # one process: store.save_checkpoint writes
+    monkeypatch.setattr(tp_shards, "write_model_file", flaky)
+    save = tmp_path / "ckpt"
+    logging.getLogger("megatron").addHandler(handler)
+    try:
+        result = pretrain(parse_config(tiny_argv(save=save, **{**RUN, "train_iters": 8})))
+    finally:
+        logging.getLogger("megatron").removeHandler(handler)
+    assert result.state.iteration == 8  # two failures, not in a row: the run went on
+    assert sorted(p.name for p in save.iterdir() if p.name.startswith("iter_")) == ["iter_0000004", "iter_0000008"]
+    assert not [p for p in save.iterdir() if p.name.startswith(".tmp")]  # partial folders removed
+    assert sum("checkpoint not saved" in e for e in errors) == 2, errors
+    failing.update({10, 12})
+    with pytest.raises(store.CheckpointError, match="no space left on device"):
+        pretrain(parse_config(tiny_argv("--exit-on-save-failure", "2", save=save, load=save,
+                                        **{**RUN, "train_iters": 14})))
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "8"
