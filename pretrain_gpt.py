@@ -10,7 +10,7 @@ from megatron.training.loop import TrainingDiverged, pretrain
 
 def main(argv=None) -> int:
     """Exit codes: 0 done, 2 a user error (bad flags, data or checkpoint: one line, no traceback; see
-    megatron/errors.py), 3 the run diverged."""
+    megatron/errors.py), 3 the run diverged, 4 another rank died or stopped answering (one line)."""
     config = parse_config(argv)
     if config.training.dry_run:
         print(describe(config))
