@@ -49,6 +49,14 @@ from megatron.perf.outside import device_parameters
 COLLECTIVE_LATENCY_US = 10.0
 
 
+def ring_factor(op: str, ranks: int) -> float:
+    """Bytes one device moves per byte of the collective's tensor, with ring algorithms (module docstring): the
+    all-reduced tensor, the all-gathered output, the reduce-scattered input, the tensor sent, received or broadcast."""
+    n = ranks
+    return {"all-reduce": 2.0 * (n - 1) / n, "all-gather": (n - 1) / n, "reduce-scatter": (n - 1) / n,
+            "broadcast": (n - 1) / n, "send": 1.0, "recv": 1.0}[op]
+
+
 @dataclass(frozen=True)
 class Collective:
     """`count` calls per step of one collective over `ranks` ranks on a tensor of `bytes` bytes."""
@@ -61,12 +69,14 @@ class Collective:
     across_nodes: bool
     overlaps: str = ""  # "" = exposed in full; "backward" / "forward" = overlaps that compute (module docstring)
 
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes one device moves for this collective in one step."""
+        return self.count * ring_factor(self.op, self.ranks) * self.bytes
+
     def seconds(self, dev: Device) -> float:
-        n = self.ranks
-        factor = {"all-reduce": 2.0 * (n - 1) / n, "all-gather": (n - 1) / n, "reduce-scatter": (n - 1) / n,
-                  "send": 1.0}[self.op]
         bandwidth = (dev.scale_out_gbps if self.across_nodes else dev.intra_node_gbps) * 1e9 * COMM_EFFICIENCY
-        return self.count * (factor * self.bytes / bandwidth + COLLECTIVE_LATENCY_US * 1e-6)
+        return self.wire_bytes / bandwidth + self.count * COLLECTIVE_LATENCY_US * 1e-6
 
 
 @dataclass(frozen=True)
@@ -119,21 +129,17 @@ def step_collectives(config: MegatronConfig, devices_per_node: int,
         sp = " (SP)" if p.sequence_parallel else ""
         out.append(Collective("tensor-parallel activations" + sp, "all-reduce", activation, tp, 4 * layers * micro,
                               tp_inter))
-        # The first stage holds the embedding, the last the LM head and the loss (both without pipelining).
-        first, last = True, True
-        if pp > 1:
-            first = False  # the last stage's share is the larger one: the head's gradient and the loss
-        embedding = outside.weight_bytes(config) * tokens * m.hidden_size
-        if first:
+        # The first stage holds the embedding, the last the LM head and the loss (both without pipelining). The
+        # device modelled is on the last stage, whose share is the larger: the head's gradient and the loss.
+        if pp == 1:
+            embedding = outside.weight_bytes(config) * tokens * m.hidden_size
             out.append(Collective("tensor-parallel embedding output" + sp, "all-reduce", embedding, tp, micro,
                                   tp_inter))
-        if last:
-            out += [Collective("tensor-parallel LM head input gradient" + sp, "all-reduce", activation, tp, micro,
-                               tp_inter),
-                    Collective("vocabulary-parallel cross-entropy", "all-reduce", 4.0 * tokens, tp, 3 * micro,
-                               tp_inter)]
+        out += [Collective("tensor-parallel LM head input gradient" + sp, "all-reduce", activation, tp, micro,
+                           tp_inter),
+                Collective("vocabulary-parallel cross-entropy", "all-reduce", 4.0 * tokens, tp, 3 * micro, tp_inter)]
         if p.sequence_parallel:
-            norms = (2 * layers + (1 if last else 0)) * m.hidden_size
+            norms = (2 * layers + 1) * m.hidden_size  # two per block and the final norm
             out.append(Collective("sequence-parallel norm gradients", "all-reduce",
                                   norms * outside.weight_bytes(config), tp, 1, tp_inter))
     if pp > 1:

@@ -297,7 +297,7 @@ def _fp8_layers(model: torch.nn.Module, recipe: Fp8Recipe, blocks: list[torch.nn
 # Ops that launch nothing in eager PyTorch (allocation, metadata) besides views (`OpOverload.is_view`).
 _NO_KERNEL = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "detach", "lift_fresh",
               "_local_scalar_dense", "set_", "resize_", "sym_size", "sym_stride", "sym_numel", "is_same_size"}
-_EAGER_GEMMS = {"mm": "mm", "addmm": "addmm", "bmm": "bmm", "_scaled_mm": "_scaled_mm"}
+_EAGER_GEMMS = frozenset({"mm", "addmm", "bmm", "_scaled_mm"})
 
 
 def _tensor_bytes(values: Any) -> float:

@@ -30,13 +30,11 @@ LAYOUTS = {
     "deepspeed-zero2": ("--deepspeed", "--zero-stage", "2"),
     "deepspeed-zero3": ("--deepspeed", "--zero-stage", "3"),
 }
-_FACTOR = {"all-reduce": lambda n: 2.0 * (n - 1) / n, "all-gather": lambda n: (n - 1) / n,
-           "reduce-scatter": lambda n: (n - 1) / n, "send": lambda n: 1.0}
 
 
 def _model_bytes(argv: list[str]) -> float:
     config = parse_config(argv, world_size=2)
-    return sum(_FACTOR[c.op](c.ranks) * c.bytes * c.count for c in comm.step_collectives(config, 8))
+    return sum(c.wire_bytes for c in comm.step_collectives(config, 8))
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -36,15 +36,14 @@ def _group_size(group: Any) -> int:
 
 
 def record(op: str, group: Any, nbytes: int) -> None:
-    n = _group_size(group)
-    factor = {"all-reduce": 2.0 * (n - 1) / n, "all-gather": (n - 1) / n, "reduce-scatter": (n - 1) / n,
-              "broadcast": (n - 1) / n, "send": 1.0, "recv": 1.0}[op]
+    from megatron.perf.comm import ring_factor
+
     entry = _COUNTS[_ITERATION[0]][op]
     entry[0] += 1
-    entry[1] += factor * nbytes
+    entry[1] += ring_factor(op, _group_size(group)) * nbytes
 
 
-# name -> (op, index of the tensor argument that has the collective's full size, keyword of the group)
+# name -> (op, index of the tensor argument that has the collective's full size)
 _COLLECTIVES = {
     "all_reduce": ("all-reduce", 0), "all_gather": ("all-gather", 0), "all_gather_into_tensor": ("all-gather", 0),
     "reduce_scatter": ("reduce-scatter", 1), "reduce_scatter_tensor": ("reduce-scatter", 1),
@@ -53,7 +52,7 @@ _COLLECTIVES = {
 }
 
 
-def _counted(name: str, op: str, full: int, fn: Any) -> Any:
+def _counted(op: str, full: int, fn: Any) -> Any:
     import inspect
 
     params = list(inspect.signature(fn).parameters)
@@ -105,7 +104,7 @@ def install() -> None:
     import megatron.comm  # noqa: F401 - its collective guard first; the counters wrap it
 
     for name, (op, full) in _COLLECTIVES.items():
-        setattr(dist, name, _counted(name, op, full, getattr(dist, name)))
+        setattr(dist, name, _counted(op, full, getattr(dist, name)))
     _count_ddp_buckets()
     _mark_iterations()
 
