@@ -107,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--exit-interval", type=int, default=None)
     g.add_argument("--exit-duration-in-mins", type=float, default=None)
     g.add_argument("--exit-signal-handler", action="store_true", help="on SIGTERM save a checkpoint and exit")
+    g.add_argument("--exit-on-stall-seconds", type=float, default=None, metavar="S",
+                   help="end the process (one line, exit code 4, every thread's stack in a file it names) when no "
+                        "iteration has finished for S seconds: a stuck filesystem or data worker, a hang outside "
+                        "the collectives; torchrun --max-restarts then restarts the job. Default: off")
     g.add_argument("--max-consecutive-nan-steps", type=int, default=10)
     g.add_argument("--divergence-guard", action=argparse.BooleanOptionalAction, default=True,
                    help="stop a run that explodes without a NaN, before it saves (docs/reliability.md)")
@@ -207,6 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--keep-last-n-checkpoints", type=int, default=None, metavar="K",
                    help="after each complete save, remove all but the K newest checkpoints of --save (never the "
                         "newest healthy one); default: keep all")
+    g.add_argument("--no-checkpoint-fallback", action="store_true",
+                   help="a resume whose newest checkpoint fails its manifest check (a file missing, truncated or "
+                        "with a wrong CRC-32) stops with an error instead of loading the next older intact one")
 
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=100)
@@ -321,6 +328,9 @@ def _not_supported_yet(a: argparse.Namespace) -> None:
     if a.exit_on_save_failure < 1:
         raise ValueError(f"--exit-on-save-failure must be at least 1 (the failed saves in a row that end the run), got "
                          f"{a.exit_on_save_failure}")
+    if a.exit_on_stall_seconds is not None and not a.exit_on_stall_seconds > 0:
+        raise ValueError(f"--exit-on-stall-seconds must be > 0 (the seconds without a finished iteration that end the "
+                         f"process), got {a.exit_on_stall_seconds}; leave it out to turn the check off")
     if a.keep_last_n_checkpoints is not None and (a.keep_last_n_checkpoints < 1 or not a.save):
         raise ValueError(f"--keep-last-n-checkpoints {a.keep_last_n_checkpoints} needs --save and a count of at least "
                          "1 (the checkpoints it keeps); leave it out to keep every checkpoint")
@@ -717,6 +727,7 @@ def _resolve(a: argparse.Namespace, world_size: Optional[int], recipe: list) -> 
             micro_batch_size=a.micro_batch_size, global_batch_size=gbs, data_parallel_size=dp, train_iters=train_iters,
             seed=a.seed, eval_interval=a.eval_interval, eval_iters=a.eval_iters, exit_interval=a.exit_interval,
             exit_duration_in_mins=a.exit_duration_in_mins, exit_signal_handler=a.exit_signal_handler,
+            exit_on_stall_seconds=a.exit_on_stall_seconds,
             max_consecutive_nan_steps=a.max_consecutive_nan_steps, bf16=a.bf16, params_dtype=a.params_dtype, dry_run=a.dry_run,
             project_on=_project_on(a), project_devices=a.project_devices,
             torch_compile=a.torch_compile),
@@ -724,7 +735,7 @@ def _resolve(a: argparse.Namespace, world_size: Optional[int], recipe: list) -> 
             save=a.save, load=a.load, save_interval=a.save_interval, no_save_optim=a.no_save_optim,
             no_save_rng=a.no_save_rng, no_load_optim=a.no_load_optim, no_load_rng=a.no_load_rng, finetune=a.finetune,
             verify=a.verify_checkpoint, keep_last=a.keep_last_n_checkpoints,
-            exit_on_save_failure=a.exit_on_save_failure),
+            exit_on_save_failure=a.exit_on_save_failure, fallback=not a.no_checkpoint_fallback),
         logging=LoggingConfig(log_interval=a.log_interval, tensorboard_dir=a.tensorboard_dir,
                               log_fp8_stats=a.log_fp8_stats, log_swiglu_diagnostics=not a.no_swiglu_diagnostics,
                               log_batch_size=a.log_batch_size_to_tensorboard,

@@ -151,6 +151,15 @@ def all_gather(tensor: torch.Tensor, group: Optional[Any]) -> list[torch.Tensor]
     return [_from_wire(p, tensor.device, tensor) for p in parts]
 
 
+def all_gather_object(obj: Any, group: Optional[Any]) -> list[Any]:
+    """Every rank's picklable `obj`, in rank order. For small host-side values over a CPU group (the host group)."""
+    if not is_active(group):
+        return [obj]
+    every: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, obj, group=group)
+    return every
+
+
 def reduce_scatter(parts: list[torch.Tensor], group: Optional[Any]) -> torch.Tensor:
     """Sum of every rank's `parts[r]`, on rank r (len(parts) = group size; equal shapes)."""
     if not is_active(group):

@@ -126,6 +126,7 @@ class TrainingConfig:
     eval_iters: int = 100
     exit_interval: Optional[int] = None
     exit_duration_in_mins: Optional[float] = None
+    exit_on_stall_seconds: Optional[float] = None  # no iteration finished for this long ends the process
     exit_signal_handler: bool = False
     max_consecutive_nan_steps: int = 10
     bf16: bool = False
@@ -156,6 +157,7 @@ class CheckpointConfig:
     verify: bool = False  # --verify-checkpoint: each file read back and compared before the commit
     keep_last: Optional[int] = None  # --keep-last-n-checkpoints: older checkpoints removed after each save
     exit_on_save_failure: int = 3  # failed interval saves in a row that end the run
+    fallback: bool = True  # a resume loads the newest checkpoint that matches its manifest (not --no-checkpoint-fallback)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ Layout under --save (our tracker and folder names, DeepSpeed's files inside):
                                                  (ZeRO-3: zero_pp_rank_<dp>_mp_rank_00_model_states.pt)
         zero_pp_rank_<dp>_mp_rank_<tp>_optim_states.pt   one per rank: its ZeRO partition (ZeRO >= 1)
         train_state.json, config.json            as in our own layout
+        manifest.json                            every file's size and CRC-32, as in our own layout
     zero_to_fp32.py                              DeepSpeed's script to consolidate the partitions (it reads `latest`)
 Atomicity as in `store.save_checkpoint`: every rank writes into a hidden temporary tag,
 rank 0 fsyncs the files, adds our JSON files and renames the folder, then replaces the trackers.
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megatron import comm
+from megatron.checkpoint import manifest
 from megatron.checkpoint import store as ckpt
 from megatron.checkpoint.verify import verify_file
 
@@ -56,12 +58,18 @@ def save_checkpoint(engine, save_dir: str, iteration: int, client_state: dict, t
         ckpt.sweep_stale_saves(root)
     comm.barrier(comm.world_group())
     written = engine.checkpoint_engine.written = [] if verify else None
+    entries = engine.checkpoint_engine.entries = {}
     with ckpt.checkpoint_write_errors(root / tmp_tag):  # ENOSPC and other write errors named, partial folder removed
         engine.save_checkpoint(str(root), tag=tmp_tag, client_state={CLIENT_KEY: client_state}, save_latest=False)
-    # DeepSpeed's save ends with a barrier: every rank's files are complete here.
+        # DeepSpeed's save ends with a barrier: every rank's files are complete here.
+        if entries:
+            manifest.write_part(root / tmp_tag, f"rank_{dist.get_rank():05d}",
+                                {str(Path(path).relative_to(root / tmp_tag)): entry for path, entry in entries.items()})
+    engine.checkpoint_engine.entries = None
     if verify:
         _verify_written(root / tmp_tag, written, verify_group)
         engine.checkpoint_engine.written = None
+    comm.barrier(comm.world_group())  # every rank's manifest entries are in before rank 0 merges them
     if rank0:
         tmp = root / tmp_tag
         _fsync_tree(tmp)
@@ -70,13 +78,14 @@ def save_checkpoint(engine, save_dir: str, iteration: int, client_state: dict, t
     comm.barrier(comm.world_group())
 
 
-def load_checkpoint(engine, load_dir: str, load_optimizer: bool, module_only: bool) -> Optional[dict]:
+def load_checkpoint(engine, load_dir: str, load_optimizer: bool, module_only: bool,
+                    iteration: Optional[int] = None) -> Optional[dict]:
     """Restore weights (and optimizer partitions) in place; return our part like `load_checkpoint_files`.
 
     The dict has 'payload' (scheduler, RNG, FP8 state), 'train_state', 'config' and 'path'; weights and
     optimizer are already in the engine when it returns. None: no checkpoint.
     """
-    iteration = ckpt.read_tracker(load_dir)
+    iteration = ckpt.read_tracker(load_dir) if iteration is None else iteration
     if iteration is None:
         return None
     folder = ckpt.iteration_dir(load_dir, iteration)
@@ -140,12 +149,15 @@ def use_weights_only_loading(engine) -> None:
 
     class WeightsOnlyCheckpointEngine(TorchCheckpointEngine):
         written: Optional[list] = None  # (path, state) of each save while `save_checkpoint` verifies
+        entries: Optional[dict] = None  # path -> manifest entry of each file saved by `save_checkpoint`
 
         def save(self, state_dict, path: str):
-            result = super().save(state_dict, path)
+            with manifest.ChecksumFile(Path(path)) as f:  # what TorchCheckpointEngine.save does, through the CRC-32
+                torch.save(state_dict, f, _use_new_zipfile_serialization=self.zipfile_serialization)
+            if self.entries is not None:
+                self.entries[path] = f.entry()
             if self.written is not None:
                 self.written.append((path, state_dict))
-            return result
 
         def load(self, path: str, map_location=None):
             try:

@@ -70,8 +70,9 @@ def optimizer_switched(saved: dict, optimizer: torch.optim.Optimizer, load_optim
     return load_optimizer and saved.get("optimizer") not in (None, optimizer_name(optimizer))
 
 
-def newest_folder(load_dir: str) -> Optional[Path]:
-    iteration = ckpt.read_tracker(load_dir)
+def newest_folder(load_dir: str, iteration: Optional[int] = None) -> Optional[Path]:
+    """The folder of `iteration` (None: the tracker's) under `load_dir`; None when there is no checkpoint."""
+    iteration = ckpt.read_tracker(load_dir) if iteration is None else iteration
     return None if iteration is None else ckpt.iteration_dir(load_dir, iteration)
 
 

@@ -7,6 +7,7 @@ Layout under `--save`:
                                            (tensors + plain data)
         train_state.json                   iteration, consumed samples and tokens, skip/NaN counters
         config.json                        the resolved MegatronConfig (never a pickled Namespace)
+        manifest.json                      every file's size and CRC-32 (manifest.py), checked before a resume
 
 Atomicity: everything is written into a hidden temporary folder, fsynced, then renamed to its
 final `iter_*` name; only then is the pointer file replaced (also via rename). A crash at any
@@ -31,6 +32,7 @@ import numpy as np
 import torch
 
 from megatron import comm
+from megatron.checkpoint import manifest
 
 CHECKPOINT_VERSION = 1
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -62,11 +64,14 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def write_json(path: Path, data: Any) -> None:
-    with open(path, "w") as f:
-        json.dump(data, f, indent=2, sort_keys=True)
+def write_json(path: Path, data: Any) -> dict:
+    """Write `data` as JSON, fsynced; its manifest entry."""
+    text = json.dumps(data, indent=2, sort_keys=True).encode()
+    with open(path, "wb") as f:
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
+    return manifest.entry_of_bytes(text)
 
 
 # ---------------------------------------------------------------------------------------------- RNG
@@ -144,18 +149,18 @@ def save_checkpoint(save_dir: str | os.PathLike, iteration: int, payload: dict, 
 
 def write_model_file(staging: Path, mp_rank: int, payload: dict, iteration: int,
                      verify: Optional[Callable[[Path, Any], None]] = None) -> None:
-    """`payload` (with the format version and iteration) as `staging`'s model file of `mp_rank`, fsynced, then
-    checked by `verify` when given. A write error removes `staging` (`checkpoint_write_errors`); a failed check is
-    raised as it is, for the caller to agree with the other ranks before removing anything."""
+    """`payload` (with the format version and iteration) as `staging`'s model file of `mp_rank`, fsynced, its size
+    and CRC-32 left for the manifest, then checked by `verify` when given. A write error removes `staging`
+    (`checkpoint_write_errors`); a failed check is raised as it is, for the caller to agree with the other ranks
+    before removing anything."""
     target = model_file(staging, mp_rank)
     body = dict(payload, checkpoint_version=CHECKPOINT_VERSION, iteration=iteration)
     with checkpoint_write_errors(staging):
         target.parent.mkdir(parents=True)
-        with open(target, "wb") as f:
+        with manifest.ChecksumFile(target) as f:
             torch.save(body, f)
-            f.flush()
-            os.fsync(f.fileno())
         fsync_path(target.parent)
+        manifest.write_part(staging, target.parent.name, {str(target.relative_to(staging)): f.entry()})
     if verify is not None:
         verify(target, body)
 
@@ -209,8 +214,8 @@ def commit_checkpoint(root: Path, staging: Path, iteration: int, train_state: di
     any extra `pointers`, file name -> content, such as DeepSpeed's `latest`), each replaced atomically.
     """
     with checkpoint_write_errors(staging):
-        write_json(staging / "train_state.json", train_state)
-        write_json(staging / "config.json", config)
+        manifest.finish(staging, {"train_state.json": write_json(staging / "train_state.json", train_state),
+                                  "config.json": write_json(staging / "config.json", config)})
         fsync_path(staging)
     if _before_commit is not None and not getattr(_before_commit, "between_renames", False):
         _before_commit(staging)
@@ -290,7 +295,7 @@ def read_tracker(load_dir: str | os.PathLike) -> Optional[int]:
     return _healthy_iteration(root, iteration)
 
 
-def _is_healthy(root: Path, iteration: int) -> bool:
+def is_healthy(root: Path, iteration: int) -> bool:
     state_file = iteration_dir(root, iteration) / "train_state.json"
     try:
         return json.loads(state_file.read_text()).get("healthy", True) is not False
@@ -301,9 +306,9 @@ def _is_healthy(root: Path, iteration: int) -> bool:
 def _healthy_iteration(root: Path, iteration: int) -> int:
     """`iteration`, unless its checkpoint was saved while the divergence guard saw the run going wrong: then the
     newest healthy one before it (with a warning), or `iteration` itself when there is none."""
-    if _is_healthy(root, iteration):
+    if is_healthy(root, iteration):
         return iteration
-    healthy = [i for i in complete_iterations(root) if i < iteration and _is_healthy(root, i)]
+    healthy = [i for i in complete_iterations(root) if i < iteration and is_healthy(root, i)]
     if not healthy:
         logger.warning("checkpoint %d under %s was saved while the run was diverging and no healthy one precedes "
                        "it: loading it anyway", iteration, root)
@@ -328,9 +333,11 @@ def unreadable(path: str | os.PathLike, exc: BaseException) -> CheckpointError:
                            f"resume from an older checkpoint by writing its iteration into {TRACKER_FILE}")
 
 
-def load_checkpoint_files(load_dir: str | os.PathLike, mp_rank: int = 0) -> Optional[dict]:
-    """Load the newest checkpoint under `load_dir`: {'payload', 'train_state', 'config', 'path'} or None."""
-    iteration = read_tracker(load_dir)
+def load_checkpoint_files(load_dir: str | os.PathLike, mp_rank: int = 0,
+                          iteration: Optional[int] = None) -> Optional[dict]:
+    """Load the checkpoint of `iteration` (None: the newest) under `load_dir`: {'payload', 'train_state', 'config',
+    'path'} or None."""
+    iteration = read_tracker(load_dir) if iteration is None else iteration
     if iteration is None:
         return None
     ckpt = iteration_dir(load_dir, iteration)

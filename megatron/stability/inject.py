@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from megatron.checkpoint import manifest
 from megatron.checkpoint.store import TRACKER_FILE, iteration_dir, model_file, read_tracker
 
 _FC1 = "mlp.linear_fc1.weight"
@@ -87,6 +88,8 @@ def inject_aligned_channels(ckpt_root: Path, c: float, channels: int) -> dict:
     tmp = path.with_suffix(".tmp")
     torch.save(state, tmp)
     tmp.replace(path)
+    folder = iteration_dir(ckpt_root, iteration)
+    manifest.refresh(folder, str(path.relative_to(folder)))
     return report
 
 

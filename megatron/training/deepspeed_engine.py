@@ -120,14 +120,15 @@ class DeepSpeedBase:
         deepspeed_io.save_checkpoint(self.engine, save_dir, iteration, extras, train_state, config,
                                      verify_group=self.parallel.host_group, verify=self.config.checkpoint.verify)
 
-    def load_checkpoint(self, load_dir: str, load_optimizer: bool, module_only: bool) -> Optional[dict]:
+    def load_checkpoint(self, load_dir: str, load_optimizer: bool, module_only: bool,
+                        iteration: Optional[int] = None) -> Optional[dict]:
         from megatron.checkpoint import reshard
 
-        folder = reshard.newest_folder(load_dir)
+        folder = reshard.newest_folder(load_dir, iteration)
         if folder is not None and not reshard.deepspeed_layout_matches(self, reshard.saved_layout(folder)):
             return reshard.load_into_deepspeed(self, folder, load_optimizer=load_optimizer, module_only=module_only)
         return deepspeed_io.load_checkpoint(self.engine, load_dir, load_optimizer=load_optimizer,
-                                            module_only=module_only)
+                                            module_only=module_only, iteration=iteration)
 
 
 class DeepSpeedEngine(DeepSpeedBase, MicroBatchEngine):

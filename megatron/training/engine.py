@@ -62,8 +62,10 @@ class Engine(abc.ABC):
                         config: dict) -> None: ...
 
     @abc.abstractmethod
-    def load_checkpoint(self, load_dir: str, load_optimizer: bool, module_only: bool) -> Optional[dict]:
-        """None when `load_dir` holds no checkpoint; else {"payload": extras, "train_state", "path"}."""
+    def load_checkpoint(self, load_dir: str, load_optimizer: bool, module_only: bool,
+                        iteration: Optional[int] = None) -> Optional[dict]:
+        """None when `load_dir` holds no checkpoint; else {"payload": extras, "train_state", "path"}. `iteration`:
+        the one to load (`fallback.resume_iteration`'s choice); None: the tracker's."""
 
     @property
     def learning_rate(self) -> float:
@@ -205,8 +207,9 @@ class TorchEngine(MicroBatchEngine):
                                                     f"into {save_dir} (see its error); the previous one is intact")
         comm.barrier(comm.world_group())
 
-    def load_checkpoint(self, load_dir: str, load_optimizer: bool, module_only: bool) -> Optional[dict]:
-        folder = reshard.newest_folder(load_dir)
+    def load_checkpoint(self, load_dir: str, load_optimizer: bool, module_only: bool,
+                        iteration: Optional[int] = None) -> Optional[dict]:
+        folder = reshard.newest_folder(load_dir, iteration)
         if folder is not None:
             saved = reshard.saved_layout(folder)
             tp = self.parallel.tensor_parallel_size
@@ -224,7 +227,7 @@ class TorchEngine(MicroBatchEngine):
                     weights=self.weights.named_masters())
                 self.weights.copy_to_model()
                 return loaded
-        loaded = ckpt.load_checkpoint_files(load_dir, mp_rank=self.parallel.tensor_parallel_rank)
+        loaded = ckpt.load_checkpoint_files(load_dir, mp_rank=self.parallel.tensor_parallel_rank, iteration=iteration)
         if loaded is None:
             return None
         payload = loaded["payload"]

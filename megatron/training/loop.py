@@ -27,6 +27,7 @@ from torch import nn
 from megatron import comm
 from megatron.accelerator import Accelerator, get_accelerator
 from megatron.checkpoint import store as ckpt
+from megatron.checkpoint.fallback import resume_iteration
 from megatron.checkpoint.folders import check_load_folder, check_save_folder, prune_checkpoints
 from megatron.checkpoint.train_state import TrainState
 from megatron.config import MegatronConfig
@@ -154,8 +155,9 @@ class Trainer:
     def _load(self) -> None:
         c = self.config.checkpoint
         # The engine restores weights and optimizer state in place, in its own layout.
-        loaded = self.engine.load_checkpoint(c.load, load_optimizer=not (c.no_load_optim or c.finetune),
-                                             module_only=c.finetune)
+        iteration = resume_iteration(c.load, c.fallback, self.parallel.host_group)
+        loaded = None if iteration is None else self.engine.load_checkpoint(
+            c.load, load_optimizer=not (c.no_load_optim or c.finetune), module_only=c.finetune, iteration=iteration)
         if loaded is None:
             logger.info("no checkpoint found under --load %s: starting from scratch", c.load)
             return

@@ -17,7 +17,7 @@ CORRUPT = r'''
 import os, runpy, sys, torch
 real = torch.save
 def save(obj, f, *args, **kwargs):
-    if os.environ.get("RANK") == "1" and str(f).endswith("optim_states.pt"):
+    if os.environ.get("RANK") == "1" and str(getattr(f, "path", f)).endswith("optim_states.pt"):  # a ChecksumFile
         state = obj["optimizer_state_dict"]
         key = next(k for k in ("single_partition_of_fp32_groups", "fp32_flat_groups") if k in state)
         groups = list(state[key])

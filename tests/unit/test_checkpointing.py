@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from megatron.arguments import parse_config
+from megatron.checkpoint import manifest
 from megatron.checkpoint import store as ckpt
 from megatron.training.loop import pretrain
 from tests.support.config import tiny_argv
@@ -141,7 +142,7 @@ def test_disk_full_names_enospc_and_the_folder_and_keeps_the_previous_checkpoint
             return real_open("/dev/full", mode, *args, **kwargs)
         return real_open(path, mode, *args, **kwargs)
 
-    monkeypatch.setattr(ckpt, "open", open_full, raising=False)
+    monkeypatch.setattr(manifest, "open", open_full, raising=False)  # the model file is opened by ChecksumFile
     with pytest.raises(ckpt.CheckpointError, match=rf"no space left on device \(ENOSPC\) while writing a checkpoint "
                                                    rf"into {tmp_path}"):
         _save(tmp_path, 4, 2.0)
