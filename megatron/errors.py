@@ -7,15 +7,19 @@ fix) or `OSError` (a missing file, a full disk). Those print `error: <message>` 
 
 A collective that failed because another rank died or stopped answering (gloo's "Connection closed/reset by peer",
 a timed-out collective, NCCL's aborted communicator) is not this rank's bug either: one line saying so, exit code 4;
-the rank that failed has its own log, and torchrun's `--max-restarts` starts the next attempt. Anything else is a
-bug and keeps its traceback.
+the line names the collective that failed and the ranks whose heartbeat stopped (megatron/heartbeat.py), whose own
+logs say why, and torchrun's `--max-restarts` starts the next attempt. Anything else is a bug and keeps its traceback.
 """
 from __future__ import annotations
 
 import os
 import re
+import signal
 import sys
+from types import TracebackType
 from typing import Any, Callable, Optional
+
+from megatron import heartbeat
 
 USER_ERROR_EXIT_CODE = 2
 USER_ERRORS = (ValueError, OSError)
@@ -45,11 +49,48 @@ def _rank_prefix() -> str:
     return f"[rank {rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
 
 
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def failed_call(tb: Optional[TracebackType]) -> Optional[str]:
+    """The torch.distributed function a failed collective was called as (`all_reduce`, `barrier`, ...), with our
+    frame that called it: the innermost frame of torch/distributed/ in the traceback and the megatron frame above
+    it. None when no torch.distributed frame is in it (DDP's all-reduce runs in C++, under `backward`)."""
+    frames = []
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    for i in range(len(frames) - 1, -1, -1):
+        code = frames[i].f_code
+        if f"torch{os.sep}distributed{os.sep}" in code.co_filename and not code.co_name.startswith("_"):
+            ours = next((f for f in reversed(frames[:i]) if f.f_code.co_filename.startswith(_PACKAGE)
+                         and os.path.basename(f.f_code.co_filename) != "comm.py"), None)
+            where = (f" from megatron{os.sep}{ours.f_code.co_filename[len(_PACKAGE):]}:{ours.f_lineno}"
+                     if ours is not None else "")
+            return f"torch.distributed.{code.co_name}{where}"
+    return None
+
+
 def report_peer_failure(exc: BaseException) -> int:
+    """One line: the collective that failed, the suspect ranks (their heartbeat stopped; waits a few seconds to
+    tell), what the backend said; exit code 4."""
     first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
-    print(f"{_rank_prefix()}error: a collective failed because another rank died or stopped answering ({first}); "
-          "that rank's own log says why. Under torchrun --max-restarts the next attempt resumes from the newest "
-          "checkpoint (docs/reliability.md)", file=sys.stderr, flush=True)
+    call = failed_call(exc.__traceback__)
+    # The launcher may stop this rank (torchrun sends SIGTERM once it sees a worker fail, and SIGKILL 30 s later):
+    # the heartbeats need a moment to tell, after which the process ends anyway.
+    try:
+        previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    except ValueError:  # not the main thread: no handler to change
+        previous = None
+    try:
+        suspects = heartbeat.suspects()
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    print(f"{_rank_prefix()}error: {call or 'a collective'} failed because another rank died or stopped answering"
+          f"{f': {suspects}' if suspects else ''} ({first}); that rank's own log says why. Under torchrun "
+          "--max-restarts the next attempt resumes from the newest checkpoint (docs/reliability.md)",
+          file=sys.stderr, flush=True)
     return PEER_FAILURE_EXIT_CODE
 
 

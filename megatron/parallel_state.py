@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from megatron import comm
+from megatron import comm, heartbeat
 from megatron.accelerator import Accelerator
 from megatron.config import ParallelConfig
 
@@ -81,6 +81,7 @@ def finish_distributed_run(exit_code: int) -> None:
     import logging as _logging
     import sys
 
+    heartbeat.stop()  # marked finished: a failure elsewhere from here on does not name this rank
     if dist.is_initialized():
         try:
             if exit_code == 0:
@@ -119,8 +120,11 @@ def initialize_parallel_state(cfg: ParallelConfig, accelerator: Accelerator) -> 
         atexit.register(_destroy_process_groups)
     rank, world = dist.get_rank(), dist.get_world_size()
     host_group = _host_group(world, timeout)
-    return _build_parallel_state(rank, world, cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
-                                 host_group, timeout)
+    state = _build_parallel_state(rank, world, cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
+                                  host_group, timeout)
+    # a collective that fails names the ranks whose heartbeat stopped (megatron/heartbeat.py)
+    heartbeat.start(rank, world, f"megatron_attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', 'none')}")
+    return state
 
 
 def _init_elastic_attempt(backend: str, timeout: datetime.timedelta) -> None:

@@ -45,6 +45,7 @@ from megatron.perf.flops import flops_per_iteration
 from megatron.training.fp8_hooks import Fp8Hooks
 from megatron.training.log import TrainingLogger, host_floats, setup_logging
 from megatron.training.swiglu_hooks import STATE_KEY as SWIGLU_STATE_KEY, SwiGLUHooks
+from megatron.training.stall import StallWatchdog
 
 logger = logging.getLogger("megatron")
 
@@ -295,6 +296,8 @@ class Trainer:
         pending: list = []
         self.accel.synchronize()
         t_mark = time.perf_counter()
+        watchdog = (StallWatchdog(t.exit_on_stall_seconds, self.parallel.rank)
+                    if t.exit_on_stall_seconds is not None else None)
         try:
             self._check_weights()  # an absurd init (or a loaded exploded model) stops here
             self._stop_if_diverged(result)
@@ -358,6 +361,8 @@ class Trainer:
                     elif self._interval_save():
                         saved_at = s.iteration
                     t_mark = time.perf_counter()  # not iteration time (saving copies the state to the host)
+                if watchdog is not None:
+                    watchdog.finished(s.iteration)
                 exit_reason = self._exit_reason(sig, start_time)
                 if exit_reason:
                     result.exit_reason = exit_reason
@@ -370,6 +375,8 @@ class Trainer:
                 self.tlog.validation("test", result.test_loss, self.state.iteration, self.state.consumed_train_tokens,
                                     self.state.consumed_train_samples)
         finally:
+            if watchdog is not None:
+                watchdog.close()
             result.losses.extend(self._read_pending(pending) if pending else [])
             sig.restore()
             self.tlog.close()

@@ -34,7 +34,8 @@ def test_a_killed_rank_is_restarted_and_the_run_ends_as_if_it_never_failed(tmp_p
     assert out.returncode == 0, log[-4000:]
     assert "loaded checkpoint" in log and "at iteration 2" in log, log[-4000:]
     # the survivor of the first attempt left with one line, not gloo's traceback
-    assert "[rank 0] error: a collective failed because another rank died or stopped answering" in log, log[-4000:]
+    assert ("[rank 0] error: a collective failed because another rank died or stopped answering: rank 1 stopped "
+            "answering (no heartbeat for 2 s)") in log, log[-4000:]
     assert "[rank0]: Traceback" not in log, log[-4000:]
     launch_checked(2, tiny_argv(save=clean, load=clean, **RUN))
     got, want = _weights(killed), _weights(clean)
