@@ -57,15 +57,24 @@ def save_checkpoint(engine, save_dir: str, iteration: int, client_state: dict, t
         root.mkdir(parents=True, exist_ok=True)
         ckpt.sweep_stale_saves(root)
     comm.barrier(comm.world_group())
+    staging = root / tmp_tag
     written = engine.checkpoint_engine.written = [] if verify else None
     entries = engine.checkpoint_engine.entries = {}
-    with ckpt.checkpoint_write_errors(root / tmp_tag):  # ENOSPC and other write errors named, partial folder removed
+    failed = engine.checkpoint_engine.failed = []
+    try:
+        # A write error is held (`failed`) until DeepSpeed's own barriers are behind every rank: raised where it
+        # happened, it would leave this rank out of a barrier the others wait in.
         engine.save_checkpoint(str(root), tag=tmp_tag, client_state={CLIENT_KEY: client_state}, save_latest=False)
         # DeepSpeed's save ends with a barrier: every rank's files are complete here.
-        if entries:
-            manifest.write_part(root / tmp_tag, f"rank_{dist.get_rank():05d}",
-                                {str(Path(path).relative_to(root / tmp_tag)): entry for path, entry in entries.items()})
-    engine.checkpoint_engine.entries = None
+        if entries and not failed:
+            try:
+                manifest.write_part(staging, f"rank_{dist.get_rank():05d}",
+                                    {str(Path(path).relative_to(staging)): entry for path, entry in entries.items()})
+            except OSError as exc:
+                failed.append(exc)
+    finally:
+        engine.checkpoint_engine.entries = engine.checkpoint_engine.failed = None
+    _agree_written(staging, failed, verify_group)
     if verify:
         _verify_written(root / tmp_tag, written, verify_group)
         engine.checkpoint_engine.written = None
@@ -103,6 +112,21 @@ def load_checkpoint(engine, load_dir: str, load_optimizer: bool, module_only: bo
     config = ckpt.read_json(config_path) if config_path.exists() else {}
     return {"payload": (client or {}).get(CLIENT_KEY, {}), "train_state": train_state, "config": config,
             "path": folder}
+
+
+def _agree_written(staging: Path, failed: list, group: Any) -> None:
+    """If any rank could not write its files, every rank raises (the failing one its own error, ENOSPC named as such)
+    and the staging folder is removed: the previous checkpoint stays the newest, and the run may go on."""
+    if not ckpt.any_rank_failed(bool(failed), group):
+        return
+    comm.barrier(comm.world_group())  # every rank knows before the folder goes
+    if failed:
+        with ckpt.checkpoint_write_errors(staging):
+            raise failed[0]
+    if dist.get_rank() == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+    raise ckpt.CheckpointError(f"another rank could not write its part of the checkpoint into {staging.parent} (see "
+                               "that rank's error); the previous checkpoint is intact")
 
 
 def _verify_written(staging: Path, written: list, group: Any) -> None:
@@ -150,14 +174,31 @@ def use_weights_only_loading(engine) -> None:
     class WeightsOnlyCheckpointEngine(TorchCheckpointEngine):
         written: Optional[list] = None  # (path, state) of each save while `save_checkpoint` verifies
         entries: Optional[dict] = None  # path -> manifest entry of each file saved by `save_checkpoint`
+        failed: Optional[list] = None  # within `save_checkpoint`: this rank's write errors, held (see there)
 
         def save(self, state_dict, path: str):
-            with manifest.ChecksumFile(Path(path)) as f:  # what TorchCheckpointEngine.save does, through the CRC-32
-                torch.save(state_dict, f, _use_new_zipfile_serialization=self.zipfile_serialization)
+            if self.failed:  # one error is enough: the checkpoint will not be committed
+                return
+            try:
+                with manifest.ChecksumFile(Path(path)) as f:  # TorchCheckpointEngine.save, through the CRC-32
+                    torch.save(state_dict, f, _use_new_zipfile_serialization=self.zipfile_serialization)
+            except (OSError, RuntimeError) as exc:  # torch's zip writer reports a short write as RuntimeError
+                if self.failed is None:
+                    raise
+                self.failed.append(exc)
+                return
             if self.entries is not None:
                 self.entries[path] = f.entry()
             if self.written is not None:
                 self.written.append((path, state_dict))
+
+        def makedirs(self, path, exist_ok=False):
+            try:
+                return super().makedirs(path, exist_ok=exist_ok)
+            except OSError as exc:
+                if self.failed is None:
+                    raise
+                self.failed.append(exc)
 
         def load(self, path: str, map_location=None):
             try:
@@ -173,3 +214,13 @@ def use_weights_only_loading(engine) -> None:
     safe = WeightsOnlyCheckpointEngine.__new__(WeightsOnlyCheckpointEngine)
     safe.__dict__.update(current.__dict__)  # same settings (serialization format) as the one DeepSpeed built
     engine.checkpoint_engine = safe
+    copy_script = getattr(engine, "_copy_recovery_script", None)
+    if copy_script is not None:  # rank 0 copies zero_to_fp32.py into each checkpoint: its write errors are held too
+        def copy_recovery_script(save_path, _copy=copy_script):
+            try:
+                return _copy(save_path)
+            except OSError as exc:
+                if safe.failed is None:
+                    raise
+                safe.failed.append(exc)
+        engine._copy_recovery_script = copy_recovery_script
