@@ -6,6 +6,10 @@
 # gaudi2: 32 nodes x 8 Gaudi2 through the deepspeed launcher and a hostfile (the reference setup).
 # cuda:   H100/H200 nodes through torchrun (run this script on every node with NODE_RANK set) or,
 #         with LAUNCHER=deepspeed, through the deepspeed launcher and a hostfile.
+# Slurm:  sbatch examples/llama2_7b_2t.sbatch runs this script on every node (torchrun's c10d rendezvous, RDZV_ID).
+# torchrun restarts a failed attempt MAX_RESTARTS times (default 3); each attempt resumes from the newest intact
+# checkpoint (--load = --save). The deepspeed launcher has no restarts: docs/reliability.md says how to wrap it.
+# PRINT_LAUNCH=1 prints the launch command instead of running it.
 # FP8 = delayed hybrid scaling (E4M3 forward, E5M2 gradients, per-tensor, power-of-two scales, amax over
 # all micro-batches of a step) + Smooth-SwiGLU + Fp8AdamW (m E4M3, v E5M2); docs/guides/launch.md.
 # DRY_RUN=1 resolves and validates the whole configuration for the real world size without launching
@@ -27,6 +31,8 @@ HOSTFILE="${HOSTFILE:-examples/hostfile.example}"
 MASTER_ADDR="${MASTER_ADDR:-node-0}"
 MASTER_PORT="${MASTER_PORT:-29500}"
 NODE_RANK="${NODE_RANK:-0}"
+MAX_RESTARTS="${MAX_RESTARTS:-3}"
+RDZV_ID="${RDZV_ID:-}"                          # set (the Slurm job id): c10d rendezvous at MASTER_ADDR:MASTER_PORT
 DATA_PATH="${DATA_PATH:-/data/redpajama/redpajama_text_document}"
 TOKENIZER_MODEL="${TOKENIZER_MODEL:-/data/llama2/tokenizer.model}"
 RUN_DIR="${RUN_DIR:-runs/llama2_7b_2t_${PRECISION}_${PLATFORM}}"
@@ -96,12 +102,22 @@ if [ "${DRY_RUN:-0}" = 1 ]; then
     --mock-data --vocab-size 32000 --dry-run ${PROJECT_ON:+--project-on "$PROJECT_ON"}
 fi
 
-mkdir -p "$RUN_DIR"
 if [ "$LAUNCHER" = deepspeed ]; then
-  exec deepspeed --hostfile "$HOSTFILE" --num_nodes "$NNODES" --num_gpus "$GPUS_PER_NODE" \
-    --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
-    pretrain_gpt.py "${TRAIN_ARGS[@]}" "${DATA_ARGS[@]}" "${DEVICE_ARGS[@]}"
+  LAUNCH=(deepspeed --hostfile "$HOSTFILE" --num_nodes "$NNODES" --num_gpus "$GPUS_PER_NODE"
+          --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT")
+elif [ -n "$RDZV_ID" ]; then  # every node runs the same command; the rendezvous assigns the node ranks
+  LAUNCH=("$PY" -m torch.distributed.run --nnodes "$NNODES" --nproc_per_node "$GPUS_PER_NODE"
+          --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$RDZV_ID"
+          --max-restarts "$MAX_RESTARTS")
+else
+  LAUNCH=("$PY" -m torch.distributed.run --nnodes "$NNODES" --nproc_per_node "$GPUS_PER_NODE" --node_rank "$NODE_RANK"
+          --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" --max-restarts "$MAX_RESTARTS")
 fi
-exec "$PY" -m torch.distributed.run --nnodes "$NNODES" --nproc_per_node "$GPUS_PER_NODE" --node_rank "$NODE_RANK" \
-  --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
-  pretrain_gpt.py "${TRAIN_ARGS[@]}" "${DATA_ARGS[@]}" "${DEVICE_ARGS[@]}"
+COMMAND=("${LAUNCH[@]}" pretrain_gpt.py "${TRAIN_ARGS[@]}" "${DATA_ARGS[@]}" "${DEVICE_ARGS[@]}")
+if [ "${PRINT_LAUNCH:-0}" = 1 ]; then
+  printf '%q ' "${COMMAND[@]}"
+  echo
+  exit 0
+fi
+mkdir -p "$RUN_DIR"
+exec "${COMMAND[@]}"

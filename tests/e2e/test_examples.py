@@ -63,3 +63,38 @@ def test_llama2_7b_2t_with_pipeline_stages_and_the_fp8_controller_resolves():
     # AUTOHEAL=1: the controller with the rungs that apply (Smooth-SwiGLU is on for every layer: no smooth rung)
     autoheal = out.stdout[out.stdout.index('"fp8_autoheal"'):]
     assert '"enabled": true' in autoheal[:300] and '"smooth"' not in autoheal[:300], autoheal[:300]
+
+
+def test_the_slurm_script_starts_torchrun_with_the_c10d_rendezvous_and_restarts_on_every_node(tmp_path):
+    """examples/llama2_7b_2t.sbatch for 2 nodes x 8 devices (a stand-in `scontrol` lists the nodes): the srun line,
+    the same torchrun command on each node (parsed by torchrun's own parser), and the configuration resolved for 16
+    ranks by --dry-run."""
+    import shlex
+
+    from torch.distributed.run import get_args_parser
+
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "scontrol").write_text("#!/bin/sh\necho gpu-a\necho gpu-b\n")
+    (fake / "scontrol").chmod(0o755)
+    env = dict(os.environ, PYTHON=sys.executable, DRY_RUN="1", PROJECT_ON="", PATH=f"{fake}:{os.environ['PATH']}",
+               SLURM_JOB_NUM_NODES="2", SLURM_JOB_NODELIST="gpu-[a-b]", SLURM_JOB_ID="4242")
+    out = subprocess.run(["bash", "examples/llama2_7b_2t.sbatch"], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "srun: srun --nodes 2 --ntasks-per-node 1 --kill-on-bad-exit=1 bash examples/llama2_7b_2t.sh"
+    commands = [line.split(": ", 1)[1] for line in lines[1:3]]
+    assert [line.split(":")[0] for line in lines[1:3]] == ["node gpu-a", "node gpu-b"]
+    assert commands[0] == commands[1]  # the rendezvous assigns the node ranks
+    argv = shlex.split(commands[0])
+    assert argv[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    torchrun = get_args_parser().parse_args(argv[3:])
+    assert (torchrun.nnodes, torchrun.nproc_per_node, torchrun.rdzv_backend, torchrun.rdzv_endpoint,
+            torchrun.rdzv_id, torchrun.max_restarts) == ("2", "8", "c10d", "gpu-a:29500", "4242", 3)
+    assert torchrun.training_script == "pretrain_gpt.py"
+    script = torchrun.training_script_args
+    save, load = script[script.index("--save") + 1], script[script.index("--load") + 1]
+    assert save == load and "--exit-signal-handler" in script  # each attempt resumes where the last one saved
+    assert "parameters: 6,738,415,616" in out.stdout
+    assert "gradient accumulation steps: 64" in out.stdout  # 1024 / (1 x 16 ranks)

@@ -13,7 +13,8 @@ DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), *sorted((REPO
 # Flags of the commands the docs show around ours, and flags named as what is not accepted.
 EXTERNAL = {
     "torchrun": {"--nnodes", "--nproc_per_node", "--nproc-per-node", "--node_rank", "--master_addr", "--master_port",
-                 "--max-restarts"},
+                 "--max-restarts", "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id"},
+    "sbatch and srun (docs/reliability.md)": {"--requeue", "--dependency", "--kill-on-bad-exit"},
     "deepspeed launcher": {"--hostfile", "--include", "--num_gpus", "--num_nodes", "--num_accelerators", "--no_ssh",
                            "--no_local_rank", "--bind_cores_to_rank", "--master_port"},
     "pytest, numactl, every CLI": {"--dist", "--durations", "--hardware", "--help"},
