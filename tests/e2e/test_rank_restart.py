@@ -8,10 +8,10 @@ import os
 import subprocess
 
 import pytest
-import torch
 
 from tests.support.config import REPO, tiny_argv
 from tests.support.launch import launch_checked, torchrun_command
+from tests.support.training import bitwise_differences, checkpoint_tensors
 
 RUN = dict(save_interval=2, train_iters=6, micro_batch_size=2, global_batch_size=8, eval_iters=0, eval_interval=1000,
            log_interval=1)
@@ -25,27 +25,6 @@ LAYOUTS = {
     "tp2": pytest.param(("--tensor-model-parallel-size", "2"), marks=slow),
     "pipeline": pytest.param(("--deepspeed", "--zero-stage", "1", "--pipeline-model-parallel-size", "2"), marks=slow),
 }
-
-
-def _state(folder) -> dict:
-    """Every tensor of every file of the final checkpoint (weights, optimizer, FP8 and RNG state), by file and key."""
-    final = folder / f"iter_{RUN['train_iters']:07d}"
-    out = {}
-
-    def walk(prefix, value):
-        if isinstance(value, torch.Tensor):
-            out[prefix] = value
-        elif isinstance(value, dict):
-            for k, v in value.items():
-                walk(f"{prefix}/{k}", v)
-        elif isinstance(value, (list, tuple)):
-            for i, v in enumerate(value):
-                walk(f"{prefix}[{i}]", v)
-
-    for path in sorted(final.rglob("*.pt")):
-        walk(str(path.relative_to(final)), torch.load(path, map_location="cpu", weights_only=False))
-    assert out
-    return out
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS.values()), ids=list(LAYOUTS))
@@ -66,7 +45,6 @@ def test_a_killed_rank_is_restarted_and_the_run_ends_as_if_it_never_failed(tmp_p
                                           "answering (no heartbeat for 2 s)") in log, log[-4000:]
     assert "[rank0]: Traceback" not in log, log[-4000:]
     launch_checked(2, [*argv, "--save", str(clean), "--load", str(clean)], stdout_tail=0, stderr_tail=3000)
-    got, want = _state(killed), _state(clean)
-    assert got.keys() == want.keys()
-    different = [k for k in want if got[k].dtype != want[k].dtype or not torch.equal(got[k], want[k])]
+    different = bitwise_differences(checkpoint_tensors(killed, RUN["train_iters"]),
+                                    checkpoint_tensors(clean, RUN["train_iters"]))
     assert not different, different[:10]

@@ -30,3 +30,35 @@ def save_tiny_checkpoint(root, iteration: int, value: float, **kw):
 
     return ckpt.save_checkpoint(root, iteration, {"model": {"w": torch.full((4,), float(value))}},
                                 {"iteration": iteration}, {"note": "test"}, **kw)
+
+
+def checkpoint_tensors(folder, iteration: int) -> dict:
+    """Every tensor of every file of checkpoint `iteration` under `folder` (weights, optimizer, FP8 and RNG state, in
+    any engine's layout), keyed by file and path inside it: for bitwise comparisons of whole runs."""
+    import torch
+
+    final = folder / f"iter_{iteration:07d}"
+    out = {}
+
+    def walk(prefix, value):
+        if isinstance(value, torch.Tensor):
+            out[prefix] = value
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}/{k}", v)
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                walk(f"{prefix}[{i}]", v)
+
+    for path in sorted(final.rglob("*.pt")):
+        walk(str(path.relative_to(final)), torch.load(path, map_location="cpu", weights_only=False))
+    assert out, f"no tensors in {final}"
+    return out
+
+
+def bitwise_differences(got: dict, want: dict) -> list[str]:
+    """The keys whose tensors differ in dtype or in any bit (after checking both hold the same keys)."""
+    import torch
+
+    assert got.keys() == want.keys(), sorted(set(got) ^ set(want))[:10]
+    return [k for k in want if got[k].dtype != want[k].dtype or not torch.equal(got[k], want[k])]
