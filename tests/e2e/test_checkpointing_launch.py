@@ -70,5 +70,9 @@ def test_user_errors_print_one_line_without_a_traceback(tmp_path):
     assert "error: " in out.stderr and "train_state.json is damaged" in out.stderr
     shown = _pretrain_cli(*argv, env={"MEGATRON_TRACEBACK": "1"})  # for debugging: the traceback is there
     assert shown.returncode != 0 and "Traceback" in shown.stderr
+    # a --save folder holding newer checkpoints, without --load: refused before anything is written
+    refused = _pretrain_cli(*tiny_argv(save=tmp_path, train_iters=2))
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-2000:]
+    assert f"error: --save {tmp_path} holds checkpoints up to iteration 4" in refused.stderr
     tool = _launch(1, ["--load", str(tmp_path / "nowhere"), "--text-file", "x"], "tools/evaluate.py")
     assert tool.returncode == 2 and "Traceback" not in tool.stderr and "nowhere" in tool.stderr
