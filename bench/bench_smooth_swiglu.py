@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron.config import ModelConfig, SmoothSwiGLUGranularity  # noqa: E402
+from megatron.config import LLAMA, ModelConfig, SmoothSwiGLUGranularity  # noqa: E402
 from megatron.fp8 import Fp8Linear, Fp8Recipe, convert_to_fp8, fp8_optimizer_step  # noqa: E402
 from megatron.fp8.backends import select_backend  # noqa: E402
 from megatron.model import GPTModel  # noqa: E402
@@ -42,7 +42,7 @@ def _config(layers: int, hidden: int, ffn: int, seq: int, smooth: Optional[Smoot
     heads = max(hidden // 64, 1)
     return ModelConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=heads,
                        ffn_hidden_size=ffn, seq_length=seq, max_position_embeddings=seq, padded_vocab_size=512,
-                       kv_channels=hidden // heads, smooth_swiglu=smooth)
+                       kv_channels=hidden // heads, smooth_swiglu=smooth, **LLAMA)
 
 
 def _sync(device: torch.device) -> None:

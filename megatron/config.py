@@ -8,12 +8,16 @@ when the tokenizer is known, never re-derived downstream.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import enum
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
-from megatron.compat import CompatConfig
+from megatron.compat import CompatConfig, normalization_type, optimizer_type
+from megatron.flagspec import (
+    CHECKPOINTING, DATA, DEEPSPEED, DISTRIBUTED, FP8, LOGGING, NETWORK, PRECISION, REGULARIZATION, TRAINING, Flag, flag,
+)
 from megatron.fp8.recipe import Fp8AutohealConfig, Fp8Recipe
 
 
@@ -45,31 +49,57 @@ class SmoothSwiGLUGranularity(str, enum.Enum):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape and regularisation of the Llama-style GPT (Megatron-Core `TransformerConfig` analogue)."""
+    """Shape and regularisation of the GPT (Megatron-Core `TransformerConfig` analogue). Its defaults are the
+    command line's (Megatron's GPT-2 architecture); `LLAMA` gives the Llama-style choices."""
 
-    num_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    ffn_hidden_size: int
-    seq_length: int
-    max_position_embeddings: int
-    padded_vocab_size: int
-    kv_channels: int
-    normalization: Normalization = Normalization.RMSNORM
-    norm_epsilon: float = 1e-5
-    swiglu: bool = True
-    untie_embeddings_and_output_weights: bool = True
-    add_bias_linear: bool = False
-    position_embedding_type: PositionEmbedding = PositionEmbedding.ROPE
-    rotary_base: float = 10000.0
-    hidden_dropout: float = 0.0
-    attention_dropout: float = 0.0
-    init_method_std: float = 0.02
-    recompute_granularity: Optional[RecomputeGranularity] = None
-    recompute_method: str = "uniform"
-    recompute_num_layers: int = 1
-    smooth_swiglu: Optional[SmoothSwiGLUGranularity] = None
+    num_layers: int = flag("--num-layers", group=NETWORK)
+    hidden_size: int = flag("--hidden-size", group=NETWORK)
+    num_attention_heads: int = flag("--num-attention-heads", group=NETWORK)
+    num_key_value_heads: int = flag("--num-key-value-heads", "--num-query-groups", group=NETWORK, type=int,
+                                    derived=True, help="grouped-query attention; default = --num-attention-heads "
+                                                       "(multi-head)")
+    ffn_hidden_size: int = flag("--ffn-hidden-size", group=NETWORK, type=int, derived=True,
+                                help="default 4*hidden, or int(8*hidden/3 / 64)*64 with --swiglu (Megatron's rule)")
+    seq_length: int = flag("--seq-length", group=NETWORK, type=int)
+    max_position_embeddings: int = flag("--max-position-embeddings", group=NETWORK, type=int, derived=True,
+                                        help="default --seq-length")
+    padded_vocab_size: int = dataclasses.field()  # the tokenizer's vocabulary, padded (arguments.py)
+    kv_channels: int = flag("--kv-channels", group=NETWORK, type=int, derived=True,
+                            help="head dim; default hidden/heads")
+    normalization: Normalization = flag("--normalization", group=NETWORK, default=Normalization.LAYERNORM,
+                                        type=normalization_type, choices=["LayerNorm", "RMSNorm"],
+                                        help="also the upstream lowercase spellings layernorm, rmsnorm")
+    norm_epsilon: float = flag("--norm-epsilon", "--layernorm-epsilon", group=NETWORK, default=1e-5,
+                               dest="norm_epsilon")
+    swiglu: bool = flag("--swiglu", group=NETWORK, default=False)
+    untie_embeddings_and_output_weights: bool = flag("--untie-embeddings-and-output-weights", group=NETWORK,
+                                                     default=False)
+    add_bias_linear: bool = flag("--disable-bias-linear", group=NETWORK, default=True, negate=True)
+    position_embedding_type: PositionEmbedding = flag(
+        "--position-embedding-type", group=NETWORK, default=PositionEmbedding.LEARNED_ABSOLUTE,
+        choices=["learned_absolute", "rope"], derived=True, cli_default="learned_absolute",
+        more=[Flag(("--use-rotary-position-embeddings",), NETWORK, action="store_true", default=False,
+                   help="same as --position-embedding-type rope")])
+    rotary_base: float = flag("--rotary-position-embeddings-theta", "--rope-theta", "--rotary-base", group=NETWORK,
+                              default=10000.0, dest="rotary_base")
+    hidden_dropout: float = flag("--hidden-dropout", group=REGULARIZATION, default=0.1)
+    attention_dropout: float = flag("--attention-dropout", group=REGULARIZATION, default=0.1)
+    init_method_std: float = flag("--init-method-std", group=REGULARIZATION, default=0.02)
+    recompute_granularity: Optional[RecomputeGranularity] = flag(
+        "--recompute-granularity", group=TRAINING, default=None, choices=["full", "selective"], derived=True,
+        more=[Flag(("--recompute-activations",), TRAINING, action="store_true", default=False,
+                   help="same as --recompute-granularity selective")])
+    recompute_method: str = flag("--recompute-method", group=TRAINING, default="uniform", choices=["uniform", "block"])
+    recompute_num_layers: int = flag("--recompute-num-layers", group=TRAINING, default=1)
+    smooth_swiglu: Optional[SmoothSwiGLUGranularity] = flag(
+        "--smooth-swiglu", group=FP8, default=None, action="store_true", cli_default=False, derived=True,
+        help="scale the SwiGLU output per channel/token before its FP8 quantization (needs --swiglu, FP8)",
+        more=[Flag(("--smooth-swiglu-granularity",), FP8, choices=["channel", "token"], default="channel",
+                   help="channel: the paper's per-channel scales; token: the reference code's per-token scales")])
+
+    def __post_init__(self) -> None:
+        if self.recompute_num_layers < 1:
+            raise ValueError("--recompute-num-layers must be >= 1")
 
     @property
     def head_dim(self) -> int:
@@ -84,24 +114,53 @@ class ModelConfig:
         return self.kv_channels * self.num_key_value_heads
 
 
+# The Llama-style architecture (RMSNorm, SwiGLU, RoPE, no biases, untied embeddings, no dropout): the model fields a
+# Llama run sets away from the command line's GPT-2 defaults.
+LLAMA = dict(normalization=Normalization.RMSNORM, swiglu=True, untie_embeddings_and_output_weights=True,
+             add_bias_linear=False, position_embedding_type=PositionEmbedding.ROPE, hidden_dropout=0.0,
+             attention_dropout=0.0)
+# The flags of the FP8 optimizer's moment storage, which only apply with --optimizer fp8adam.
+_FP8_MOMENT_FIELDS = ("fp8_m_dtype", "fp8_v_dtype", "fp8_block_size", "fp8_stochastic_rounding", "fp8_compile")
+
+
 @dataclass(frozen=True)
 class OptimizerConfig:
     """AdamW (or Fp8Adam) hyper-parameters and Megatron's parameter-group rule."""
 
-    optimizer: str = "adam"  # "adam" (decoupled AdamW, as in Megatron) or "fp8adam"
-    lr: float = 1e-4
-    weight_decay: float = 0.01
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    fp8_m_dtype: str = "e4m3"
-    fp8_v_dtype: str = "e5m2"
-    fp8_block_size: int = 0
-    fp8_stochastic_rounding: bool = True
+    lr: float = flag("--lr", group=TRAINING, type=float)
+    optimizer: str = flag("--optimizer", group=REGULARIZATION, default="adam", type=optimizer_type,
+                          choices=["adam", "fp8adam"], derived=True,
+                          help="adam = AdamW (decoupled weight decay, as Megatron; upstream adamw and fusedadamw are "
+                               "accepted for it); fp8adam = moments stored in FP8",
+                          more=[Flag(("--fp8-optimizer",), REGULARIZATION, action="store_true", default=False,
+                                     help="same as --optimizer fp8adam")])
+    weight_decay: float = flag("--weight-decay", group=REGULARIZATION, default=0.01)
+    adam_beta1: float = flag("--adam-beta1", group=REGULARIZATION, default=0.9)
+    adam_beta2: float = flag("--adam-beta2", group=REGULARIZATION, default=0.999)
+    adam_eps: float = flag("--adam-eps", group=REGULARIZATION, default=1e-8)
+    clip_grad: float = flag("--clip-grad", group=REGULARIZATION, default=1.0, help="0 disables clipping")
+    fp8_m_dtype: str = flag("--fp8-optimizer-m-dtype", group=REGULARIZATION, default="e4m3",
+                            choices=["e4m3", "e5m2", "bf16", "fp32"])
+    fp8_v_dtype: str = flag("--fp8-optimizer-v-dtype", group=REGULARIZATION, default="e5m2",
+                            choices=["e4m3", "e5m2", "bf16", "fp32"])
+    fp8_block_size: int = flag("--fp8-optimizer-block-size", group=REGULARIZATION, default=0,
+                               help="0 = one scale per tensor")
+    fp8_stochastic_rounding: bool = flag(
+        "--fp8-optimizer-stochastic-rounding", group=REGULARIZATION, default=True,
+        action=argparse.BooleanOptionalAction,
+        help="requantize Adam's v with stochastic rounding (default; unbiased, see docs/fp8_adam.md)")
     # Fp8AdamW's update through torch.compile (--no-fp8-optimizer-compile: eager); falls back to eager with
     # a warning where compiling fails.
-    fp8_compile: bool = True
+    fp8_compile: bool = flag("--fp8-optimizer-compile", group=REGULARIZATION, default=True,
+                             action=argparse.BooleanOptionalAction,
+                             help="run Fp8AdamW's update through torch.compile (default; eager with a warning where "
+                                  "compiling fails); --no-fp8-optimizer-compile keeps it eager")
+
+    def __post_init__(self) -> None:
+        if self.optimizer != "fp8adam":
+            defaults = {f.name: f.default for f in dataclasses.fields(self)}
+            if any(getattr(self, name) != defaults[name] for name in _FP8_MOMENT_FIELDS):
+                raise ValueError("--fp8-optimizer-* flags need --optimizer fp8adam (or --fp8-optimizer)")
 
 
 @dataclass(frozen=True)
@@ -109,35 +168,73 @@ class SchedulerConfig:
     """Learning-rate schedule, resolved to iterations."""
 
     lr: float
-    min_lr: float
-    decay_style: LrDecayStyle
-    warmup_iters: int
-    decay_iters: int
+    decay_iters: int = flag("--lr-decay-iters", group=TRAINING, type=int, derived=True, help="default --train-iters",
+                            more=[Flag(("--lr-decay-samples",), TRAINING, type=int, default=None)])
+    min_lr: float = flag("--min-lr", group=TRAINING, default=0.0)
+    decay_style: LrDecayStyle = flag("--lr-decay-style", group=TRAINING, default=LrDecayStyle.LINEAR,
+                                     choices=["constant", "linear", "cosine"])
+    warmup_iters: int = flag("--lr-warmup-iters", group=TRAINING, default=0, derived=True,
+                             more=[Flag(("--lr-warmup-samples",), TRAINING, default=0, type=int),
+                                   Flag(("--lr-warmup-fraction",), TRAINING, type=float, default=None)])
 
 
 @dataclass(frozen=True)
 class TrainingConfig:
-    micro_batch_size: int
-    global_batch_size: int
-    data_parallel_size: int
-    train_iters: int
-    seed: int = 1234
-    eval_interval: int = 1000
-    eval_iters: int = 100
-    exit_interval: Optional[int] = None
-    exit_duration_in_mins: Optional[float] = None
-    exit_on_stall_seconds: Optional[float] = None  # no iteration finished for this long ends the process
-    exit_signal_handler: bool = False
-    max_consecutive_nan_steps: int = 10
-    bf16: bool = False
+    micro_batch_size: int = flag("--micro-batch-size", group=TRAINING, type=int)
+    global_batch_size: int = flag("--global-batch-size", group=TRAINING, type=int, derived=True,
+                                  help="default micro batch x data-parallel size")
+    data_parallel_size: int = dataclasses.field()  # the world size over tensor x pipeline parallelism
+    train_iters: int = flag("--train-iters", group=TRAINING, type=int, derived=True,
+                            more=[Flag(("--train-samples",), TRAINING, type=int, default=None)])
+    seed: int = flag("--seed", group=TRAINING, default=1234)
+    eval_interval: int = flag("--eval-interval", group=TRAINING, default=1000)
+    eval_iters: int = flag("--eval-iters", group=TRAINING, default=100)
+    exit_interval: Optional[int] = flag("--exit-interval", group=TRAINING, default=None, type=int)
+    exit_duration_in_mins: Optional[float] = flag("--exit-duration-in-mins", group=TRAINING, default=None, type=float)
+    # no iteration finished for this long ends the process
+    exit_on_stall_seconds: Optional[float] = flag(
+        "--exit-on-stall-seconds", group=TRAINING, default=None, type=float, metavar="S",
+        help="end the process (one line, exit code 4, every thread's stack in a file it names) when no iteration has "
+             "finished for S seconds: a stuck filesystem or data worker, a hang outside the collectives; torchrun "
+             "--max-restarts then restarts the job. Default: off")
+    exit_signal_handler: bool = flag("--exit-signal-handler", group=TRAINING, default=False,
+                                     help="on SIGTERM save a checkpoint and exit")
+    max_consecutive_nan_steps: int = flag("--max-consecutive-nan-steps", group=TRAINING, default=10)
+    bf16: bool = flag("--bf16", group=PRECISION, default=False, help="BF16 autocast with FP32 master weights")
     # "fp32": the weights are the master weights; "bf16": Megatron's layout (BF16 weights, FP32 main grads, FP32
-    # master copy with the optimizer state; megatron/optimizer/main_params.py), --params-dtype
-    params_dtype: str = "fp32"
-    dry_run: bool = False
-    project_on: Tuple[str, ...] = ()  # --project-on: devices the dry run projects this run on (megatron/perf)
-    project_devices: Optional[int] = None  # --project-devices: how many of them (default: the world size)
-    # --torch-compile: "auto" (on for CUDA, off on CPU: docs/performance.md), "on" or "off"; per transformer block
-    torch_compile: str = "auto"
+    # master copy with the optimizer state; megatron/optimizer/main_params.py)
+    params_dtype: str = flag(
+        "--params-dtype", group=PRECISION, default="fp32", choices=["fp32", "bf16"],
+        help="dtype of the weights on the device (with --bf16). fp32: the weights are the master weights. bf16: "
+             "Megatron's layout (upstream --bf16): BF16 weights, FP32 main gradients, the FP32 master copy kept with "
+             "the optimizer state and sharded with it by ZeRO (docs/fp8_adam.md, Memory)")
+    dry_run: bool = flag("--dry-run", group=TRAINING, default=False,
+                         help="print the resolved config, parameter count, FLOPs and memory estimate, then exit")
+    # devices the dry run projects this run on (megatron/perf)
+    project_on: Tuple[str, ...] = flag(
+        "--project-on", group=TRAINING, default=(), cli_default=None, derived=True, metavar="DEVICE[,DEVICE]",
+        help="with --dry-run: also the projected step time, tokens/s, MFU and time to --train-iters of this run and "
+             "of the same run in BF16 on these devices (h100, h200, b200, gaudi2, gaudi3; megatron/perf, "
+             "docs/performance.md)")
+    project_devices: Optional[int] = flag(
+        "--project-devices", group=TRAINING, default=None, type=int, metavar="N",
+        help="with --project-on: project on N devices (default: the world size this run resolves to)")
+    # "auto" (on for CUDA, off on CPU: docs/performance.md), "on" or "off"; per transformer block
+    torch_compile: str = flag(
+        "--torch-compile", group=TRAINING, default="auto", choices=["auto", "on", "off"], derived=True,
+        help="torch.compile each transformer block (FP8 layers traced into it) and the FP8 quantization; auto = both "
+             "on CUDA (blocks eager with PP or ZeRO-3), on CPU the FP8 quantization only for runs of >= 100 "
+             "iterations, nothing on Gaudi (docs/performance.md)")
+
+    def __post_init__(self) -> None:
+        for flag_name, value in (("--eval-interval", self.eval_interval),):
+            if value is not None and value < 1:
+                raise ValueError(f"{flag_name} must be >= 1, got {value}")
+        if self.eval_iters < 0:
+            raise ValueError(f"--eval-iters must be >= 0, got {self.eval_iters}")
+        if self.exit_on_stall_seconds is not None and not self.exit_on_stall_seconds > 0:
+            raise ValueError(f"--exit-on-stall-seconds must be > 0 (the seconds without a finished iteration that end "
+                             f"the process), got {self.exit_on_stall_seconds}; leave it out to turn the check off")
 
     @property
     def num_micro_batches(self) -> int:
@@ -146,81 +243,142 @@ class TrainingConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    save: Optional[str] = None
-    load: Optional[str] = None
-    save_interval: Optional[int] = None
-    no_save_optim: bool = False
-    no_save_rng: bool = False
-    no_load_optim: bool = False
-    no_load_rng: bool = False
-    finetune: bool = False
-    verify: bool = False  # --verify-checkpoint: each file read back and compared before the commit
-    keep_last: Optional[int] = None  # --keep-last-n-checkpoints: older checkpoints removed after each save
-    exit_on_save_failure: int = 3  # failed interval saves in a row that end the run
-    fallback: bool = True  # a resume loads the newest checkpoint that matches its manifest (not --no-checkpoint-fallback)
+    save: Optional[str] = flag("--save", group=CHECKPOINTING, default=None, type=str)
+    load: Optional[str] = flag("--load", group=CHECKPOINTING, default=None, type=str)
+    save_interval: Optional[int] = flag("--save-interval", group=CHECKPOINTING, default=None, type=int)
+    no_save_optim: bool = flag("--no-save-optim", group=CHECKPOINTING, default=False)
+    no_save_rng: bool = flag("--no-save-rng", group=CHECKPOINTING, default=False)
+    no_load_optim: bool = flag("--no-load-optim", group=CHECKPOINTING, default=False)
+    no_load_rng: bool = flag("--no-load-rng", group=CHECKPOINTING, default=False)
+    finetune: bool = flag("--finetune", group=CHECKPOINTING, default=False,
+                          help="load weights only; reset iteration and optimizer")
+    verify: bool = False  # --verify-checkpoint (megatron/compat.py): each file read back and compared before the commit
+    # --keep-last-n-checkpoints: older checkpoints removed after each save
+    keep_last: Optional[int] = flag(
+        "--keep-last-n-checkpoints", group=CHECKPOINTING, default=None, type=int, metavar="K",
+        help="after each complete save, remove all but the K newest checkpoints of --save (never the newest healthy "
+             "one); default: keep all")
+    exit_on_save_failure: int = flag(
+        "--exit-on-save-failure", group=CHECKPOINTING, default=3, metavar="N",
+        help="a checkpoint that cannot be written at a --save-interval is logged and training goes on (the previous "
+             "one stays the newest); N failed saves in a row end the run (default 3)")
+    fallback: bool = flag(
+        "--no-checkpoint-fallback", group=CHECKPOINTING, default=True, negate=True,
+        help="a resume whose newest checkpoint fails its manifest check (a file missing, truncated or with a wrong "
+             "CRC-32) stops with an error instead of loading the next older intact one")
+
+    def __post_init__(self) -> None:
+        if self.exit_on_save_failure < 1:
+            raise ValueError(f"--exit-on-save-failure must be at least 1 (the failed saves in a row that end the run), "
+                             f"got {self.exit_on_save_failure}")
+        if self.keep_last is not None and (self.keep_last < 1 or not self.save):
+            raise ValueError(f"--keep-last-n-checkpoints {self.keep_last} needs --save and a count of at least 1 (the "
+                             "checkpoints it keeps); leave it out to keep every checkpoint")
 
 
 @dataclass(frozen=True)
 class LoggingConfig:
-    log_interval: int = 100
-    tensorboard_dir: Optional[str] = None
-    log_fp8_stats: bool = False
-    log_swiglu_diagnostics: bool = True
-    log_batch_size: bool = False  # --log-batch-size-to-tensorboard
-    log_timers: bool = False  # --log-timers-to-tensorboard
+    log_interval: int = flag("--log-interval", group=LOGGING, default=100)
+    tensorboard_dir: Optional[str] = flag("--tensorboard-dir", group=LOGGING, default=None, type=str)
+    log_fp8_stats: bool = flag("--log-fp8-stats", group=FP8, default=False,
+                               help="per-layer FP8 amax/clipping statistics")
+    log_swiglu_diagnostics: bool = flag("--no-swiglu-diagnostics", group=FP8, default=True, negate=True,
+                                        help="turn off the per-layer SwiGLU outlier and w1/w2 alignment diagnostics")
+    log_batch_size: bool = flag("--log-batch-size-to-tensorboard", group=LOGGING, default=False,
+                                help="write batch-size/batch-size (and its vs samples / vs tokens twins)")
+    log_timers: bool = flag("--log-timers-to-tensorboard", group=LOGGING, default=False,
+                            help="write iteration-time/iteration-time (seconds, and its twins)")
+
+    def __post_init__(self) -> None:
+        if self.log_interval < 1:
+            raise ValueError(f"--log-interval must be >= 1, got {self.log_interval}")
+
+
+_DATA_PATHS = [Flag(("--data-args-path",), DATA, type=str, default=None,
+                    help="a file holding what --data-path would (W1 P1 W2 P2 ... or P1 P2 ...), for long blends"),
+               Flag(("--per-split-data-args-path",), DATA, type=str, default=None,
+                    help='a JSON file {"train": [...], "valid": [...], "test": [...]} of per-split data paths')]
 
 
 @dataclass(frozen=True)
 class DataConfig:
     """What to read and how to tokenize it. Paths are kept as given on the command line."""
 
-    data_path: Tuple[str, ...] = ()
-    split: str = "969,30,1"
-    train_data_path: Tuple[str, ...] = ()
-    valid_data_path: Tuple[str, ...] = ()
-    test_data_path: Tuple[str, ...] = ()
-    data_cache_path: Optional[str] = None
+    data_path: Tuple[str, ...] = flag("--data-path", group=DATA, default=(), cli_default=None, nargs="*", derived=True,
+                                      help="PREFIX or WEIGHT1 PREFIX1 WEIGHT2 PREFIX2 ...")
+    split: str = flag("--split", group=DATA, default="969,30,1", type=str)
+    train_data_path: Tuple[str, ...] = flag("--train-data-path", group=DATA, default=(), cli_default=None, nargs="*",
+                                            derived=True)
+    valid_data_path: Tuple[str, ...] = flag("--valid-data-path", group=DATA, default=(), cli_default=None, nargs="*",
+                                            derived=True)
+    test_data_path: Tuple[str, ...] = flag("--test-data-path", group=DATA, default=(), cli_default=None, nargs="*",
+                                           derived=True, more=_DATA_PATHS)
+    data_cache_path: Optional[str] = flag("--data-cache-path", group=DATA, default=None, type=str)
     # The index cache is on a filesystem every node sees: one rank in all builds (else one rank per node).
-    data_cache_shared: bool = False
-    mock_data: bool = False
-    tokenizer_type: Optional[str] = None
-    tokenizer_model: Optional[str] = None
-    vocab_file: Optional[str] = None
-    merge_file: Optional[str] = None
-    vocab_size: Optional[int] = None
-    make_vocab_size_divisible_by: int = 128
-    eod_mask_loss: bool = False
-    reset_position_ids: bool = False
-    reset_attention_mask: bool = False
-    num_workers: int = 0
+    data_cache_shared: bool = flag("--data-cache-shared", group=DATA, default=False,
+                                   help="the index cache is on a filesystem every node sees: rank 0 alone builds the "
+                                        "indices (default: local rank 0 of each node)")
+    mock_data: bool = flag("--mock-data", group=DATA, default=False,
+                           help="synthetic learnable tokens (needs --vocab-size)")
+    tokenizer_type: Optional[str] = flag("--tokenizer-type", group=DATA, default=None, type=str,
+                                         choices=["SentencePieceTokenizer", "GPTSentencePieceTokenizer", "HFTokenizer",
+                                                  "GPT2BPETokenizer", "NullTokenizer"])
+    tokenizer_model: Optional[str] = flag("--tokenizer-model", group=DATA, default=None, type=str)
+    vocab_file: Optional[str] = flag("--vocab-file", group=DATA, default=None, type=str)
+    merge_file: Optional[str] = flag("--merge-file", group=DATA, default=None, type=str)
+    vocab_size: Optional[int] = flag("--vocab-size", group=DATA, default=None, type=int)
+    make_vocab_size_divisible_by: int = flag(
+        "--make-vocab-size-divisible-by", group=NETWORK, default=128, type=int, cli_default=None, derived=True,
+        help="pad the vocabulary to a multiple of this x --tensor-model-parallel-size (default 128; with --load, the "
+             "checkpoint's padded vocabulary is kept)")
+    eod_mask_loss: bool = flag("--eod-mask-loss", group=DATA, default=False)
+    reset_position_ids: bool = flag("--reset-position-ids", group=DATA, default=False)
+    reset_attention_mask: bool = flag("--reset-attention-mask", group=DATA, default=False)
+    num_workers: int = flag("--num-workers", group=DATA, default=0, help="DataLoader workers (Megatron's default is 2)")
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    sequence_parallel: bool = False
-    distributed_backend: Optional[str] = None
-    deepspeed: bool = False
-    deepspeed_config: Optional[str] = None
-    zero_stage: Optional[int] = None
-    distributed_timeout_minutes: float = 10.0  # how long a collective waits for a hung rank
+    tensor_model_parallel_size: int = flag("--tensor-model-parallel-size", group=DISTRIBUTED, default=1)
+    pipeline_model_parallel_size: int = flag("--pipeline-model-parallel-size", group=DISTRIBUTED, default=1)
+    # Megatron's rule: sequence parallelism is meaningless (and off) without tensor parallelism.
+    sequence_parallel: bool = flag("--sequence-parallel", group=DISTRIBUTED, default=False, derived=True)
+    distributed_backend: Optional[str] = flag("--distributed-backend", group=DISTRIBUTED, default=None, type=str,
+                                              choices=["nccl", "gloo", "hccl"])
+    deepspeed: bool = flag("--deepspeed", group=DEEPSPEED, default=False)
+    deepspeed_config: Optional[str] = flag("--deepspeed_config", "--deepspeed-config", group=DEEPSPEED, default=None,
+                                           type=str, dest="deepspeed_config")
+    zero_stage: Optional[int] = flag("--zero-stage", group=DEEPSPEED, default=None, type=int, derived=True,
+                                     help="ZeRO stage 0-3 (default 0, or the JSON's)")
+    # how long a collective waits for a hung rank
+    distributed_timeout_minutes: float = flag("--distributed-timeout-minutes", group=DISTRIBUTED, default=10.0,
+                                              help="how long a collective waits for a hung rank before the run fails")
 
     def __post_init__(self) -> None:
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if not self.distributed_timeout_minutes > 0:
             raise ValueError(f"--distributed-timeout-minutes must be > 0, got {self.distributed_timeout_minutes}")
+        if self.zero_stage is not None and self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"--zero-stage must be 0, 1, 2 or 3, got {self.zero_stage}")
 
 
 @dataclass(frozen=True)
 class DivergenceConfig:
     """The divergence guard's rules (megatron/training/divergence.py); `enabled=False` is --no-divergence-guard."""
 
-    enabled: bool = True
-    loss_factor: float = 2.5
-    patience: int = 20
-    window: int = 100
-    zero_grad_iters: int = 10
-    max_weight: float = 1e4
+    enabled: bool = flag("--divergence-guard", group=TRAINING, default=True, action=argparse.BooleanOptionalAction,
+                         help="stop a run that explodes without a NaN, before it saves (docs/reliability.md)")
+    loss_factor: float = flag(
+        "--divergence-loss-factor", group=TRAINING, default=2.5,
+        help="the loss must stay above this x its running median for --divergence-patience iterations")
+    patience: int = flag("--divergence-patience", group=TRAINING, default=20)
+    window: int = flag("--divergence-window", group=TRAINING, default=100,
+                       help="iterations in the loss's running median")
+    zero_grad_iters: int = flag("--divergence-zero-grad-iters", group=TRAINING, default=10,
+                                help="consecutive iterations with a gradient norm of exactly 0")
+    max_weight: float = flag("--divergence-max-weight", group=TRAINING, default=1e4, help="largest |weight| allowed")
 
     def __post_init__(self) -> None:
         checks = ((self.loss_factor > 1.0, f"--divergence-loss-factor must be > 1, got {self.loss_factor}"),
@@ -246,7 +404,7 @@ class MegatronConfig:
     data: DataConfig
     parallel: ParallelConfig
     fp8: Optional[Fp8Recipe] = None
-    device: str = "auto"
+    device: str = flag("--device", group=PRECISION, default="auto", choices=["auto", "cpu", "cuda", "hpu"])
     divergence: DivergenceConfig = DivergenceConfig()
     fp8_autoheal: Fp8AutohealConfig = Fp8AutohealConfig()
     compat: CompatConfig = CompatConfig()  # upstream flags / env recipe (megatron/compat.py)

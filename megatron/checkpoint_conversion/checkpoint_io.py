@@ -68,7 +68,7 @@ def converted_megatron_config(model: ModelConfig, data: DataConfig) -> MegatronC
     """A `MegatronConfig` for a checkpoint made by conversion: the model and tokenizer are real, the
     training slices are placeholders (nothing was trained; the next run's flags define them)."""
     return MegatronConfig(
-        model=model, optimizer=OptimizerConfig(),
+        model=model, optimizer=OptimizerConfig(lr=0.0),
         scheduler=SchedulerConfig(lr=0.0, min_lr=0.0, decay_style=LrDecayStyle.CONSTANT, warmup_iters=0,
                                   decay_iters=0),
         training=TrainingConfig(micro_batch_size=1, global_batch_size=1, data_parallel_size=1, train_iters=0),

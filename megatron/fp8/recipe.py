@@ -10,6 +10,7 @@ import dataclasses
 import enum
 from dataclasses import dataclass
 
+from megatron.flagspec import FP8, Flag, flag
 from megatron.fp8.quantize import Tile
 
 
@@ -90,18 +91,37 @@ class Fp8Backend(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Fp8Recipe:
-    format: Fp8Format = Fp8Format.HYBRID
-    scaling: Fp8Scaling = Fp8Scaling.DELAYED
-    amax_history_len: int = 1
-    amax_compute_algo: AmaxComputeAlgo = AmaxComputeAlgo.MOST_RECENT
-    margin: int = 0
-    power_of_two_scales: bool = False
-    fp8_wgrad: bool = True
-    backend: Fp8Backend = Fp8Backend.AUTO
-    first_last_layers_bf16: int = 0
-    mlp_fc2_bf16: bool = False
-    grad_stochastic_rounding: bool = False
-    fast_accum: tuple = DEFAULT_FAST_ACCUM  # the GEMMs (Fp8Gemm) that use fast accumulation
+    format: Fp8Format = flag(
+        "--fp8-format", group=FP8, default=Fp8Format.HYBRID, cli_default=None, choices=["e4m3", "hybrid"],
+        derived=True, help="turns FP8 linears on",
+        more=[Flag(("--fp8-hybrid",), FP8, action="store_true", default=False,
+                   help="legacy alias of --fp8-format hybrid"),
+              Flag(("--fp8-e4m3",), FP8, action="store_true", default=False, help="legacy alias of --fp8-format e4m3")])
+    scaling: Fp8Scaling = flag(
+        "--fp8-recipe", group=FP8, default=Fp8Scaling.DELAYED, choices=[s.value for s in Fp8Scaling],
+        help="delayed / tensorwise: one scale per tensor; rowwise, blockwise (1x128 activations, 128x128 weights), "
+             "mxfp8 (1x32, power-of-two scales): current scales per tile (docs/fp8.md)")
+    amax_history_len: int = flag("--fp8-amax-history-len", group=FP8, default=1)
+    amax_compute_algo: AmaxComputeAlgo = flag("--fp8-amax-compute-algo", group=FP8,
+                                              default=AmaxComputeAlgo.MOST_RECENT, choices=["max", "most_recent"])
+    margin: int = flag("--fp8-margin", group=FP8, default=0)
+    power_of_two_scales: bool = flag("--fp8-power-of-two-scales", group=FP8, default=False)
+    fp8_wgrad: bool = flag("--no-fp8-wgrad", group=FP8, default=True, negate=True,
+                           help="run the weight-gradient GEMM in high precision")
+    backend: Fp8Backend = flag("--fp8-backend", group=FP8, default=Fp8Backend.AUTO,
+                               choices=["auto", "scaled_mm", "cuda", "hpu", "emulated"],
+                               help="scaled_mm (alias cuda): torch._scaled_mm, on sm89+ GPUs and on the CPU")
+    first_last_layers_bf16: int = flag("--fp8-first-last-layers-bf16", group=FP8, default=0,
+                                       help="keep N blocks at each end in BF16")
+    mlp_fc2_bf16: bool = flag("--fp8-mlp-fc2-bf16", group=FP8, default=False,
+                              help="keep only the fc2 GEMM in BF16 (ablation)")
+    grad_stochastic_rounding: bool = flag("--fp8-grad-stochastic-rounding", group=FP8, default=False)
+    # the GEMMs (Fp8Gemm) that use fast accumulation
+    fast_accum: tuple = flag(
+        "--fp8-fast-accum", group=FP8, default=DEFAULT_FAST_ACCUM, cli_default=None, derived=True, metavar="GEMMS",
+        help="GEMMs whose FP8 kernel accumulates in the tensor cores' fast, less precise accumulator "
+             "(torch._scaled_mm use_fast_accum): comma-separated fprop, dgrad, wgrad, or none, all (default: fprop, "
+             "as Transformer Engine and torchao). The emulation and Gaudi accumulate in FP32 either way")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fast_accum", parse_fast_accum(self.fast_accum))
@@ -173,17 +193,31 @@ AUTOHEAL_ACTIONS = ("margin", "current", "smooth", "bf16")
 class Fp8AutohealConfig:
     """The FP8 controller's rules (megatron/training/fp8_autoheal.py); `enabled` is --fp8-autoheal."""
 
-    enabled: bool = False
-    clip_threshold: float = 1e-3  # clipped fraction of a tensor's values that counts against it at a log iteration
+    enabled: bool = flag(
+        "--fp8-autoheal", group=FP8, default=False,
+        help="at log iterations, repair the scaling of an FP8 tensor that keeps clipping: more margin, then current "
+             "scaling, Smooth-SwiGLU for fc2, BF16 (docs/stability.md)")
+    # clipped fraction of a tensor's values that counts against it at a log iteration
+    clip_threshold: float = flag("--fp8-autoheal-clip-threshold", group=FP8, default=1e-3,
+                                 help="clipped fraction of a tensor's values that counts against it")
     # fraction of a tensor's nonzero values flushed to 0 that counts against it once it is current-scaled (one
     # outlier squeezing the rest of the tensor below E4M3's smallest subnormal)
-    flush_threshold: float = 1e-2
+    flush_threshold: float = flag(
+        "--fp8-autoheal-flush-threshold", group=FP8, default=1e-2,
+        help="fraction of a current-scaled tensor's nonzero values flushed to 0 that counts against it")
     # consecutive log iterations in trouble before the controller acts: 1, because the statistics sample one
     # iteration per log interval and the clipping that slows training shows at single log points (docs/stability.md)
-    patience: int = 1
-    max_margin: int = 4  # the most powers of two of extra margin one tensor may get
-    undo_after: int = 0  # clean log iterations after which the last action is undone (0: never)
-    actions: tuple[str, ...] = AUTOHEAL_ACTIONS  # the rungs it may climb, in this order
+    patience: int = flag("--fp8-autoheal-patience", group=FP8, default=1,
+                         help="consecutive log iterations over the threshold before acting")
+    max_margin: int = flag("--fp8-autoheal-max-margin", group=FP8, default=4,
+                           help="the most extra margin (powers of two) one tensor may get")
+    undo_after: int = flag("--fp8-autoheal-undo-after", group=FP8, default=0,
+                           help="clean log iterations after which an extra margin is lowered by one (0: never)")
+    # the rungs it may climb, in this order
+    actions: tuple[str, ...] = flag(
+        "--fp8-autoheal-actions", group=FP8, default=AUTOHEAL_ACTIONS, cli_default=None, derived=True,
+        help="comma-separated rungs the controller may climb, in order: margin,current,smooth,bf16 (default: those "
+             "that apply to the recipe and model)")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "actions", tuple(self.actions))

@@ -28,7 +28,7 @@ from typing import Optional, Union
 
 import torch
 
-from megatron.config import ModelConfig, SmoothSwiGLUGranularity
+from megatron.config import LLAMA, ModelConfig, SmoothSwiGLUGranularity
 from megatron.fp8 import Fp8Linear, Fp8Recipe, Fp8Scaling, fp8_optimizer_step
 from megatron.fp8.backends import EmulatedBackend
 from megatron.fp8.formats import format_spec
@@ -62,7 +62,7 @@ class OutlierSetup:
 def model_config(hidden: int, ffn: int, smooth: Optional[SmoothSwiGLUGranularity] = None) -> ModelConfig:
     return ModelConfig(num_layers=1, hidden_size=hidden, num_attention_heads=4, num_key_value_heads=4,
                        ffn_hidden_size=ffn, seq_length=32, max_position_embeddings=32, padded_vocab_size=128,
-                       kv_channels=hidden // 4, smooth_swiglu=smooth)
+                       kv_channels=hidden // 4, smooth_swiglu=smooth, **LLAMA)
 
 
 def _unit_rms(x: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ import torch
 import torch._dynamo
 import torch._inductor.config as inductor_config
 
-from megatron.config import ModelConfig
+from megatron.config import LLAMA, ModelConfig
 from megatron.fp8 import fp8_optimizer_step, set_fused_quantization
 from megatron.fp8.linear import Fp8Linear
 from megatron.fp8.recipe import Fp8Recipe
@@ -43,7 +43,7 @@ def fp8_llama_block(recipe: Fp8Recipe) -> torch.nn.Module:
     four linears are `Fp8Linear`s with `recipe` and fused quantization, as `--torch-compile` runs them."""
     config = ModelConfig(num_layers=1, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                          ffn_hidden_size=128, seq_length=16, max_position_embeddings=16, padded_vocab_size=128,
-                         kv_channels=16, smooth_swiglu=SmoothSwiGLUGranularity.CHANNEL)
+                         kv_channels=16, smooth_swiglu=SmoothSwiGLUGranularity.CHANNEL, **LLAMA)
     block = TransformerLayer(config, 1)
     for parent in (block.self_attention, block.mlp):
         for name, child in list(parent.named_children()):

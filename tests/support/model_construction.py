@@ -18,7 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from megatron.config import ModelConfig
+from megatron.config import LLAMA, ModelConfig
 from megatron.model import GPTModel
 from megatron.model.build import build_model
 
@@ -48,7 +48,7 @@ def llama_1b() -> ModelConfig:
     """Llama-style, 1.03e9 parameters: 20 x 45.09e6 per layer + 2 x 65.5e6 (untied embedding and head)."""
     return ModelConfig(num_layers=20, hidden_size=2048, num_attention_heads=16, num_key_value_heads=4,
                        ffn_hidden_size=5632, seq_length=2048, max_position_embeddings=2048,
-                       padded_vocab_size=32000, kv_channels=128)
+                       padded_vocab_size=32000, kv_channels=128, **LLAMA)
 
 
 def _max_rss_bytes() -> int:

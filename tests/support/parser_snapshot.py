@@ -2,7 +2,8 @@
 type, action, nargs, metavar, help text and group. tests/unit/test_parser_snapshot.py compares it with the snapshot
 in tests/unit/snapshots/parser.json, so a change to how the parser is built cannot change a flag unnoticed.
 
-Regenerate (after a deliberate change to a flag): python -m tests.support.parser_snapshot > tests/unit/snapshots/parser.json
+Regenerate (after a deliberate change to a flag):
+    python -m tests.support.parser_snapshot > tests/unit/snapshots/parser.json
 """
 from __future__ import annotations
 
@@ -28,7 +29,10 @@ def parser_snapshot(parser: argparse.ArgumentParser) -> dict:
             continue
         flags[action.option_strings[0]] = {
             "option_strings": list(action.option_strings), "dest": action.dest, "default": _plain(action.default),
-            "choices": _plain(action.choices), "type": _plain(action.type), "action": type(action).__name__,
+            "choices": _plain(action.choices),
+            # a store action without a type parses strings: the same as type=str
+            "type": _plain(action.type or (str if type(action).__name__ == "_StoreAction" else None)),
+            "action": type(action).__name__,
             "nargs": _plain(action.nargs), "const": _plain(action.const), "metavar": _plain(action.metavar),
             "required": action.required, "help": action.help, "group": group_of[id(action)],
         }

@@ -118,12 +118,12 @@ def test_fp8_training_tracks_fp32_training() -> None:
 
 
 def test_gpt_model_conversion() -> None:
-    from megatron.config import ModelConfig
+    from megatron.config import LLAMA, ModelConfig
     from megatron.model import gpt
 
     config = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
                          ffn_hidden_size=128, seq_length=32, max_position_embeddings=32,
-                         padded_vocab_size=128, kv_channels=16)
+                         padded_vocab_size=128, kv_channels=16, **LLAMA)
     torch.manual_seed(0)
     model = gpt.GPTModel(config)
     reference = copy.deepcopy(model)

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from megatron.arguments import parse_config
-from megatron.config import ModelConfig, SmoothSwiGLUGranularity as G
+from megatron.config import LLAMA, ModelConfig, SmoothSwiGLUGranularity as G
 from megatron.fp8 import Fp8Linear, Fp8Recipe, Fp8Scaling
 from megatron.model import GPTModel
 from megatron.model.smooth_swiglu import (ChannelSplit, calibrate_smooth_swiglu_scales, channel_maxima,
@@ -21,12 +21,12 @@ from tests.support.config import load_tool, tiny_argv
 from tests.support.training import assert_resume_is_exact
 
 BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, ffn_hidden_size=128,
-            seq_length=32, max_position_embeddings=32, padded_vocab_size=128, kv_channels=16)
+            seq_length=32, max_position_embeddings=32, padded_vocab_size=128, kv_channels=16, **LLAMA)
 FP8 = ("--bf16", "--fp8-format", "hybrid")
 
 
 def _mlp(smooth=None, bias=False, like: MLP | None = None) -> MLP:
-    mlp = MLP(ModelConfig(**BASE, smooth_swiglu=smooth, add_bias_linear=bias))
+    mlp = MLP(ModelConfig(**{**BASE, "add_bias_linear": bias}, smooth_swiglu=smooth))
     if like is not None:
         mlp.load_state_dict(like.state_dict())
     return mlp

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.arguments import parse_config
-from megatron.config import ModelConfig
+from megatron.config import LLAMA, ModelConfig
 from megatron.model import GPTModel
 from megatron.model.swiglu_diagnostics import (ActivationRecorder, JumpDetector, alignment_summary,
                                                outlier_summary, up_gate_alignment)
@@ -23,7 +23,8 @@ from megatron.training.swiglu_hooks import STATE_KEY, SwiGLUHooks
 from tests.support.config import load_tool, tiny_argv
 
 CFG = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, ffn_hidden_size=128,
-                  seq_length=32, max_position_embeddings=32, padded_vocab_size=128, kv_channels=16)
+                  seq_length=32, max_position_embeddings=32, padded_vocab_size=128, kv_channels=16,
+                  **LLAMA)
 
 
 def test_alignment_is_abs_cosine_of_up_and_gate_rows():
