@@ -11,9 +11,9 @@ drives it exactly like `TorchEngine`, through these primitives:
 - `backward(loss)` calls DeepSpeed's backward with `scale_wrt_gas=False`: the loop has already divided
   the loss by the number of micro-batches, so gradients equal the torch path's.
 - `step(iteration, loss_finite)` sets the LR from our scheduler, clips and steps. Without ZeRO the gradients
-  are full and all-reduced: we clip them with TorchEngine's function (`megatron.parallel.clip_grad_norm`,
-  tensor-parallel aware; DeepSpeed's own `gradient_clipping` is set to 0 then) and skip a non-finite step
-  ourselves. With ZeRO, DeepSpeed clips (its `gradient_clipping` is `--clip-grad`, same formula as torch's),
+  are full and all-reduced: we take TorchEngine's guarded step (`engine.guarded_step`: clipping with
+  `grads.clip_grad_norm`, tensor-parallel aware, DeepSpeed's own `gradient_clipping` set to 0; skipping a non-finite
+  step ourselves). With ZeRO, DeepSpeed clips (its `gradient_clipping` is `--clip-grad`, same formula as torch's),
   computes the norm of the partitioned gradients and, when it is not finite, skips the step and clears its
   partitions (its own overflow path). Non-finite steps change nothing. A non-finite *loss* with finite
   gradients (possible when the non-finite token is masked out) must skip too: its last backward is
@@ -37,7 +37,6 @@ from torch import nn
 from megatron.accelerator import Accelerator
 from megatron.checkpoint import deepspeed_io
 from megatron.optimizer.lr_scheduler import LrScheduler
-from megatron.parallel import clip_grad_norm
 from megatron.parallel_state import ParallelState
 from megatron.partitioned import full_numel, zero3_partitions_in_groups
 from megatron.training.deepspeed_config import build_deepspeed_config, zero_stage
@@ -47,7 +46,7 @@ from megatron.training.deepspeed_mpu import (
 )
 from megatron.training.deepspeed_shm import release_deepspeed_shm
 from megatron.training.deepspeed_zero3 import zero3_cast_partitions_to_bf16, zero3_held_line
-from megatron.training.engine import MicroBatchEngine
+from megatron.training.engine import MicroBatchEngine, check_skipped, guarded_step, nan_unless
 
 logger = logging.getLogger("megatron")
 
@@ -163,10 +162,7 @@ class DeepSpeedEngine(DeepSpeedBase, MicroBatchEngine):
         bad = ~torch.isfinite(loss.detach())
         self._loss_nonfinite = bad if self._loss_nonfinite is None else self._loss_nonfinite | bad
         if self._is_last:
-            # Fills, not torch.tensor(..., device=): a host-to-device copy would synchronise the CUDA stream.
-            poison = torch.where(self._loss_nonfinite, torch.full((), float("nan"), device=loss.device),
-                                 torch.ones((), device=loss.device))
-            loss = loss * poison.to(loss.dtype)
+            loss = nan_unless(~self._loss_nonfinite, loss)
         self.engine.backward(loss, scale_wrt_gas=False)
 
     def step(self, iteration: int, loss_finite: torch.Tensor) -> tuple[torch.Tensor | float, bool]:
@@ -181,22 +177,19 @@ class DeepSpeedEngine(DeepSpeedBase, MicroBatchEngine):
             # Gradients are full and already all-reduced over data parallelism: clip and check them the way
             # TorchEngine does (the norm of the whole model over the TP shards, the same on every rank).
             params = [p for p in self.model.parameters() if p.grad is not None]
-            max_norm = self.clip_grad if self.clip_grad > 0 else float("inf")
-            grad_norm = clip_grad_norm(params, max_norm, self.parallel.tensor_parallel_group)
-            if not bool(loss_finite & torch.isfinite(grad_norm)):  # the step's decision: one host read
-                self.engine.zero_grad()
-                return grad_norm, False
-            self.scheduler.apply(iteration)
-            self.engine.step()
-            return grad_norm, True
+
+            def step() -> None:
+                self.scheduler.apply(iteration)
+                self.engine.step()
+
+            return guarded_step(params, self.clip_grad, self.parallel.tensor_parallel_group, loss_finite,
+                                self.engine.zero_grad, step)
         previous_lrs = self._apply_lr_and_remember(iteration)
         self.engine.step()
         stepped = bool(self.engine.was_step_applied())
         norm = self.engine.get_global_grad_norm()
         grad_norm = float(norm) if norm is not None else float("nan")
-        if stepped and not bool(loss_finite):
-            raise RuntimeError("DeepSpeed applied a step whose loss was not finite; the NaN-poisoned gradients "
-                               "should have made it skip. Please report this with the DeepSpeed version.")
+        check_skipped(stepped, bool(loss_finite), "DeepSpeed")
         if not stepped:
             self._restore_lr(previous_lrs)
         return grad_norm, stepped

@@ -45,6 +45,35 @@ LossFn = Callable[[nn.Module, Batch], "tuple[torch.Tensor, torch.Tensor]"]
 StepResult = "tuple[torch.Tensor | float, torch.Tensor | float, bool]"
 
 
+def nan_unless(finite: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+    """`loss` times exactly 1.0 where `finite` (a 0-d bool on the device), else times NaN: a non-finite token masked
+    out of the loss, or an earlier micro-batch's non-finite loss, then makes every gradient non-finite, so the step
+    is skipped on every rank and stage. The factor is made by `where` on the device (no host copy, no sync)."""
+    one = torch.ones((), dtype=loss.dtype, device=loss.device)
+    return loss * torch.where(finite, one, torch.full((), float("nan"), dtype=loss.dtype, device=loss.device))
+
+
+def guarded_step(params: Sequence[nn.Parameter], clip_grad: float, tp_group, loss_finite: torch.Tensor,
+                 skip: Callable[[], None], step: Callable[[], None]) -> tuple[torch.Tensor, bool]:
+    """The step of every engine that clips itself: clip to `clip_grad` by the norm of the whole logical gradient
+    (`grads.clip_grad_norm`, over the tensor-parallel shards; 0: no clipping), then `skip()` when the loss or the
+    norm is not finite (one host read: the decision), else `step()` (set the LR, step the optimizer).
+    Returns (grad norm, stepped); the norm stays on the device."""
+    grad_norm = clip_grad_norm(params, clip_grad if clip_grad > 0 else float("inf"), tp_group)
+    if not bool(loss_finite & torch.isfinite(grad_norm)):
+        skip()
+        return grad_norm, False
+    step()
+    return grad_norm, True
+
+
+def check_skipped(stepped: bool, loss_finite: bool, what: str) -> None:
+    """A step that an engine applied although the loss was not finite would corrupt the weights: stop loudly."""
+    if stepped and not loss_finite:
+        raise RuntimeError(f"{what} applied a step whose loss was not finite; the NaN-poisoned gradients should have "
+                           "made it skip. Please report this with the DeepSpeed version.")
+
+
 class Engine(abc.ABC):
     """See the module docstring."""
 
@@ -172,16 +201,15 @@ class TorchEngine(MicroBatchEngine):
         # The gradients clipping and the optimizer see (bf16 layout: the FP32 main gradients, averaged over data
         # parallelism, attached to the masters).
         params = self.weights.reduce_and_attach(self.parallel.data_parallel_group, self.parallel.data_parallel_size)
-        max_norm = self.clip_grad if self.clip_grad > 0 else float("inf")
         reduce_sequence_parallel_grads(self.model, self.parallel.tensor_parallel_group)
-        grad_norm = clip_grad_norm(params, max_norm, self.parallel.tensor_parallel_group)
-        if not bool(loss_finite & torch.isfinite(grad_norm)):
-            self.zero_grad()
-            return grad_norm, False
-        self.scheduler.apply(iteration)
-        self.optimizer.step()
-        self.weights.copy_to_model()
-        return grad_norm, True
+
+        def step() -> None:
+            self.scheduler.apply(iteration)
+            self.optimizer.step()
+            self.weights.copy_to_model()
+
+        return guarded_step(params, self.clip_grad, self.parallel.tensor_parallel_group, loss_finite, self.zero_grad,
+                            step)
 
     def save_checkpoint(self, save_dir: str, iteration: int, extras: dict, train_state: dict,
                         config: dict) -> None:

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
+from megatron import comm
 from megatron.config import RecomputeGranularity
 from megatron.data.provider import Batch
 from megatron.model.build import PipelineStage
@@ -57,7 +58,7 @@ from megatron.parallel.tensor_parallel import enter_tensor_parallel_region
 from megatron.parallel_state import ParallelState
 from megatron.training.deepspeed_engine import DeepSpeedBase
 from megatron.training.deepspeed_shm import release_deepspeed_shm
-from megatron.training.engine import Engine
+from megatron.training.engine import Engine, check_skipped, nan_unless
 
 logger = logging.getLogger("megatron")
 
@@ -129,14 +130,15 @@ class HeadLoss:
         return pipeline_loss(per_token.view_as(labels), target)
 
 
-def pipeline_loss(per_token: torch.Tensor, target: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Token-weighted mean of one micro-batch's per-token losses [b, s]; NaN-poisoned when not finite."""
-    _, loss_mask = target
-    loss = (per_token * loss_mask).sum() / loss_mask.sum().clamp(min=1.0)
+def pipeline_loss(per_token: torch.Tensor, target: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """Token-weighted mean of one micro-batch's per-token losses [b, s]; NaN-poisoned when not finite. A target
+    of (labels, loss mask, weight) gives the masked sum times `weight` instead (`PipelineEngine.evaluate`)."""
+    loss_mask = target[1]
+    masked = (per_token * loss_mask).sum()
+    loss = masked * target[2] if len(target) > 2 else masked / loss_mask.sum().clamp(min=1.0)
     # A non-finite token masked out of the loss leaves finite gradients; multiplying by NaN (or exactly 1.0)
     # makes every gradient non-finite instead, so the step is skipped on all stages.
-    ok = torch.isfinite(loss.detach())
-    return loss * torch.where(ok, torch.ones_like(loss), torch.full_like(loss, float("nan")))
+    return nan_unless(torch.isfinite(loss.detach()), loss)
 
 
 def build_pipeline_module(model: nn.Module, parallel: ParallelState) -> nn.Module:
@@ -241,7 +243,6 @@ def _guard_non_finite_steps(optimizer: torch.optim.Optimizer, clip_grad: float, 
     contributes its layers, each TP rank its shards (replicated parameters count on TP rank 0 only), and each of
     the DP replicas holds the same reduced gradients, hence the division.
     """
-    from megatron import comm
 
     real_step = optimizer.step
     params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -306,16 +307,22 @@ class PipelineEngine(DeepSpeedBase, Engine):
             self._restore_lr(previous_lrs)
             if grad_norm < 0:
                 grad_norm = float("nan")  # DeepSpeed reports a non-finite norm as -1
-        elif loss != loss or abs(loss) == float("inf"):
-            raise RuntimeError("DeepSpeed's pipeline applied a step whose loss was not finite; the NaN-poisoned "
-                               "gradients should have made it skip. Please report this with the DeepSpeed version.")
+        check_skipped(stepped, math.isfinite(loss), "DeepSpeed's pipeline")
         return loss, grad_norm, stepped
 
     @torch.no_grad()
     def evaluate(self, batches: Sequence[Batch], loss_fn=None) -> float:
-        """Mean over global batches of DeepSpeed's batch means (each micro-batch a token-weighted mean), on every
-        stage. `batches` holds whole global batches of this rank's micro-batches, in order."""
+        """Token-weighted mean loss over `batches` and the data-parallel replicas, the statistic of every engine.
+        `batches` holds whole global batches of this rank's micro-batches, in order. Each micro-batch's loss is its
+        masked sum weighted by n x DP / (all the tokens counted, on every replica), so that DeepSpeed's average of
+        one `eval_batch` over its n micro-batches and the replicas is that batch's share of the mean."""
         n = self.ds_config["gradient_accumulation_steps"]
-        means = [float(self.engine.eval_batch(self._pipeline_inputs(batches[i:i + n])))
-                 for i in range(0, len(batches), n)]
-        return sum(means) / max(len(means), 1)
+        total = torch.stack([b.loss_mask.sum().double() for b in batches]).sum().reshape(1) if batches else (
+            torch.zeros(1, dtype=torch.float64))
+        comm.all_reduce(total, self.parallel.data_parallel_group)  # comm moves it to the backend's device
+        weight = torch.tensor(n * self.parallel.data_parallel_size / max(float(total), 1.0), dtype=torch.float32)
+        loss = 0.0
+        for i in range(0, len(batches), n):
+            inputs = iter([(b.tokens, (b.labels, b.loss_mask, weight)) for b in batches[i:i + n]])
+            loss += float(self.engine.eval_batch(inputs))
+        return loss
