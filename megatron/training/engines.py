@@ -1,13 +1,12 @@
-"""`build_engine`: the engine a run's flags ask for (pipeline, DeepSpeed, or the torch engine), made after the
-model's blocks are compiled (`--torch-compile`). The one place that knows every engine: engine.py holds the
-interface and the torch engine and imports no subclass."""
+"""`build_engine`: the engine a run's flags ask for (pipeline, DeepSpeed, or the torch engine), around the model that
+`parallelize` built (and compiled). The one place that knows every engine: engine.py holds the interface and the
+torch engine and imports no subclass."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from megatron.accelerator import Accelerator
-from megatron.model.compile import apply_torch_compile
 from megatron.optimizer.lr_scheduler import LrScheduler
 from megatron.parallel_state import ParallelState
 from megatron.training.engine import Engine, TorchEngine
@@ -15,7 +14,6 @@ from megatron.training.engine import Engine, TorchEngine
 
 def build_engine(config, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: LrScheduler,
                  parallel: ParallelState, accel: Accelerator) -> Engine:
-    apply_torch_compile(config, model, accel.device)  # --torch-compile: blocks compiled in place, warmed up
     if config.parallel.pipeline_model_parallel_size > 1:
         from megatron.training.pipeline_engine import PipelineEngine
 

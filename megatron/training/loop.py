@@ -1,4 +1,4 @@
-"""The pretraining loop: build everything from a `MegatronConfig`, then train, evaluate and checkpoint.
+"""The pretraining loop: the model from `parallelize`, an engine around it, then train, evaluate and checkpoint.
 
 One iteration = one optimizer step over a global batch of `micro_batch_size * dp * accumulation`
 samples. Each micro-batch loss is the mean over its unmasked tokens; the step averages micro-batch
@@ -32,19 +32,16 @@ from megatron.checkpoint.folders import check_load_folder, check_save_folder, pr
 from megatron.checkpoint.train_state import TrainState
 from megatron.config import MegatronConfig
 from megatron.data.provider import Batch, build_loader, make_batch
-from megatron.hpu_kernels import apply_habana_kernels
-from megatron.model.build import build_model
 from megatron.optimizer import build_optimizer
 from megatron.optimizer.lr_scheduler import LrScheduler
 from megatron.parallel_state import ParallelState, initialize_parallel_state
 from megatron.training.datasets import build_datasets
-from megatron.training.deepspeed_zero3 import zero3_partitioner
 from megatron.training.divergence import DivergenceGuard, max_abs_weight
 from megatron.training.engines import build_engine
+from megatron.training.parallelize import parallelize
 from megatron.perf.flops import flops_per_iteration
-from megatron.training.fp8_hooks import Fp8Hooks
 from megatron.training.log import TrainingLogger, host_floats, setup_logging
-from megatron.training.swiglu_hooks import STATE_KEY as SWIGLU_STATE_KEY, SwiGLUHooks
+from megatron.training.swiglu_hooks import STATE_KEY as SWIGLU_STATE_KEY
 from megatron.training.stall import StallWatchdog
 
 logger = logging.getLogger("megatron")
@@ -113,28 +110,8 @@ class Trainer:
             raise ValueError(f"config was resolved for data-parallel size {t.data_parallel_size} but "
                              f"{self.parallel.data_parallel_size} ranks are running; launch with the same WORLD_SIZE")
         seed_everything(t.seed)
-        stage = None
-        if self.parallel.pipeline_parallel_size > 1:
-            from megatron.training.pipeline_engine import pipeline_stage
-
-            stage = pipeline_stage(config.model.num_layers, self.parallel)
-        # Only this rank's pieces are ever allocated (built on meta, sharded and staged there); sharded before
-        # the FP8 swap, the optimizer and DDP, which must all see this rank's pieces.
-        self.model = build_model(config.model, self.accel.device, t.seed, self.parallel,
-                                 config.parallel.sequence_parallel, stage, zero3_partitioner(config, self.parallel))
-        apply_habana_kernels(self.model, config.compat.kernels, self.accel.device_type)
-        self.fp8 = Fp8Hooks(self.model, config.fp8, self.parallel.amax_group, config.logging.log_fp8_stats,
-                            config.fp8_autoheal, self.parallel.tensor_parallel_group)
-        logger.info("> number of parameters: %d", self.model.num_parameters())
-        layers_view = self.model
-        if self.parallel.pipeline_parallel_size > 1:  # keep this rank's stage only (after the FP8 swap)
-            from megatron.training.pipeline_engine import build_pipeline_module, stage_layers_view
-
-            self.model = build_pipeline_module(self.model, self.parallel)
-            self.fp8.set_model(self.model)
-            layers_view = stage_layers_view(self.model)
-        self.swiglu = SwiGLUHooks(layers_view, config.model,
-                                  config.logging.log_swiglu_diagnostics and self.parallel.is_logging_rank)
+        built = parallelize(config, self.parallel, self.accel)
+        self.model, self.fp8, self.swiglu = built.model, built.fp8, built.swiglu
         self.optimizer = build_optimizer(self.model, config.optimizer)
         self.scheduler = LrScheduler(self.optimizer, config.scheduler)
         self.engine = build_engine(config, self.model, self.optimizer, self.scheduler, self.parallel, self.accel)

@@ -1,0 +1,63 @@
+"""`parallelize`: this rank's training model, built and distributed in one place.
+
+In order: the pipeline stage this rank holds (`--pipeline-model-parallel-size`), the model built on meta and
+materialized as this rank's tensor-parallel pieces (`--tensor-model-parallel-size`, `--sequence-parallel`) and, under
+ZeRO-3, handed to DeepSpeed's partitioning piece by piece; Habana's fused kernels; the FP8 swap of the linears
+(`Fp8Hooks`: recipe, statistics, controller); the pipeline module around the stage; the SwiGLU diagnostics; then
+`--torch-compile` (blocks compiled in place and warmed up, after every hook is registered). The optimizer and the
+engine are built around the result (megatron/training/engines.py); DeepSpeed's own rewrites of the model (ZeRO-3
+partitions cast to BF16, FP8 weights per call) happen where DeepSpeed wraps it (deepspeed_engine.py).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from torch import nn
+
+from megatron.accelerator import Accelerator
+from megatron.config import MegatronConfig
+from megatron.hpu_kernels import apply_habana_kernels
+from megatron.model.build import build_model
+from megatron.model.compile import apply_torch_compile
+from megatron.parallel_state import ParallelState
+from megatron.training.deepspeed_zero3 import zero3_partitioner
+from megatron.training.fp8_hooks import Fp8Hooks
+from megatron.training.swiglu_hooks import SwiGLUHooks
+
+logger = logging.getLogger("megatron")
+
+
+@dataclass
+class Parallelized:
+    model: nn.Module  # what the engine wraps: the model, or this rank's pipeline stage module
+    fp8: Fp8Hooks  # the FP8 linears' recipe, statistics and controller
+    swiglu: SwiGLUHooks  # the SwiGLU diagnostics of this rank's layers
+
+
+def parallelize(config: MegatronConfig, parallel: ParallelState, accel: Accelerator) -> Parallelized:
+    """This rank's model under `config`'s layout (see the module docstring); seed the RNGs before calling."""
+    stage = None
+    if parallel.pipeline_parallel_size > 1:
+        from megatron.training.pipeline_engine import pipeline_stage
+
+        stage = pipeline_stage(config.model.num_layers, parallel)
+    # Only this rank's pieces are ever allocated (built on meta, sharded and staged there); sharded before the FP8
+    # swap, the optimizer and DDP, which must all see this rank's pieces.
+    model = build_model(config.model, accel.device, config.training.seed, parallel, config.parallel.sequence_parallel,
+                        stage, zero3_partitioner(config, parallel))
+    apply_habana_kernels(model, config.compat.kernels, accel.device_type)
+    fp8 = Fp8Hooks(model, config.fp8, parallel.amax_group, config.logging.log_fp8_stats, config.fp8_autoheal,
+                   parallel.tensor_parallel_group)
+    logger.info("> number of parameters: %d", model.num_parameters())
+    layers_view = model
+    if stage is not None:  # keep this rank's stage only (after the FP8 swap)
+        from megatron.training.pipeline_engine import build_pipeline_module, stage_layers_view
+
+        model = build_pipeline_module(model, parallel)
+        fp8.set_model(model)
+        layers_view = stage_layers_view(model)
+    swiglu = SwiGLUHooks(layers_view, config.model,
+                         config.logging.log_swiglu_diagnostics and parallel.is_logging_rank)
+    apply_torch_compile(config, model, accel.device)  # --torch-compile: blocks compiled in place, warmed up
+    return Parallelized(model, fp8, swiglu)
