@@ -211,12 +211,25 @@ def env_recipe_flags(env: Mapping[str, str]) -> tuple[list[str], list[tuple[str,
     M1_DTYPE/M2_DTYPE stores Adam's moments in those formats with one scale per tensor; MW_DTYPE is the master
     weights' format, which stays FP32 here. The returned flags go before the command line's: explicit flags win.
     """
-    flags: list[str] = []
     mapping: list[tuple[str, str, str]] = []
 
     def note(name: str, meaning: str) -> None:
         mapping.append((name, env[name], meaning))
 
+    flags = _env_linears(env, note) + _env_swiglu(env, note) + _env_optimizer(env, note)
+    master = env.get("MW_DTYPE")
+    if master:
+        if master.lower() != "fp32":
+            raise ValueError(f"environment variable MW_DTYPE={master} is not supported: master weights stay FP32 "
+                             "here (the reference's narrow master weights are a simulation we do not reproduce); "
+                             "unset MW_DTYPE or set MW_DTYPE=fp32")
+        note("MW_DTYPE", "FP32 master weights (as always here)")
+    return flags, mapping
+
+
+def _env_linears(env: Mapping[str, str], note) -> list[str]:
+    """FP8_LINEAR, DISABLE_FP8 and DISABLE_FP8_MLP_LINEAR2 as flags (`note` records each one's meaning)."""
+    flags: list[str] = []
     fp8 = _env_true(env, "FP8_LINEAR")
     if fp8:
         flags += ["--fp8-format", "hybrid", "--fp8-grad-stochastic-rounding"]
@@ -229,6 +242,12 @@ def env_recipe_flags(env: Mapping[str, str]) -> tuple[list[str], list[tuple[str,
         if fc2:
             flags.append("--fp8-mlp-fc2-bf16")
         note("DISABLE_FP8_MLP_LINEAR2", "--fp8-mlp-fc2-bf16" if fc2 else "fc2 in FP8 like the other linears")
+    return flags
+
+
+def _env_swiglu(env: Mapping[str, str], note) -> list[str]:
+    """SCALED_SWIGLU, DETACH_SCALED_SWIGLU, DELAYED_SCALED_SWIGLU and SFTZ as flags."""
+    flags: list[str] = []
     smooth = _env_true(env, "SCALED_SWIGLU")
     if smooth:
         flags += ["--smooth-swiglu", "--smooth-swiglu-granularity", "token"]
@@ -246,6 +265,12 @@ def env_recipe_flags(env: Mapping[str, str]) -> tuple[list[str], list[tuple[str,
              else "nothing to do (no SCALED_SWIGLU)")
     _refused_switch(env, "DELAYED_SCALED_SWIGLU", note)
     _refused_switch(env, "SFTZ", note)
+    return flags
+
+
+def _env_optimizer(env: Mapping[str, str], note) -> list[str]:
+    """FP8_OPTIMIZER with M1_DTYPE / M2_DTYPE as flags."""
+    flags: list[str] = []
     fp8_adam = _env_true(env, "FP8_OPTIMIZER")
     if fp8_adam:
         flags.append("--fp8-optimizer")
@@ -256,23 +281,16 @@ def env_recipe_flags(env: Mapping[str, str]) -> tuple[list[str], list[tuple[str,
                 moment = _moment_flags(env, name, flag, sr)
                 flags += moment
                 note(name, " ".join(moment))
-    else:
-        if fp8_adam is False:
-            note("FP8_OPTIMIZER", "AdamW with FP32 moments (unless --optimizer fp8adam is given)")
-        for name in ("M1_DTYPE", "M2_DTYPE"):
-            if env.get(name) and env[name].lower() != "fp32":
-                raise ValueError(f"environment variable {name}={env[name]} needs FP8_OPTIMIZER=true (the moments "
-                                 f"are only stored narrow by the FP8 optimizer): set it, or {name}=fp32")
-            if env.get(name):
-                note(name, "FP32 moments (no FP8_OPTIMIZER)")
-    master = env.get("MW_DTYPE")
-    if master:
-        if master.lower() != "fp32":
-            raise ValueError(f"environment variable MW_DTYPE={master} is not supported: master weights stay FP32 "
-                             "here (the reference's narrow master weights are a simulation we do not reproduce); "
-                             "unset MW_DTYPE or set MW_DTYPE=fp32")
-        note("MW_DTYPE", "FP32 master weights (as always here)")
-    return flags, mapping
+        return flags
+    if fp8_adam is False:
+        note("FP8_OPTIMIZER", "AdamW with FP32 moments (unless --optimizer fp8adam is given)")
+    for name in ("M1_DTYPE", "M2_DTYPE"):
+        if env.get(name) and env[name].lower() != "fp32":
+            raise ValueError(f"environment variable {name}={env[name]} needs FP8_OPTIMIZER=true (the moments "
+                             f"are only stored narrow by the FP8 optimizer): set it, or {name}=fp32")
+        if env.get(name):
+            note(name, "FP32 moments (no FP8_OPTIMIZER)")
+    return flags
 
 
 VERIFY_MODEL_TYPES = ("GPT", "LLAMA")  # --verify-checkpoint-model-type values that name this project's model

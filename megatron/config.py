@@ -158,9 +158,17 @@ class OptimizerConfig:
 
     def __post_init__(self) -> None:
         if self.optimizer != "fp8adam":
-            defaults = {f.name: f.default for f in dataclasses.fields(self)}
-            if any(getattr(self, name) != defaults[name] for name in _FP8_MOMENT_FIELDS):
+            defaults = self._moment_defaults()
+            if any(getattr(self, name) != default for name, default in defaults.items()):
                 raise ValueError("--fp8-optimizer-* flags need --optimizer fp8adam (or --fp8-optimizer)")
+
+    @classmethod
+    def _moment_defaults(cls) -> dict:
+        return {f.name: f.default for f in dataclasses.fields(cls) if f.name in _FP8_MOMENT_FIELDS}
+
+    def adamw(self) -> "OptimizerConfig":
+        """The same hyper-parameters with AdamW's FP32 moments (the FP8 moment settings back to their defaults)."""
+        return dataclasses.replace(self, optimizer="adam", **self._moment_defaults())
 
 
 @dataclass(frozen=True)

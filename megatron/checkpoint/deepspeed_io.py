@@ -19,6 +19,8 @@ system shared by all ranks, as DeepSpeed's own loader does (rank r reads the fil
 """
 from __future__ import annotations
 
+import functools
+
 import shutil
 from pathlib import Path
 from typing import Any, Optional
@@ -161,14 +163,10 @@ def deepspeed_safe_globals() -> list:
     return [fragment_address, ZeroStageEnum, LossScaler, DynamicLossScaler]
 
 
-def use_weights_only_loading(engine) -> None:
-    """Make DeepSpeed read checkpoints with `torch.load(weights_only=True)`, as our own loader does.
-
-    DeepSpeed's TorchCheckpointEngine loads with `weights_only=False`, i.e. it would run code pickled
-    into a checkpoint. We swap in a subclass that loads with `weights_only=True` and an allowlist of
-    DeepSpeed's few data classes. Other checkpoint engines (fast/decoupled writers, DataStates) are
-    refused rather than left unchecked.
-    """
+@functools.lru_cache(maxsize=None)
+def _weights_only_checkpoint_engine() -> type:
+    """DeepSpeed's TorchCheckpointEngine loading with `weights_only=True` (and DeepSpeed's allowlist), writing through
+    the CRC-32 of our manifest, and holding write errors while `save_checkpoint` runs (see there)."""
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
     class WeightsOnlyCheckpointEngine(TorchCheckpointEngine):
@@ -207,15 +205,34 @@ def use_weights_only_loading(engine) -> None:
             except Exception as exc:  # pickle.UnpicklingError for code objects, RuntimeError/OSError for corruption
                 raise ckpt.unreadable(path, exc) from exc
 
+    return WeightsOnlyCheckpointEngine
+
+
+def use_weights_only_loading(engine) -> None:
+    """Make DeepSpeed read checkpoints with `torch.load(weights_only=True)`, as our own loader does.
+
+    DeepSpeed's TorchCheckpointEngine loads with `weights_only=False`, i.e. it would run code pickled
+    into a checkpoint. We swap in a subclass that loads with `weights_only=True` and an allowlist of
+    DeepSpeed's few data classes. Other checkpoint engines (fast/decoupled writers, DataStates) are
+    refused rather than left unchecked.
+    """
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
     current = engine.checkpoint_engine
     if type(current) is not TorchCheckpointEngine:
         raise ValueError(f"DeepSpeed checkpoint engine {type(current).__name__} is not supported: megatron-fp8 loads "
                          "checkpoints with weights_only=True; remove the `checkpoint.writer` / `datastates` section")
-    safe = WeightsOnlyCheckpointEngine.__new__(WeightsOnlyCheckpointEngine)
+    weights_only = _weights_only_checkpoint_engine()
+    safe = weights_only.__new__(weights_only)
     safe.__dict__.update(current.__dict__)  # same settings (serialization format) as the one DeepSpeed built
     engine.checkpoint_engine = safe
+    _hold_recovery_script_errors(engine, safe)
+
+
+def _hold_recovery_script_errors(engine, safe) -> None:
+    """Rank 0 copies zero_to_fp32.py into each checkpoint: its write errors are held in `safe.failed` too."""
     copy_script = getattr(engine, "_copy_recovery_script", None)
-    if copy_script is not None:  # rank 0 copies zero_to_fp32.py into each checkpoint: its write errors are held too
+    if copy_script is not None:
         def copy_recovery_script(save_path, _copy=copy_script):
             try:
                 return _copy(save_path)

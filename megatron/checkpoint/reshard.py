@@ -208,40 +208,62 @@ def _load_zero3_optimizer(zero, named: list[tuple[str, nn.Parameter]], pieces: d
         raise ckpt.CheckpointError("resharding into ZeRO-3 with offload_param or an NVMe-swapped optimizer is not "
                                    "supported: resume at the layout that wrote the checkpoint, or without offloading")
     by_id = {id(p): name for name, p in named}
-    flats = zero.fp32_partitioned_groups_flat
     states = {}
     with torch.no_grad():
         for k, params in enumerate(zero.fp16_groups):
-            rank = zero._get_sub_group_partition_rank(k)
-            master = flats[k]
-            weights, moments, step = [], {m: [] for m in MOMENTS}, None
-            for p in params:
-                name, numel = by_id[id(p)], p.partition_numel()
-                if p.numel() != 0:  # gathered: it would keep its old full value until DeepSpeed releases it
-                    raise RuntimeError(f"ZeRO-3 parameter {name} is gathered while the checkpoint loads; the loader "
-                                       "expects every parameter partitioned, as after deepspeed.initialize")
-                weights.append(_zero3_slice(pieces[name], rank, numel))
-                if load_optimizer:
-                    saved = _moment_pieces(name, full, model_config, tp_rank, tp_size)
-                    step = saved["step"]
-                    for m in MOMENTS:
-                        moments[m].append(_zero3_slice(saved[m], rank, numel))
-            flat = torch.cat(weights)
-            if flat.numel() != master.numel():
-                raise ckpt.CheckpointError(f"ZeRO-3 sub-group {k} holds {master.numel()} master values on this "
-                                           f"rank, its parameters' pieces {flat.numel()}: DeepSpeed's partitioning "
-                                           "is not the one this loader knows (DeepSpeed 0.19)")
-            master.copy_(flat)
-            zero.fp16_partitioned_groups_flat[k].copy_(flat)
-            # DeepSpeed's loader re-points each ds_tensor at its flat buffer too (they are views already).
-            partitions = zero.fp16_partitioned_groups[k]
-            for partition, q in zip(partitions, zero.unflatten(zero.fp16_partitioned_groups_flat[k], partitions)):
-                partition.data = q.data
-            if load_optimizer and step is not None:
-                states[k] = {"step": step, **{m: torch.cat(v).to(master.device) for m, v in moments.items()}}
-    if not load_optimizer:
-        return
+            pieces_k = [(by_id[id(p)], p) for p in params]
+            flat, state = _zero3_sub_group_pieces(zero, k, pieces_k, pieces, full if load_optimizer else None,
+                                                  model_config, tp_rank, tp_size)
+            _write_zero3_sub_group(zero, k, flat)
+            if state is not None:
+                states[k] = state
+    if load_optimizer:
+        _load_zero3_client_state(zero, states, full)
+
+
+def _zero3_sub_group_pieces(zero, k: int, named: list[tuple[str, nn.Parameter]], pieces: dict[str, torch.Tensor],
+                            full: Optional[FullState], model_config: ModelConfig, tp_rank: int,
+                            tp_size: int) -> tuple[torch.Tensor, Optional[dict]]:
+    """Sub-group k's flat FP32 master on this rank (its parameters' pieces end to end) and, with `full`, its Adam
+    state in the same layout (None without)."""
+    rank = zero._get_sub_group_partition_rank(k)
+    master = zero.fp32_partitioned_groups_flat[k]
+    weights, moments, step = [], {m: [] for m in MOMENTS}, None
+    for name, p in named:
+        numel = p.partition_numel()
+        if p.numel() != 0:  # gathered: it would keep its old full value until DeepSpeed releases it
+            raise RuntimeError(f"ZeRO-3 parameter {name} is gathered while the checkpoint loads; the loader "
+                               "expects every parameter partitioned, as after deepspeed.initialize")
+        weights.append(_zero3_slice(pieces[name], rank, numel))
+        if full is not None:
+            saved = _moment_pieces(name, full, model_config, tp_rank, tp_size)
+            step = saved["step"]
+            for m in MOMENTS:
+                moments[m].append(_zero3_slice(saved[m], rank, numel))
+    flat = torch.cat(weights)
+    if flat.numel() != master.numel():
+        raise ckpt.CheckpointError(f"ZeRO-3 sub-group {k} holds {master.numel()} master values on this "
+                                   f"rank, its parameters' pieces {flat.numel()}: DeepSpeed's partitioning "
+                                   "is not the one this loader knows (DeepSpeed 0.19)")
+    if full is None or step is None:
+        return flat, None
+    return flat, {"step": step, **{m: torch.cat(v).to(master.device) for m, v in moments.items()}}
+
+
+def _write_zero3_sub_group(zero, k: int, flat: torch.Tensor) -> None:
+    """Sub-group k's flat pieces into its FP32 master and the module's partitions (`ds_tensor`)."""
+    zero.fp32_partitioned_groups_flat[k].copy_(flat)
+    zero.fp16_partitioned_groups_flat[k].copy_(flat)
+    # DeepSpeed's loader re-points each ds_tensor at its flat buffer too (they are views already).
+    partitions = zero.fp16_partitioned_groups[k]
+    for partition, q in zip(partitions, zero.unflatten(zero.fp16_partitioned_groups_flat[k], partitions)):
+        partition.data = q.data
+
+
+def _load_zero3_client_state(zero, states: dict[int, dict], full: FullState) -> None:
+    """The client optimizer's state on the sub-groups' flat masters (`states`: sub-group -> its Adam state)."""
     base = zero.optimizer
+    flats = zero.fp32_partitioned_groups_flat
     with zero3_partitions_in_groups(zero):  # the groups hold the sub-groups' flat masters only around this
         sub_group = {id(flat): k for k, flat in enumerate(flats)}
         state, groups, index = {}, [], 0

@@ -21,7 +21,7 @@ from megatron.perf.step import Projection, days, project
 def bf16_twin(config: MegatronConfig) -> MegatronConfig:
     """The same run in BF16: no FP8 recipe, no Smooth-SwiGLU, AdamW."""
     return dataclasses.replace(config, fp8=None, model=dataclasses.replace(config.model, smooth_swiglu=None),
-                               optimizer=dataclasses.replace(config.optimizer, optimizer="adam"))
+                               optimizer=config.optimizer.adamw())
 
 
 def _line(label: str, p: Projection, iters: int) -> str:

@@ -141,45 +141,63 @@ def reanalyze_inject(summary: dict, out: Path, topk: int = 4) -> dict:
     return summary
 
 
+@dataclass
+class _InjectRuns:
+    """The runs of the inject preset: each (variant, seed, c) resumes its shared base run's checkpoint, injected
+    with c (none for a control); `records` and `runs` collect what ran and what it showed."""
+
+    out: Path
+    data_dir: Path
+    setup: TinySetup
+    base_iters: int
+    resume_iters: int
+    topk: int
+    dry_run: bool
+    channels: int
+    records: list = field(default_factory=list)
+    runs: dict = field(default_factory=dict)
+
+    def one(self, variant: str, seed: int, c: Optional[float]) -> None:
+        flags = (self.setup.flags(self.data_dir, seed, self.base_iters + self.resume_iters)
+                 + variant_flags(variant, self.setup.fp8))
+        base = self.out / "base" / f"{variant}_s{seed}"
+        base_flags = flags + ["--exit-interval", str(self.base_iters), "--save-interval", str(self.base_iters),
+                              "--save", str(base / "ckpt"), "--tensorboard-dir", str(base / "tb")]
+        # A base run is shared by every c of its (variant, seed) and reused by a rerun of the preset into the
+        # same folder, but only if it ran the same command and stopped where this preset injects.
+        if not any(r.run_dir == str(base) for r in self.records):  # not run (or found) earlier in this call
+            self.records.append(run_or_reuse(f"base {variant} seed {seed}", base_flags, base, self.setup.threads,
+                                             self.dry_run, iteration=self.base_iters))
+        tag = "control" if c is None else f"c{c:g}"
+        run = self.out / "runs" / f"{variant}_{tag}_s{seed}"
+        entry: dict = {"variant": variant, "seed": seed, "c": c, "run_dir": str(run)}
+        if not self.dry_run:
+            shutil.rmtree(run, ignore_errors=True)  # stale event files of an earlier attempt would mix in
+            start = copy_checkpoint(base / "ckpt", run / "ckpt")
+            entry["start_alignment"] = _alignment_lists(run / "ckpt", start)
+            if c is not None:
+                entry["injection"] = inject_aligned_channels(run / "ckpt", c, self.channels)
+                write_json(run / "injection.json", entry["injection"])
+                entry["start_alignment"] = _alignment_lists(run / "ckpt", start)
+        rec = run_pretrain(f"{variant} {tag} seed {seed}", flags + [
+            "--load", str(run / "ckpt"), "--save", str(run / "ckpt"),
+            "--save-interval", str(max(1, self.resume_iters // 4)), "--tensorboard-dir", str(run / "tb")],
+            run, self.setup.threads, self.dry_run)
+        self.records.append(rec)
+        entry["returncode"] = rec.returncode
+        if not self.dry_run:
+            analyze_inject_run(entry, base, run, self.base_iters, self.topk)
+        self.runs[f"{variant}_{tag}_s{seed}"] = entry
+
+
 def run_inject(out: Path, data_dir: Path, setup: TinySetup, variants: Sequence[str], seeds: Sequence[int],
                cs: Sequence[float], channels: int, base_iters: int, resume_iters: int, topk: int = 4,
                controls: bool = True, fp8_controls: bool = True, dry_run: bool = False,
                log: Callable[[str], None] = print, jobs: int = 1, fp8_every_c: bool = False) -> dict:
     """The inject preset (module docstring); `fp8_every_c`: the FP8 variants run at every c, not at c* only
     (where FP8 and BF16 part ways beyond c*)."""
-    total = base_iters + resume_iters
-    records: list[RunRecord] = []
-    runs: dict = {}
-
-    def one(variant: str, seed: int, c: Optional[float]) -> None:
-        flags = setup.flags(data_dir, seed, total) + variant_flags(variant, setup.fp8)
-        base = out / "base" / f"{variant}_s{seed}"
-        base_flags = flags + ["--exit-interval", str(base_iters), "--save-interval", str(base_iters),
-                              "--save", str(base / "ckpt"), "--tensorboard-dir", str(base / "tb")]
-        # A base run is shared by every c of its (variant, seed) and reused by a rerun of the preset into the
-        # same folder, but only if it ran the same command and stopped where this preset injects.
-        if not any(r.run_dir == str(base) for r in records):  # not run (or found) earlier in this call
-            records.append(run_or_reuse(f"base {variant} seed {seed}", base_flags, base, setup.threads, dry_run,
-                                        iteration=base_iters))
-        tag = "control" if c is None else f"c{c:g}"
-        run = out / "runs" / f"{variant}_{tag}_s{seed}"
-        entry: dict = {"variant": variant, "seed": seed, "c": c, "run_dir": str(run)}
-        if not dry_run:
-            shutil.rmtree(run, ignore_errors=True)  # stale event files of an earlier attempt would mix in
-            start = copy_checkpoint(base / "ckpt", run / "ckpt")
-            entry["start_alignment"] = _alignment_lists(run / "ckpt", start)
-            if c is not None:
-                entry["injection"] = inject_aligned_channels(run / "ckpt", c, channels)
-                write_json(run / "injection.json", entry["injection"])
-                entry["start_alignment"] = _alignment_lists(run / "ckpt", start)
-        rec = run_pretrain(f"{variant} {tag} seed {seed}", flags + [
-            "--load", str(run / "ckpt"), "--save", str(run / "ckpt"), "--save-interval", str(max(1, resume_iters // 4)),
-            "--tensorboard-dir", str(run / "tb")], run, setup.threads, dry_run)
-        records.append(rec)
-        entry["returncode"] = rec.returncode
-        if not dry_run:
-            analyze_inject_run(entry, base, run, base_iters, topk)
-        runs[f"{variant}_{tag}_s{seed}"] = entry
+    plan = _InjectRuns(out, data_dir, setup, base_iters, resume_iters, topk, dry_run, channels)
+    one, records, runs = plan.one, plan.records, plan.runs
 
     def finals(variant: str, c: Optional[float]) -> list[Optional[float]]:
         tag = "control" if c is None else f"c{c:g}"

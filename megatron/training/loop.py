@@ -259,15 +259,14 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------ loop
     def train(self) -> TrainResult:
-        cfg, t = self.config, self.config.training
+        t = self.config.training
         result = TrainResult(state=self.state, model=self.model)
         loader = build_loader(self.train_ds, self.state.consumed_train_samples, t.micro_batch_size,
                               self.parallel.data_parallel_rank, self.parallel.data_parallel_size,
-                              cfg.data.num_workers)
+                              self.config.data.num_workers)
         micro_batches = iter(loader)
         sig = _SignalFlag(t.exit_signal_handler)
         start_time = time.time()
-        tokens_per_iter = t.global_batch_size * cfg.model.seq_length
         saved_at = None
         # This log interval's (iteration, loss, grad norm, stepped), device tensors read at its log iteration.
         pending: list = []
@@ -279,78 +278,24 @@ class Trainer:
             self._check_weights()  # an absurd init (or a loaded exploded model) stops here
             self._stop_if_diverged(result)
             while self.state.iteration < t.train_iters:
-                self.swiglu.before_step(self.state.iteration + 1, cfg.logging.log_interval)
-                loss, grad_norm, stepped = self.train_step(micro_batches)
-                s = self.state
-                s.iteration += 1
-                s.consumed_train_samples += t.global_batch_size
-                s.consumed_train_tokens += tokens_per_iter
-                pending.append((s.iteration, loss, grad_norm, stepped))
-                if s.iteration % cfg.logging.log_interval == 0:
-                    # Timing: one synchronisation per log interval. The per-iteration times of the interval
-                    # sum to its wall time, which is all the log line reports (their mean).
-                    self.accel.synchronize()
-                    self._judge(pending, result)
+                loss, grad_norm, stepped = self._step_and_count(micro_batches, pending, result)
                 now = time.perf_counter()
                 elapsed, t_mark = now - t_mark, now
-                if not stepped:
-                    loss, grad_norm = host_floats([loss, grad_norm])  # a skipped step: read for the warning
-                    s.skipped_iterations += 1
-                    s.nan_iterations += 1
-                    s.consecutive_nan_iterations += 1
-                    fp8_bad = self.fp8.nonfinite_layers()
-                    logger.warning("iteration %d: non-finite loss or grad norm (loss %s, grad norm %s): step skipped "
-                                   "(%d in a row)%s", s.iteration, loss, grad_norm, s.consecutive_nan_iterations,
-                                   f"; inf/NaN in FP8 tensors, first seen in: {', '.join(fp8_bad[:4])}"
-                                   f"{' ...' if len(fp8_bad) > 4 else ''}" if fp8_bad else "")
-                    if s.consecutive_nan_iterations >= t.max_consecutive_nan_steps:
-                        result.exit_reason = "diverged"
-                        raise TrainingDiverged(
-                            f"training diverged: {s.consecutive_nan_iterations} consecutive non-finite steps, the last "
-                            f"at iteration {s.iteration} (--max-consecutive-nan-steps {t.max_consecutive_nan_steps}). "
-                            f"No checkpoint was written for these steps; the newest healthy one is "
-                            f"{self.last_healthy or 'none (no checkpoint was loaded or saved by this run)'}.")
-                else:
-                    s.consecutive_nan_iterations = 0
-                fp8_extra, fp8_text = self.fp8.log_values(s.iteration, cfg.logging.log_interval)
-                swiglu_extra, swiglu_text = self.swiglu.log_values(s.iteration, cfg.logging.log_interval)
-                # A skipped step's loss is printed as computed (the warning above shows the same value).
-                self.tlog.record(iteration=s.iteration, loss=loss, elapsed_s=elapsed,
-                                 lr=self.engine.learning_rate, grad_norm=grad_norm, state=s,
-                                 global_batch_size=t.global_batch_size, seq_length=cfg.model.seq_length,
-                                 flops_per_iter=self.flops_per_iter, world_size=self.parallel.world_size,
-                                 memory=self.accel.memory_stats(), extra={**fp8_extra, **swiglu_extra},
-                                 extra_text=fp8_text + swiglu_text)
-                if self.valid_ds is not None and t.eval_interval and s.iteration % t.eval_interval == 0:
-                    vloss = self.evaluate(self.valid_ds)
-                    result.valid.append((s.iteration, vloss))
-                    self.tlog.validation("validation", vloss, s.iteration, s.consumed_train_tokens,
-                                        s.consumed_train_samples)
-                    t_mark = time.perf_counter()  # not iteration time (evaluation ends with a host read)
-                c = cfg.checkpoint
-                if c.save and c.save_interval and s.iteration % c.save_interval == 0:
-                    self._judge(pending, result)  # the guard judges up to this iteration
-                    if s.consecutive_nan_iterations or not self.guard.healthy:
-                        # Do not let a checkpoint taken mid-divergence replace the last healthy one.
-                        logger.warning("iteration %d: not saving during a run of non-finite steps or while the "
-                                       "divergence guard sees the loss far above its median or a zero gradient",
-                                       s.iteration)
-                    elif self._interval_save():
-                        saved_at = s.iteration
-                    t_mark = time.perf_counter()  # not iteration time (saving copies the state to the host)
+                loss, grad_norm = self._account_skip(loss, grad_norm, stepped, result)
+                self._log_iteration(loss, grad_norm, elapsed)
+                validated = self._validate_if_due(result)
+                save_due, saved = self._save_if_due(pending, result)
+                if saved:
+                    saved_at = self.state.iteration
+                if validated or save_due:
+                    t_mark = time.perf_counter()  # not iteration time (evaluation and saving read the host)
                 if watchdog is not None:
-                    watchdog.finished(s.iteration)
+                    watchdog.finished(self.state.iteration)
                 exit_reason = self._exit_reason(sig, start_time)
                 if exit_reason:
                     result.exit_reason = exit_reason
                     break
-            if cfg.checkpoint.save and saved_at != self.state.iteration:
-                self._judge(pending, result)
-                self.save()  # marked unhealthy in train_state.json if the guard is still worried
-            if self.test_ds is not None and result.exit_reason == "train-iters":
-                result.test_loss = self.evaluate(self.test_ds)
-                self.tlog.validation("test", result.test_loss, self.state.iteration, self.state.consumed_train_tokens,
-                                    self.state.consumed_train_samples)
+            self._finish(pending, result, saved_at)
         finally:
             if watchdog is not None:
                 watchdog.close()
@@ -358,6 +303,94 @@ class Trainer:
             sig.restore()
             self.tlog.close()
         return result
+
+    def _step_and_count(self, micro_batches: Iterator, pending: list, result: TrainResult) -> tuple:
+        """One optimizer step, counted in the train state; at a log iteration the interval's values are read (one
+        synchronisation per log interval: the per-iteration times of the interval sum to its wall time, which is all
+        the log line reports, their mean) and judged by the divergence guard."""
+        t = self.config.training
+        self.swiglu.before_step(self.state.iteration + 1, self.config.logging.log_interval)
+        loss, grad_norm, stepped = self.train_step(micro_batches)
+        s = self.state
+        s.iteration += 1
+        s.consumed_train_samples += t.global_batch_size
+        s.consumed_train_tokens += t.global_batch_size * self.config.model.seq_length
+        pending.append((s.iteration, loss, grad_norm, stepped))
+        if s.iteration % self.config.logging.log_interval == 0:
+            self.accel.synchronize()
+            self._judge(pending, result)
+        return loss, grad_norm, stepped
+
+    def _account_skip(self, loss, grad_norm, stepped: bool, result: TrainResult) -> tuple:
+        """A skipped step is counted and warned about (its loss and norm read to the host for the warning); too many
+        in a row end the run without a save. Returns the loss and norm to log."""
+        s, t = self.state, self.config.training
+        if stepped:
+            s.consecutive_nan_iterations = 0
+            return loss, grad_norm
+        loss, grad_norm = host_floats([loss, grad_norm])
+        s.skipped_iterations += 1
+        s.nan_iterations += 1
+        s.consecutive_nan_iterations += 1
+        fp8_bad = self.fp8.nonfinite_layers()
+        logger.warning("iteration %d: non-finite loss or grad norm (loss %s, grad norm %s): step skipped "
+                       "(%d in a row)%s", s.iteration, loss, grad_norm, s.consecutive_nan_iterations,
+                       f"; inf/NaN in FP8 tensors, first seen in: {', '.join(fp8_bad[:4])}"
+                       f"{' ...' if len(fp8_bad) > 4 else ''}" if fp8_bad else "")
+        if s.consecutive_nan_iterations >= t.max_consecutive_nan_steps:
+            result.exit_reason = "diverged"
+            raise TrainingDiverged(
+                f"training diverged: {s.consecutive_nan_iterations} consecutive non-finite steps, the last "
+                f"at iteration {s.iteration} (--max-consecutive-nan-steps {t.max_consecutive_nan_steps}). "
+                f"No checkpoint was written for these steps; the newest healthy one is "
+                f"{self.last_healthy or 'none (no checkpoint was loaded or saved by this run)'}.")
+        return loss, grad_norm
+
+    def _log_iteration(self, loss, grad_norm, elapsed: float) -> None:
+        """The iteration's log line and TensorBoard scalars (a skipped step's loss as computed, as the warning)."""
+        s, t, interval = self.state, self.config.training, self.config.logging.log_interval
+        fp8_extra, fp8_text = self.fp8.log_values(s.iteration, interval)
+        swiglu_extra, swiglu_text = self.swiglu.log_values(s.iteration, interval)
+        self.tlog.record(iteration=s.iteration, loss=loss, elapsed_s=elapsed, lr=self.engine.learning_rate,
+                         grad_norm=grad_norm, state=s, global_batch_size=t.global_batch_size,
+                         seq_length=self.config.model.seq_length, flops_per_iter=self.flops_per_iter,
+                         world_size=self.parallel.world_size, memory=self.accel.memory_stats(),
+                         extra={**fp8_extra, **swiglu_extra}, extra_text=fp8_text + swiglu_text)
+
+    def _validate_if_due(self, result: TrainResult) -> bool:
+        """Validation at every --eval-interval; whether it ran."""
+        s, t = self.state, self.config.training
+        if self.valid_ds is None or not t.eval_interval or s.iteration % t.eval_interval:
+            return False
+        vloss = self.evaluate(self.valid_ds)
+        result.valid.append((s.iteration, vloss))
+        self.tlog.validation("validation", vloss, s.iteration, s.consumed_train_tokens, s.consumed_train_samples)
+        return True
+
+    def _save_if_due(self, pending: list, result: TrainResult) -> tuple[bool, bool]:
+        """The save of a --save-interval: (whether one was due, whether it was written). Never during a run of
+        non-finite steps or while the divergence guard is worried: such a checkpoint must not replace the last
+        healthy one."""
+        s, c = self.state, self.config.checkpoint
+        if not (c.save and c.save_interval and s.iteration % c.save_interval == 0):
+            return False, False
+        self._judge(pending, result)  # the guard judges up to this iteration
+        if s.consecutive_nan_iterations or not self.guard.healthy:
+            logger.warning("iteration %d: not saving during a run of non-finite steps or while the divergence guard "
+                           "sees the loss far above its median or a zero gradient", s.iteration)
+            return True, False
+        return True, self._interval_save()
+
+    def _finish(self, pending: list, result: TrainResult, saved_at: Optional[int]) -> None:
+        """The end of training: the final checkpoint (marked unhealthy in train_state.json if the guard is still
+        worried) unless this iteration's is written, and the test evaluation of a run that reached --train-iters."""
+        if self.config.checkpoint.save and saved_at != self.state.iteration:
+            self._judge(pending, result)
+            self.save()
+        if self.test_ds is not None and result.exit_reason == "train-iters":
+            result.test_loss = self.evaluate(self.test_ds)
+            self.tlog.validation("test", result.test_loss, self.state.iteration, self.state.consumed_train_tokens,
+                                 self.state.consumed_train_samples)
 
     def _exit_reason(self, sig: _SignalFlag, start_time: float) -> Optional[str]:
         """Every rank takes the same decision: a SIGTERM or the time limit seen by one rank stops all of them."""

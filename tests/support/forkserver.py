@@ -30,7 +30,8 @@ import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.config import REPO
+
 
 # Variables the server sets per rank, and ones our code reads at run time only (never at import), so a request
 # may change them without a real process.

@@ -5,7 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.config import REPO
+
 
 
 def run(argv: list[str], before_exit=None) -> None:

@@ -8,12 +8,9 @@ import pytest
 import torch
 from torch import nn
 
+from megatron.fp8.stats import sqnr_db
 from megatron.optimizer.fp8_adam import Fp8AdamW
 from megatron.optimizer.fp8_state_quant import dequantize, moment_format, quantize
-
-
-def _sqnr_db(ref: torch.Tensor, approx: torch.Tensor) -> float:
-    return (10 * torch.log10(ref.pow(2).sum() / (approx - ref).pow(2).sum())).item()
 
 
 # ------------------------------------------------------------------ a small learnable task
@@ -76,8 +73,8 @@ def _updates(steps: int = 60, **kwargs) -> torch.Tensor:
 
 def test_v_in_e4m3_is_worse_than_e5m2():
     ref = _updates(m_dtype="fp32", v_dtype="fp32")
-    e5m2 = _sqnr_db(ref, _updates(v_dtype="e5m2"))
-    e4m3 = _sqnr_db(ref, _updates(v_dtype="e4m3"))
+    e5m2 = sqnr_db(_updates(v_dtype="e5m2"), ref)
+    e4m3 = sqnr_db(_updates(v_dtype="e4m3"), ref)
     assert e5m2 > 15.0, e5m2
     assert e5m2 - e4m3 > 8.0, (e5m2, e4m3)  # measured ~19 dB vs ~6 dB
 
@@ -87,18 +84,18 @@ def test_blockwise_at_least_as_accurate_as_per_tensor():
     for dtype in ("e4m3", "e5m2"):
         per_tensor = dequantize(*quantize(x, moment_format(dtype, 0)), x.numel()).view_as(x)
         blockwise = dequantize(*quantize(x, moment_format(dtype, 128)), x.numel()).view_as(x)
-        assert _sqnr_db(x, blockwise) >= _sqnr_db(x, per_tensor)
+        assert sqnr_db(blockwise, x) >= sqnr_db(per_tensor, x)
         # small rows: per-tensor scaling flushes them, blocks keep them
-        assert _sqnr_db(x[:8], blockwise[:8]) > _sqnr_db(x[:8], per_tensor[:8]) + 10
+        assert sqnr_db(blockwise[:8], x[:8]) > sqnr_db(per_tensor[:8], x[:8]) + 10
     ref = _updates(m_dtype="fp32", v_dtype="fp32")
-    assert _sqnr_db(ref, _updates(block_size=128)) >= _sqnr_db(ref, _updates()) - 0.5
+    assert sqnr_db(_updates(block_size=128), ref) >= sqnr_db(_updates(), ref) - 0.5
 
 
 def test_padding_of_last_block():
     x = torch.randn(1000)  # 7 full blocks of 128 and one of 104
     q, s = quantize(x, moment_format("e4m3", 128))
     assert q.numel() == 1024 and s.numel() == 8 and q.dtype == torch.float8_e4m3fn
-    assert _sqnr_db(x, dequantize(q, s, 1000)) > 25
+    assert sqnr_db(dequantize(q, s, 1000), x) > 25
 
 
 def test_stochastic_rounding_is_unbiased():
@@ -263,9 +260,9 @@ def test_load_torch_adamw_state_converts():
     st, ref = opt.state[w], adamw.state[w]
     assert st["exp_avg"].dtype == torch.float8_e4m3fn and st["exp_avg_sq"].dtype == torch.float8_e5m2
     assert float(st["step"]) == 3.0
-    assert _sqnr_db(ref["exp_avg"], dequantize(st["exp_avg"], st["exp_avg_scale_inv"], w.numel()).view_as(w)) > 25
-    assert _sqnr_db(ref["exp_avg_sq"], dequantize(st["exp_avg_sq"], st["exp_avg_sq_scale_inv"],
-                                                  w.numel()).view_as(w)) > 15
+    assert sqnr_db(dequantize(st["exp_avg"], st["exp_avg_scale_inv"], w.numel()).view_as(w), ref["exp_avg"]) > 25
+    assert sqnr_db(dequantize(st["exp_avg_sq"], st["exp_avg_sq_scale_inv"], w.numel()).view_as(w),
+                   ref["exp_avg_sq"]) > 15
     assert "amsgrad" not in opt.param_groups[0]
     _run(model, opt, 2, seed=1)  # and it keeps training
     assert all(torch.isfinite(p).all() for p in model.parameters())
@@ -280,8 +277,8 @@ def test_load_other_block_size_and_dtype_converts():
     w = model[0].weight
     a, b = src.state[w], dst.state[w]
     assert b["exp_avg"].dtype == torch.bfloat16 and b["exp_avg_sq_scale_inv"].numel() == w.numel() // 128
-    assert _sqnr_db(dequantize(a["exp_avg_sq"], a["exp_avg_sq_scale_inv"], w.numel()),
-                    dequantize(b["exp_avg_sq"], b["exp_avg_sq_scale_inv"], w.numel())) > 15
+    assert sqnr_db(dequantize(b["exp_avg_sq"], b["exp_avg_sq_scale_inv"], w.numel()),
+                   dequantize(a["exp_avg_sq"], a["exp_avg_sq_scale_inv"], w.numel())) > 15
     sd = src.state_dict()
     sd["state"][0]["exp_avg"] = sd["state"][0]["exp_avg"][:1000]  # a moment of another tensor
     with pytest.raises(ValueError, match="does not fit"):

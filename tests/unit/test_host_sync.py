@@ -46,7 +46,7 @@ def test_one_host_read_per_step_between_log_iterations(monkeypatch):
     argv = tiny_argv("--fp8-format", "hybrid", "--smooth-swiglu", "--device", "cpu", train_iters=6,
                      log_interval=1000, eval_interval=1000, eval_iters=0, clip_grad=1.0)
     counts = _count_reads(monkeypatch, argv)
-    assert counts == {"training/engine.py:step:__bool__": 6, "training/log.py:host_floats:tolist": 1,
+    assert counts == {"training/engine.py:guarded_step:__bool__": 6, "training/log.py:host_floats:tolist": 1,
                       "training/loop.py:_check_weights:__float__": 1,
                       "fp8/step.py:_learn_scale_validity:tolist": 1}, counts
 
@@ -55,7 +55,7 @@ def test_log_iterations_read_the_interval_at_once(monkeypatch):
     """Negative control of the counter, and the log iterations' reads: one batch of losses per interval."""
     argv = tiny_argv("--device", "cpu", train_iters=6, log_interval=3, eval_interval=1000, eval_iters=0)
     counts = _count_reads(monkeypatch, argv)
-    assert counts["training/engine.py:step:__bool__"] == 6
+    assert counts["training/engine.py:guarded_step:__bool__"] == 6
     # Per log iteration: the loop's pending losses and the logger's mean loss (one .tolist() each); the
     # grad norm of the log line.
     assert counts["training/log.py:host_floats:tolist"] == 2 * 2  # nothing left for the final flush
