@@ -99,12 +99,12 @@ def bench_mlp(hidden: int, ffn: int, tokens: int, micro_batches: int, iters: int
         return step
 
     for mlp in mlps.values():
-        mlp.linear_fc2.fp8_weight_quantizations = 0
+        mlp.linear_fc2.fp8.weight_quantizations = 0
     rounds = warmup + iters
     results = _interleaved({k: make_step(m) for k, m in mlps.items()}, iters, warmup, device)
     rows = []
     for label, (t, ratio) in results.items():
-        casts = mlps[label].linear_fc2.fp8_weight_quantizations * micro_batches / rounds
+        casts = mlps[label].linear_fc2.fp8.weight_quantizations * micro_batches / rounds
         rows.append(f"mlp  {hidden}x{ffn} tok={tokens:<5d} {label:15s} {t * 1e3:9.1f} ms/micro-batch "
                     f"{ratio:6.3f}x   fc2 weight casts/step {casts:.1f}")
     return rows

@@ -95,7 +95,7 @@ def set_fused_quantization(model: nn.Module, enabled: bool) -> int:
     variants, a test's reference and its subject) each keep their own."""
     layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
     for layer in layers:
-        layer.fused_quantization = bool(enabled)
+        layer.fp8.fused_quantization = bool(enabled)
     return len(layers)
 
 
@@ -105,7 +105,7 @@ def set_fp8_tracing(model: nn.Module, enabled: bool) -> int:
     a block, so a change retraces it."""
     layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
     for layer in layers:
-        layer.trace_in_compiled_graph = bool(enabled)
+        layer.fp8.trace_in_compiled_graph = bool(enabled)
     return len(layers)
 
 

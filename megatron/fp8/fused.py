@@ -8,7 +8,7 @@ emits one reduction (the amax) and one pointwise kernel that writes the FP8 tens
 same values in fp32 for the emulated GEMM: two reads of x instead of five or six.
 
 The eager functions in `quantize.py` stay the reference and the fallback. Whether a layer uses the functions
-here is the layer's choice (`Fp8Linear.fused_quantization`, set for a whole model by `set_fused_quantization`
+here is the layer's choice (`Fp8LayerState.fused_quantization`, set for a whole model by `set_fused_quantization`
 from `--torch-compile`, see megatron/model/compile.py); nothing here is process-global. The wrappers call the
 eager reference for inputs the compiled path does not take (empty tensors) and, with one warning, forever after
 a compilation failure. Results are bitwise those of the eager path (the

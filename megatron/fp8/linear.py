@@ -34,7 +34,7 @@ The input is saved for backward as FP8 (1 byte per element plus its scale) inste
 activation-memory saving. The weight is quantized once per optimizer step and the FP8 copy is reused by every
 micro-batch's forward and backward; `fp8_optimizer_step` drops the cache after each step. As a safety net the
 cache is also keyed on the weight's version counter and storage, so an in-place update made without the hook
-is noticed (an update through `.data` is not: call the hook). Under ZeRO-3 (`fp8_weight_per_call`, set by the
+is noticed (an update through `.data` is not: call the hook). Under ZeRO-3 (`fp8.weight_per_call`, set by the
 DeepSpeed engine) the weight exists only while gathered, and an FP8 copy kept per layer would hold the whole model
 again on every rank: the layer then quantizes per forward, keeps no copy, and its backward requantizes the
 re-gathered weight with the forward's scale (bitwise the same FP8 weight).
@@ -44,11 +44,11 @@ Per-input-channel weight scale (Smooth-SwiGLU, channel form)
 `forward(x, weight_column_scale=c)` computes y = Q(x) Q(W diag(c))^T: the columns of W (its input channels)
 are multiplied by c *before* quantization, so one FP8 GEMM still does the whole product. W diag(c) is a new
 tensor whenever c changes (every micro-batch under Smooth-SwiGLU), so such a call bypasses the per-step
-weight cache and quantizes afresh (counted in `fp8_weight_quantizations`), always with a scale from its own
+weight cache and quantizes afresh (counted in `fp8.weight_quantizations`), always with a scale from its own
 amax (a history of other tensors' amaxes would lag and clip it); its amax still feeds the weight role's
 statistics and history. That amax needs no pass over W: it is max_j(colmax_j |c_j|), bitwise, from W's column
 maxima, which change once per optimizer step and are computed once per step (`column_maxima`, counted in
-`fp8_column_maxima_passes`; the eager reference without fused quantization reduces W diag(c) itself).
+`fp8.column_maxima_passes`; the eager reference without fused quantization reduces W diag(c) itself).
 Under tensor parallelism W is a shard of the logical weight: `column_scale_group` (the TP group) max-reduces
 that amax so every shard uses the scale the whole W diag(c) would get (one scalar all-reduce per call).
 Gradients: dx from Q(W diag(c)), dW = (dy^T x) diag(c), none through c.
@@ -80,12 +80,6 @@ def _output_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
 
 
-def _state_attribute(name: str, doc: str) -> property:
-    """A module attribute that is the layer state's `name` (read and written through)."""
-    return property(lambda self: getattr(self.fp8, name), lambda self, value: setattr(self.fp8, name, value),
-                    doc=doc)
-
-
 class Fp8Linear(nn.Linear):
     """`nn.Linear` with FP8 GEMMs. Same parameters and state_dict keys (`weight`, `bias`) as `nn.Linear`.
 
@@ -94,17 +88,6 @@ class Fp8Linear(nn.Linear):
     Checkpoints save them separately with `megatron.fp8.fp8_state_dict`. The module chooses the path of a call
     (traced into a compiled block, per-tensor or tiled autograd function) and hands it the state and tensors.
     """
-
-    recipe = _state_attribute("recipe", "The layer's `Fp8Recipe`.")
-    amax_group = _state_attribute("amax_group", "Process group over which amaxes are max-reduced.")
-    fused_quantization = _state_attribute("fused_quantization", "Quantize through fused.py's compiled functions.")
-    trace_in_compiled_graph = _state_attribute("trace_in_compiled_graph", "Traced into a compiled block's graph.")
-    fp8_stats_enabled = _state_attribute("stats_enabled", "Record quantization statistics (stats.py).")
-    fp8_weight_per_call = _state_attribute("weight_per_call", "No FP8 weight cache (ZeRO-3).")
-    fp8_num_updates = _state_attribute("num_updates", "Delayed-scaling updates seen.")
-    fp8_weight_quantizations = _state_attribute("weight_quantizations", "Casts of the weight to FP8.")
-    fp8_column_maxima_passes = _state_attribute("column_maxima_passes", "Passes computing W's column maxima.")
-    fp8_scale_known_valid = _state_attribute("known_valid", "Per role: the delayed scale is known to be valid.")
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  recipe: Fp8Recipe | None = None, amax_group: Any = None,
@@ -132,12 +115,6 @@ class Fp8Linear(nn.Linear):
 
     # --- what code outside the layer calls (the engines, the compiled blocks' pre-hook, checkpoints) ------------
 
-    def fp8_backend(self, device: torch.device) -> Backend:
-        return self.fp8.backend(device)
-
-    def fp8_specs(self, backend: Backend) -> tuple[Fp8FormatSpec, ...]:
-        return self.fp8.specs(backend)
-
     def column_maxima(self) -> torch.Tensor:
         """W's column maxima, made once per optimizer step (`Fp8LayerState.column_maxima`)."""
         return self.fp8.column_maxima(self.weight)
@@ -149,20 +126,6 @@ class Fp8Linear(nn.Linear):
     def refresh_step_column_maxima(self) -> None:
         """Before a compiled block runs: this step's column maxima for the traced path (`Fp8LayerState`)."""
         self.fp8.refresh_step_column_maxima(self.weight)
-
-    def refresh_scale_validity(self) -> None:
-        self.fp8.refresh_scale_validity()
-
-    def learn_scale_validity(self, valid: list[bool]) -> None:
-        self.fp8.learn_scale_validity(valid)
-
-    def forget_scale_validity(self) -> None:
-        self.fp8.forget_scale_validity()
-
-    def invalidate_fp8_weight_cache(self) -> None:
-        """Drop the FP8 weight (and W's column maxima); the next forward re-quantizes (called by
-        `fp8_optimizer_step`)."""
-        self.fp8.forget_weights()
 
     def weight_storage_key(self) -> tuple[int, int]:
         return weight_storage_key(self.weight)
@@ -206,7 +169,7 @@ class Fp8Linear(nn.Linear):
         return super()._apply(fn, recurse)
 
     def extra_repr(self) -> str:
-        r = self.recipe
+        r = self.fp8.recipe
         fmt = "E4M3 fwd / E5M2 bwd" if r.format.value == "hybrid" else "E4M3"
         if r.scaling is Fp8Scaling.DELAYED:
             scaling = f"delayed(history={r.amax_history_len}, algo={r.amax_compute_algo.value}, margin={r.margin})"

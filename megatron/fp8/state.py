@@ -47,7 +47,7 @@ def fp8_state_dict(model: nn.Module, recipe: Fp8Recipe) -> dict[str, Any]:
     """The FP8 scaling state of every Fp8Linear in `model`, as plain CPU tensors and values."""
     layers: dict[str, Any] = {}
     for name, m in _fp8_modules(model).items():
-        entry: dict[str, Any] = {"num_updates": int(m.fp8_num_updates)}
+        entry: dict[str, Any] = {"num_updates": int(m.fp8.num_updates)}
         if any(m.fp8.extra_margin):  # the FP8 controller's margins (training/fp8_autoheal.py); absent = none raised
             entry["extra_margin"] = [int(e) for e in m.fp8.extra_margin]
         if any(m.fp8.current_roles):  # roles it switched to current scaling
@@ -106,9 +106,9 @@ def load_fp8_state_dict(model: nn.Module, recipe: Fp8Recipe, state: dict[str, An
             m.fp8_scale[r].copy_(entry[role]["scale"])
             m.fp8_scale_valid[r].copy_(entry[role]["scale_valid"])
         m.fp8_step_amax.zero_()
-        m.fp8_num_updates = int(entry["num_updates"])
+        m.fp8.num_updates = int(entry["num_updates"])
         m.fp8.extra_margin = [int(e) for e in entry.get("extra_margin", (0, 0, 0))]
         m.fp8.current_roles = tuple(bool(c) for c in entry.get("current_roles", (False, False, False)))
         m.fp8.high_precision = bool(entry.get("high_precision", False))
-        m.invalidate_fp8_weight_cache()
-        m.forget_scale_validity()
+        m.fp8.forget_weights()
+        m.fp8.forget_scale_validity()

@@ -32,7 +32,7 @@ def _fp8_maxes(module: Fp8Linear) -> torch.Tensor:
     extra = tuple(module.fp8.extra_margin)
     cached = getattr(module, "_fp8_maxes_cache", None)
     if cached is None or cached[0] != (device, extra):
-        specs = module.fp8_specs(module.fp8_backend(module.weight.device))
+        specs = module.fp8.specs(module.fp8.backend(module.weight.device))
         maxes = torch.tensor([s.max / 2.0**e for s, e in zip(specs, extra)], dtype=torch.float32, device=device)
         cached = module._fp8_maxes_cache = ((device, extra), maxes)
     return cached[1]
@@ -40,7 +40,7 @@ def _fp8_maxes(module: Fp8Linear) -> torch.Tensor:
 
 def _update_key(module: Fp8Linear) -> tuple:
     """Modules whose delayed-scaling update is the same arithmetic on same-shaped buffers are updated together."""
-    r = module.recipe
+    r = module.fp8.recipe
     return (r.amax_compute_algo, r.margin, r.power_of_two_scales, tuple(module.fp8_amax_history.shape),
             module.fp8_scale.device)
 
@@ -53,10 +53,10 @@ def fp8_optimizer_step(model: nn.Module, batched: bool = True) -> None:
     for module in model.modules():
         if not isinstance(module, Fp8Linear):
             continue
-        if module.recipe.scaling is Fp8Scaling.DELAYED:
-            groups.setdefault(id(module.amax_group), (module.amax_group, []))[1].append(module)
-        module.invalidate_fp8_weight_cache()
-        if module.recipe.scaling is not Fp8Scaling.DELAYED:  # tensorwise and the fine-grained recipes
+        if module.fp8.recipe.scaling is Fp8Scaling.DELAYED:
+            groups.setdefault(id(module.fp8.amax_group), (module.fp8.amax_group, []))[1].append(module)
+        module.fp8.forget_weights()
+        if module.fp8.recipe.scaling is not Fp8Scaling.DELAYED:  # tensorwise and the fine-grained recipes
             # No history to update, but an inf/NaN seen this step is counted as under delayed scaling.
             module.fp8_step_nonfinite.copy_(~torch.isfinite(module.fp8_step_amax))
             module.fp8_nonfinite_steps += module.fp8_step_nonfinite.to(torch.int64)
@@ -75,16 +75,16 @@ def fp8_optimizer_step(model: nn.Module, batched: bool = True) -> None:
 
 
 def _learn_scale_validity(modules: list[Fp8Linear]) -> None:
-    """Tell the layers whose delayed scales turned valid (`Fp8Linear.fp8_scale_known_valid`): from then on they
+    """Tell the layers whose delayed scales turned valid (`Fp8Linear.fp8.known_valid`): from then on they
     cast with the history's scale and compute no current scale. One host read for the whole model, at the step's
     end, while some role is not valid yet: the first step or two of a run (and after a checkpoint load), never
     in steady state. Validity never turns back, so nothing is read once every role is valid."""
-    pending = [m for m in modules if not all(m.fp8_scale_known_valid)]
+    pending = [m for m in modules if not all(m.fp8.known_valid)]
     if not pending:
         return
     flags = torch.stack([m.fp8_scale_valid for m in pending]).tolist()
     for m, valid in zip(pending, flags):
-        m.learn_scale_validity(valid)
+        m.fp8.learn_scale_validity(valid)
 
 
 def _delayed_update_batch(modules: list[Fp8Linear], step_amax: torch.Tensor) -> None:
@@ -94,7 +94,7 @@ def _delayed_update_batch(modules: list[Fp8Linear], step_amax: torch.Tensor) -> 
     history, scale, valid, nonfinite = delayed_update(
         torch.stack([m.fp8_amax_history for m in modules]), torch.stack([m.fp8_scale for m in modules]),
         torch.stack([m.fp8_scale_valid for m in modules]), step_amax,
-        torch.stack([_fp8_maxes(m) for m in modules]), modules[0].recipe)
+        torch.stack([_fp8_maxes(m) for m in modules]), modules[0].fp8.recipe)
     torch._foreach_copy_([m.fp8_amax_history for m in modules], list(history.unbind(0)))
     torch._foreach_copy_([m.fp8_scale for m in modules], list(scale.unbind(0)))
     torch._foreach_copy_([m.fp8_scale_valid for m in modules], list(valid.unbind(0)))
@@ -102,4 +102,4 @@ def _delayed_update_batch(modules: list[Fp8Linear], step_amax: torch.Tensor) -> 
     torch._foreach_add_([m.fp8_nonfinite_steps for m in modules], list(nonfinite.to(torch.int64).unbind(0)))
     torch._foreach_zero_([m.fp8_step_amax for m in modules])
     for m in modules:
-        m.fp8_num_updates += 1
+        m.fp8.num_updates += 1

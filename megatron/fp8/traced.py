@@ -22,19 +22,19 @@ it across micro-batches too; torchao's Float8Linear casts per call). So is dgrad
 that want one (`_scaled_mm`): made with the step's weight, an input of the backward graph (tests/unit/
 test_fp8_traced_graph.py), not a transpose per micro-batch. Without the hook (a module compiled by
 hand) and for a Smooth-SwiGLU fc2 (W diag(c) changes every micro-batch) the graph casts W itself, per call, with
-the same bits; such in-graph casts are not counted in `fp8_weight_quantizations`. Either way the forward's FP8
+the same bits; such in-graph casts are not counted in `Fp8LayerState.weight_quantizations`. Either way the forward's FP8
 weight is what backward uses.
 
 Delayed scaling: the casts of x, dy (and an in-graph W) use the history's scale once it is valid; before that,
 the tensor's own amax (the first step). In the graph that choice is a `where` on the validity buffer, which makes
 every cast wait for its tensor's amax reduction: two passes over the tensor. The pre-hook also reads which roles
-are valid (`Fp8Linear.refresh_scale_validity`: a host read in the first steps only, validity never turns back),
+are valid (`Fp8LayerState.refresh_scale_validity`: a host read in the first steps only, validity never turns back),
 and the graph traced after that casts with the history's scale alone; the amax, still computed for the
 history, no longer precedes the cast (tests/unit/test_fp8_traced_graph.py). The result is the same bits.
 
 Configurations dynamo would not see through stay on the eager path (a graph break, as before): the tiled
 recipes, stochastic rounding of gradients (its noise comes from the eager generator stream), statistics
-iterations (`fp8_stats_enabled`), per-call weights (ZeRO-3, where blocks are not compiled), a Smooth-SwiGLU
+iterations (`Fp8LayerState.stats_enabled`), per-call weights (ZeRO-3, where blocks are not compiled), a Smooth-SwiGLU
 column scale reduced over a TP group (a collective in the block), the Gaudi backend and unfused quantization.
 `traceable` is the list.
 

@@ -190,7 +190,7 @@ def refresh_fp8_weights(block: nn.Module, args: Any) -> None:
     per_call = {id(m.linear_fc2) for m in block.modules() if getattr(m, "fc2_weight_column_scaled", False)}
     for m in block.modules():
         if isinstance(m, Fp8Linear):
-            m.refresh_scale_validity()
+            m.fp8.refresh_scale_validity()
             if id(m) in per_call:
                 m.refresh_step_column_maxima()
             else:
@@ -211,16 +211,17 @@ def warm_up(model: nn.Module, run_micro_batch) -> float:
     off), leaving the model as it was: RNG streams forked, buffers (FP8 amaxes, scales, statistics) restored, FP8
     weight caches dropped, gradients cleared."""
     model.train()  # the mode training runs in (dynamo guards on it)
+    from megatron.fp8 import Fp8Linear
+
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-    counters = {name: m.fp8_weight_quantizations for name, m in model.named_modules()
-                if hasattr(m, "fp8_weight_quantizations")}
+    fp8_layers = {name: m for name, m in model.named_modules() if isinstance(m, Fp8Linear)}
+    counters = {name: m.fp8.weight_quantizations for name, m in fp8_layers.items()}
     # The step most iterations run: without FP8 statistics (on in logging iterations only, where the FP8 layers
     # are graph breaks; their graphs compile in the first such iteration). Nor do the synthetic batch's
     # statistics reach the first log line.
-    stats = {name: m.fp8.stats_enabled for name, m in model.named_modules() if hasattr(m, "fp8_weight_quantizations")}
-    for name, m in model.named_modules():
-        if name in stats:
-            m.fp8.stats_enabled = False
+    stats = {name: m.fp8.stats_enabled for name, m in fp8_layers.items()}
+    for m in fp8_layers.values():
+        m.fp8.stats_enabled = False
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     start = time.perf_counter()
     try:
@@ -232,13 +233,11 @@ def warm_up(model: nn.Module, run_micro_batch) -> float:
             for name, b in model.named_buffers():
                 if name in buffers:
                     b.copy_(buffers[name])
-        for name, m in model.named_modules():
-            if name in counters:
-                m.fp8_weight_quantizations = counters[name]
-                m.fp8.stats_enabled = stats[name]
-            if hasattr(m, "invalidate_fp8_weight_cache"):
-                m.invalidate_fp8_weight_cache()
-                m.forget_scale_validity()
+        for name, m in fp8_layers.items():
+            m.fp8.weight_quantizations = counters[name]
+            m.fp8.stats_enabled = stats[name]
+            m.fp8.forget_weights()
+            m.fp8.forget_scale_validity()
         for p in model.parameters():
             p.grad = None
 

@@ -4,7 +4,7 @@ FP8 linears under ZeRO-3: an `Fp8Linear` quantizes its gathered weight in forwar
 copy as an optimizer-step cache on the module and for its backward in the autograd context. Under ZeRO-3 both
 would keep the FP8 copy (and, on the emulated backend, its exact FP32 values: 5 bytes per parameter) of every FP8
 layer on every rank: the whole model again. The cache also mostly misses there (each gather makes new storage).
-So `fp8_weights_per_call` sets `Fp8Linear.fp8_weight_per_call`: each forward quantizes the gathered weight and
+So `fp8_weights_per_call` sets `Fp8Linear.fp8.weight_per_call`: each forward quantizes the gathered weight and
 keeps nothing; backward requantizes the re-gathered weight with the forward's scale, which gives the same bits
 (tests/unit/test_fp8_linear.py checks outputs and gradients bitwise against the cached path).
 
@@ -33,8 +33,8 @@ def fp8_weights_per_call(model: nn.Module) -> int:
 
     layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
     for layer in layers:
-        layer.fp8_weight_per_call = True
-        layer.invalidate_fp8_weight_cache()
+        layer.fp8.weight_per_call = True
+        layer.fp8.forget_weights()
     return len(layers)
 
 

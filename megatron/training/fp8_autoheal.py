@@ -197,7 +197,7 @@ class Fp8Controller:
         current = tuple("current" in c for c in climbed)
         if current != state.current_roles:
             state.current_roles = current
-            layer.invalidate_fp8_weight_cache()  # the weight's cast follows its role's scaling
+            layer.fp8.forget_weights()  # the weight's cast follows its role's scaling
         state.high_precision = any("bf16" in c for c in climbed)
         mlp = self.mlps.get(name)
         if mlp is not None:

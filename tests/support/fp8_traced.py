@@ -64,7 +64,7 @@ def steps(m: torch.nn.Module, xs: list[torch.Tensor], bf16: bool, first: int = 0
         out += [(f"{step}: y", y.detach()), (f"{step}: dx", x.grad)]
         out += [(f"{step}: grad {n}", p.grad.clone()) for n, p in m.named_parameters()]
         out += [(f"{step}: {n}", b.clone()) for n, b in m.named_buffers()]
-        out += [(f"{step}: {n} casts", torch.tensor(c.fp8_weight_quantizations)) for n, c in m.named_children()]
+        out += [(f"{step}: {n} casts", torch.tensor(c.fp8.weight_quantizations)) for n, c in m.named_children()]
         fp8_optimizer_step(m)  # the delayed scaling update of a training step
         m.zero_grad()
     return out
@@ -99,7 +99,7 @@ def assert_traced_equals_eager(recipe: Fp8Recipe, column: bool, bf16: bool, step
         graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
     # Later steps compile nothing new, but for one graph when delayed scaling's history becomes valid (the first
     # update's fp8_optimizer_step tells the layers, whose casts then use the history's scale without the amax:
-    # Fp8Linear.fp8_scale_known_valid).
+    # Fp8Linear.fp8.known_valid).
     turns_valid = recipe.scaling.value == "delayed"
     assert [graphs[1] - graphs[0], graphs[2] - graphs[1]] == [1 if turns_valid else 0, 0], graphs
     want = steps(eager, xs, bf16)

@@ -68,7 +68,7 @@ def test_amax_group_is_stored_on_the_modules() -> None:
     model = TinyGPT()
     marker = object()
     convert_to_fp8(model, Fp8Recipe(), amax_group=marker)
-    assert all(m.amax_group is marker for m in model.modules() if isinstance(m, Fp8Linear))
+    assert all(m.fp8.amax_group is marker for m in model.modules() if isinstance(m, Fp8Linear))
 
 
 def test_rejects_a_model_without_decoder_layers() -> None:

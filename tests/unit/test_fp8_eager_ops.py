@@ -50,7 +50,7 @@ def _steady_state(backend: str, scaling: str, bf16: bool, learn_validity: bool =
             _micro_batch(layer, x, grad, bf16)
         fp8_optimizer_step(layer)
         if not learn_validity:
-            layer.forget_scale_validity()
+            layer.fp8.forget_scale_validity()
     first, _ = _micro_batch(layer, x, grad, bf16)
     second, results = _micro_batch(layer, x, grad, bf16)
     return first, second, results

@@ -99,8 +99,8 @@ def test_gemm_epilogue_bitwise() -> None:
 def _linear_run(scaling: str, stats: bool, fused_quantization: bool) -> list[torch.Tensor]:
     torch.manual_seed(0)
     lin = Fp8Linear(96, 64, bias=False, recipe=Fp8Recipe(scaling=scaling))
-    lin.fp8_stats_enabled = stats
-    lin.fused_quantization = fused_quantization
+    lin.fp8.stats_enabled = stats
+    lin.fp8.fused_quantization = fused_quantization
     x = _sample(torch.float32).requires_grad_(True)
     out = []
     for _ in range(3):  # the first step uses current amaxes, later ones the delayed scales
@@ -197,7 +197,7 @@ def test_fusion_is_per_model() -> None:
     run left on for every later model)."""
     a, b = (torch.nn.Sequential(Fp8Linear(32, 32, bias=False), Fp8Linear(32, 32, bias=False)) for _ in range(2))
     assert set_fused_quantization(a, True) == 2
-    assert all(m.fused_quantization for m in a) and not any(m.fused_quantization for m in b)
+    assert all(m.fp8.fused_quantization for m in a) and not any(m.fp8.fused_quantization for m in b)
     assert set_fused_quantization(torch.nn.Linear(2, 2), True) == 0
 
 
@@ -223,10 +223,10 @@ def test_statistics_recorded_only_in_logging_iterations() -> None:
     model = GPTModel(config.model)
     hooks = Fp8Hooks(model, config.fp8, None, stats=True)
     linears = [m for m in model.modules() if isinstance(m, Fp8Linear)]
-    assert all(m.fp8_stats_enabled for m in linears)  # the first iteration: its number is not known yet
+    assert all(m.fp8.stats_enabled for m in linears)  # the first iteration: its number is not known yet
     for iteration, next_logs in [(1, False), (3, False), (4, True), (5, False), (9, True)]:
         hooks.log_values(iteration, 5)
-        assert all(m.fp8_stats_enabled is next_logs for m in linears), iteration
+        assert all(m.fp8.stats_enabled is next_logs for m in linears), iteration
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

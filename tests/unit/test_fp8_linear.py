@@ -130,21 +130,21 @@ def test_weight_quantized_once_per_step_and_invalidated_by_the_hook() -> None:
     opt = torch.optim.SGD(fp8.parameters(), lr=0.1)
     for _ in range(3):  # three micro-batches of one step
         fp8(torch.randn(2, 8, 256)).sum().backward()
-    assert fp8.fp8_weight_quantizations == 1
+    assert fp8.fp8.weight_quantizations == 1
     # An update through .data is invisible to autograd's version counter: only the hook can notice it.
     # (Negation keeps the amax, so the delayed weight scale of the previous step still fits.)
     with torch.no_grad():
         fp8.weight.data.neg_()
     fp8(torch.randn(2, 8, 256))
-    assert fp8.fp8_weight_quantizations == 1
+    assert fp8.fp8.weight_quantizations == 1
     fp8_optimizer_step(fp8)
     x = torch.randn(2, 8, 256)
     y = fp8(x)
-    assert fp8.fp8_weight_quantizations == 2
+    assert fp8.fp8.weight_quantizations == 2
     assert sqnr_db(y, nn.functional.linear(x, fp8.weight, fp8.bias)) > 27  # uses the negated weight
     opt.step()  # a regular in-place optimizer update bumps the version: re-quantized even without the hook
     fp8(x)
-    assert fp8.fp8_weight_quantizations == 3
+    assert fp8.fp8.weight_quantizations == 3
 
 
 def test_print_shows_fp8_and_state_dict_keys_unchanged() -> None:
@@ -204,7 +204,7 @@ def _per_call_run(recipe: Fp8Recipe, per_call: bool, fused: bool, column_scale: 
     """Two optimizer steps of two micro-batches; outputs, input and weight gradients of every micro-batch."""
     torch.manual_seed(0)
     layer = Fp8Linear(256, 128, bias=False, recipe=recipe)
-    layer.fp8_weight_per_call, layer.fused_quantization = per_call, fused
+    layer.fp8.weight_per_call, layer.fp8.fused_quantization = per_call, fused
     opt = torch.optim.SGD(layer.parameters(), lr=0.5)
     g = torch.Generator().manual_seed(3)
     c = torch.rand(256, generator=g) + 0.5 if column_scale else None
@@ -228,7 +228,7 @@ def _per_call_run(recipe: Fp8Recipe, per_call: bool, fused: bool, column_scale: 
                                           ("rowwise", False), ("blockwise", True), ("mxfp8", False)])
 @pytest.mark.parametrize("column_scale", [False, True], ids=["plain", "smooth-swiglu"])
 def test_per_call_weight_requantized_in_backward_is_bitwise_the_cached_one(scaling, fused, column_scale) -> None:
-    """ZeRO-3's mode (`fp8_weight_per_call`): no FP8 weight kept from forward to backward; backward requantizes
+    """ZeRO-3's mode (`Fp8LayerState.weight_per_call`): no FP8 weight kept from forward to backward; backward requantizes
     the weight with the forward's scale. Outputs and both gradients equal the cached path's bit for bit."""
     recipe = Fp8Recipe(scaling=scaling, amax_history_len=4)
     cached = _per_call_run(recipe, False, fused, column_scale)

@@ -140,7 +140,7 @@ def test_layer_gemms_use_the_tiles_of_their_contraction_axis(scaling):
     fprop along K, dgrad along N (W^T; blockwise transposes its square blocks), wgrad along the tokens (x^T,
     the saved second layout). Negative control: x's fprop layout (along K) gives another dW."""
     layer, x, y, dy = _layer_case(scaling)
-    recipe = layer.recipe
+    recipe = layer.fp8.recipe
     act, wt = recipe.tiles
     e4m3, _, grad = recipe_specs(recipe)
     x2, dy2, w = x.detach().reshape(-1, 192), dy.reshape(-1, 160), layer.weight.detach()
@@ -166,7 +166,7 @@ def test_rowwise_scaled_mm_equals_the_emulation():
     """`torch._scaled_mm` with [M, 1] x [1, N] factors (on the CPU here; sm90 on GPUs) against the emulation."""
     layer_e, xe, ye, _ = _layer_case("rowwise", "emulated")
     layer_s, xs, ys, _ = _layer_case("rowwise", "scaled_mm")
-    assert isinstance(layer_s.fp8_backend(xs.device), CudaScaledMmBackend)
+    assert isinstance(layer_s.fp8.backend(xs.device), CudaScaledMmBackend)
     for a, b in ((ys, ye), (xs.grad, xe.grad), (layer_s.weight.grad, layer_e.weight.grad)):
         assert sqnr_db(a, b) > 110
 
@@ -276,9 +276,9 @@ def test_checkpoint_state_round_trips(scaling):
     layer, *_ = _layer_case(scaling)
     model = torch.nn.Sequential(layer)
     fp8_optimizer_step(model)
-    state = fp8_state_dict(model, layer.recipe)
-    fresh = torch.nn.Sequential(Fp8Linear(192, 160, bias=False, recipe=layer.recipe))
-    load_fp8_state_dict(fresh, layer.recipe, state)
+    state = fp8_state_dict(model, layer.fp8.recipe)
+    fresh = torch.nn.Sequential(Fp8Linear(192, 160, bias=False, recipe=layer.fp8.recipe))
+    load_fp8_state_dict(fresh, layer.fp8.recipe, state)
     assert torch.equal(fresh[0].fp8_amax_history, layer.fp8_amax_history)
     with pytest.raises(ValueError, match="scaling: saved"):
         load_fp8_state_dict(fresh, Fp8Recipe(scaling="tensorwise"), state)
@@ -349,7 +349,7 @@ def test_gpu_recipe_matches_the_emulation(scaling, shape, fmt):
         with torch.autocast("cuda", dtype=torch.bfloat16):
             y = layer(x)
         y.backward(torch.randn_like(y))
-        results[backend] = (layer.fp8_backend(device).name, y, x.grad, layer.weight.grad)
+        results[backend] = (layer.fp8.backend(device).name, y, x.grad, layer.weight.grad)
     expected = "scaled_mm" if scaled_mm_supports(Fp8Scaling(scaling), device) else "emulated"
     assert results["auto"][0] == expected
     if scaling == "rowwise" and torch.cuda.get_device_capability() >= (9, 0):

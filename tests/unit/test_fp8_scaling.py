@@ -49,7 +49,7 @@ def test_step_amax_is_the_max_over_micro_batches_and_updated_once_per_step() -> 
     assert layer.fp8_amax_history[IN].tolist() == [5.0, 0, 0, 0]
     assert layer.fp8_step_amax[IN].item() == 0.0
     assert layer.fp8_scale[IN].item() == pytest.approx(448 / 5)
-    assert layer.fp8_num_updates == 1
+    assert layer.fp8.num_updates == 1
 
 
 @pytest.mark.parametrize("algo,expected_amax", [("max", 3.0), ("most_recent", 1.0)])
@@ -145,7 +145,7 @@ def test_weight_amax_is_recorded_even_when_the_cast_happened_in_evaluation() -> 
     layer(_x(1.0))  # the FP8 weight of the next step is made here, outside training
     layer.train()
     _step(layer, 3.0)
-    assert layer.fp8_weight_quantizations == 2
+    assert layer.fp8.weight_quantizations == 2
     assert layer.fp8_amax_history[Fp8Role.WEIGHT, 0].item() == layer.weight.abs().max().item()
 
 
@@ -173,8 +173,8 @@ def test_batched_update_equals_the_per_module_update() -> None:
             m.fp8_step_amax.copy_(a)
         want = []
         for m, (history, scale, valid, steps), a in zip(model, reference, amaxes):
-            if m.recipe.scaling.value == "delayed":
-                history, scale, valid, nonfinite = delayed_update(history, scale, valid, a, _fp8_maxes(m), m.recipe)
+            if m.fp8.recipe.scaling.value == "delayed":
+                history, scale, valid, nonfinite = delayed_update(history, scale, valid, a, _fp8_maxes(m), m.fp8.recipe)
             else:
                 nonfinite = ~torch.isfinite(a)
             want.append((history, scale, valid, steps + nonfinite.to(torch.int64)))
@@ -184,8 +184,8 @@ def test_batched_update_equals_the_per_module_update() -> None:
             assert torch.equal(m.fp8_amax_history, history) and torch.equal(m.fp8_scale_valid, valid), (step, i)
             assert torch.equal(m.fp8_scale, scale) and torch.equal(m.fp8_nonfinite_steps, steps), (step, i)
             assert not m.fp8_step_amax.any()
-    assert [m.fp8_num_updates for m in model] == [4 if r.scaling.value == "delayed" else 0
-                                                  for r in (m.recipe for m in model)]
+    assert [m.fp8.num_updates for m in model] == [4 if r.scaling.value == "delayed" else 0
+                                                  for r in (m.fp8.recipe for m in model)]
 
 
 def test_the_unbatched_update_is_the_batched_one() -> None:

@@ -49,7 +49,7 @@ def test_round_trip_restores_histories_and_scales() -> None:
     for key in want:
         assert torch.equal(want[key], got[key]), key
     assert any(v.abs().sum() > 0 for k, v in got.items() if k.endswith("history"))
-    assert fresh.decoder.layers[0].mlp.linear_fc1.fp8_num_updates == 3
+    assert fresh.decoder.layers[0].mlp.linear_fc1.fp8.num_updates == 3
 
 
 def test_other_recipe_is_rejected_with_the_differences() -> None:

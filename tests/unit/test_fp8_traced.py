@@ -83,9 +83,9 @@ def test_compiled_transformer_block_has_no_graph_break():
     assert _graph_breaks(run) == 0
     assert block.mlp.linear_fc2.weight.grad is not None and torch.isfinite(block.mlp.linear_fc2.weight.grad).all()
     # qkv, proj and fc1 from the per-step cache (made by the pre-hook); fc2 casts W diag(c) in the graph
-    assert [block.self_attention.linear_qkv.fp8_weight_quantizations, block.self_attention.linear_proj.
-            fp8_weight_quantizations, block.mlp.linear_fc1.fp8_weight_quantizations,
-            block.mlp.linear_fc2.fp8_weight_quantizations] == [1, 1, 1, 0]
+    assert [block.self_attention.linear_qkv.fp8.weight_quantizations, block.self_attention.linear_proj.
+            fp8.weight_quantizations, block.mlp.linear_fc1.fp8.weight_quantizations,
+            block.mlp.linear_fc2.fp8.weight_quantizations] == [1, 1, 1, 0]
     stats_block = _block(Fp8Recipe())
     stats_block.compile(dynamic=False, backend="eager")  # the break is dynamo's
     enable_fp8_stats(stats_block, True)

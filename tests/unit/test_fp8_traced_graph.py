@@ -97,20 +97,20 @@ def test_column_maxima_are_computed_once_per_optimizer_step():
     for step in range(2):
         for shift in range(3):
             module(x, shift).sum().backward()
-        assert layer.fp8_column_maxima_passes == step + 1
-        assert layer.fp8_weight_quantizations == 3 * (step + 1)  # W diag(c) itself is cast per call
+        assert layer.fp8.column_maxima_passes == step + 1
+        assert layer.fp8.weight_quantizations == 3 * (step + 1)  # W diag(c) itself is cast per call
         with torch.no_grad():
             layer.weight.add_(0.01)
         fp8_optimizer_step(module)
-    layer.fp8_weight_per_call = True
+    layer.fp8.weight_per_call = True
     module(x).sum().backward()
     module(x, 1).sum().backward()
-    assert layer.fp8_column_maxima_passes == 2 + 2
-    layer.fp8_weight_per_call = False
+    assert layer.fp8.column_maxima_passes == 2 + 2
+    layer.fp8.weight_per_call = False
     set_fused_quantization(module, False)
     fp8_optimizer_step(module)
     module(x).sum().backward()
-    assert layer.fp8_column_maxima_passes == 4
+    assert layer.fp8.column_maxima_passes == 4
 
 
 def _fp8_casts(graph: torch.fx.Graph, shape: tuple[int, int]) -> list[tuple[torch.fx.Node, bool]]:
@@ -147,27 +147,27 @@ def test_delayed_casts_do_not_wait_for_their_amax_once_the_history_is_valid(hist
 
 
 def test_scale_validity_is_read_once_per_step_until_valid_and_again_after_a_load():
-    """What the traced casts rely on: `fp8_scale_known_valid` is True only where the buffer is. It is read at
+    """What the traced casts rely on: `Fp8LayerState.known_valid` is True only where the buffer is. It is read at
     most once per scaling update while a role is not valid, and forgotten when a checkpoint's FP8 state is loaded
     (which may hold a history that is not valid yet)."""
     recipe = Fp8Recipe()
     layer = Fp8Linear(K, N, bias=False, recipe=recipe)
     fresh = fp8_state_dict(layer, recipe)
-    layer.refresh_scale_validity()
-    assert layer.fp8_scale_known_valid == (False, False, False)
+    layer.fp8.refresh_scale_validity()
+    assert layer.fp8.known_valid == (False, False, False)
     layer.fp8_scale_valid.fill_(True)
-    layer.refresh_scale_validity()  # the same step: not read again
-    assert layer.fp8_scale_known_valid == (False, False, False)
+    layer.fp8.refresh_scale_validity()  # the same step: not read again
+    assert layer.fp8.known_valid == (False, False, False)
     x = torch.randn(T, K, requires_grad=True)
     layer(x).sum().backward()
     fp8_optimizer_step(layer)  # the update tells the layer (one read for the model), no refresh needed
-    assert layer.fp8_scale_known_valid == (True, True, True) == tuple(layer.fp8_scale_valid.tolist())
-    layer.refresh_scale_validity()
-    assert layer.fp8_scale_known_valid == (True, True, True)
+    assert layer.fp8.known_valid == (True, True, True) == tuple(layer.fp8_scale_valid.tolist())
+    layer.fp8.refresh_scale_validity()
+    assert layer.fp8.known_valid == (True, True, True)
     load_fp8_state_dict(layer, recipe, fresh)
-    assert layer.fp8_scale_known_valid == (False, False, False)
-    layer.refresh_scale_validity()
-    assert layer.fp8_scale_known_valid == (False, False, False) == tuple(layer.fp8_scale_valid.tolist())
+    assert layer.fp8.known_valid == (False, False, False)
+    layer.fp8.refresh_scale_validity()
+    assert layer.fp8.known_valid == (False, False, False) == tuple(layer.fp8_scale_valid.tolist())
 
 
 @pytest.mark.parametrize("save_casts", [True, False])

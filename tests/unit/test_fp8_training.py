@@ -18,7 +18,7 @@ def _stale_fp8_weights(monkeypatch) -> None:
     quantized_weight = Fp8LayerState.quantized_weight
     monkeypatch.setattr(Fp8LayerState, "quantized_weight", lambda self, weight, backend, spec: (
         self.weight_cache or quantized_weight(self, weight, backend, spec)))
-    monkeypatch.setattr(Fp8Linear, "invalidate_fp8_weight_cache", lambda self: None)
+    monkeypatch.setattr(Fp8LayerState, "forget_weights", lambda self: None)
 
 
 @pytest.mark.isa_sensitive
@@ -74,7 +74,7 @@ def test_scaling_update_runs_once_per_iteration_and_records_the_observed_amaxes(
     trainer.train()
     assert len(fp8_layers) == 8
     for name, m in fp8_layers.items():
-        assert m.fp8_num_updates == iters, name
+        assert m.fp8.num_updates == iters, name
         seen = observed[name]
         for role in ("input", "weight"):
             per_step = [max(a for it, a in zip(seen["iteration"], seen[role]) if it == step) for step in range(iters)]

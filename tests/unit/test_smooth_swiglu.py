@@ -98,7 +98,7 @@ def test_column_scaled_fp8_weight_is_one_gemm_with_exact_gradient():
     torch.manual_seed(0)
     lin = Fp8Linear(32, 16, bias=False, recipe=Fp8Recipe(scaling=Fp8Scaling.TENSORWISE))
     c = torch.exp2(torch.randint(-4, 5, (32,)).float())
-    ref = Fp8Linear(32, 16, bias=False, recipe=lin.recipe)
+    ref = Fp8Linear(32, 16, bias=False, recipe=lin.fp8.recipe)
     with torch.no_grad():
         ref.weight.copy_(lin.weight * c)
     x = torch.randn(8, 32, requires_grad=True)
@@ -112,7 +112,7 @@ def test_column_scaled_fp8_weight_is_one_gemm_with_exact_gradient():
     torch.testing.assert_close(dx, x.grad, rtol=0, atol=0)
     torch.testing.assert_close(lin.weight.grad, ref.weight.grad * c, rtol=1e-6, atol=0)
     lin(x, weight_column_scale=c)
-    assert lin.fp8_weight_quantizations == 2  # a new FP8 weight at every call, never the step cache
+    assert lin.fp8.weight_quantizations == 2  # a new FP8 weight at every call, never the step cache
 
 
 def test_channel_split_scales_are_exact_and_give_the_input_amax():
@@ -121,8 +121,8 @@ def test_channel_split_scales_are_exact_and_give_the_input_amax():
     x = torch.randn(2, 16, 64)
     for _ in range(3):  # three micro-batches of one optimizer step
         mlp(x).sum().backward()
-    assert mlp.linear_fc1.fp8_weight_quantizations == 1  # cached once per step
-    assert mlp.linear_fc2.fp8_weight_quantizations == 3  # W3 * (1/a) changes with every micro-batch
+    assert mlp.linear_fc1.fp8.weight_quantizations == 1  # cached once per step
+    assert mlp.linear_fc2.fp8.weight_quantizations == 3  # W3 * (1/a) changes with every micro-batch
     h = swiglu_product(mlp.linear_fc1(x).detach())
     h[..., 3] *= 1e5  # an outlier channel
     cmax = channel_maxima(h)

@@ -207,7 +207,7 @@ def test_a_failed_fp8_trace_falls_back_to_graph_breaks(monkeypatch) -> None:
     calls = []
 
     def warm_up(model, run):
-        traced = [m.trace_in_compiled_graph for m in model.modules() if isinstance(m, Fp8Linear)]
+        traced = [m.fp8.trace_in_compiled_graph for m in model.modules() if isinstance(m, Fp8Linear)]
         calls.append(all(traced))
         if all(traced):
             def failing() -> None:  # fails part-way, as a compilation does: the eager parts ran already
@@ -229,7 +229,7 @@ def test_a_failed_fp8_trace_falls_back_to_graph_breaks(monkeypatch) -> None:
     finally:
         logging.getLogger("megatron").removeHandler(handler)
     assert plan.blocks and calls == [True, False]
-    assert not any(m.trace_in_compiled_graph for m in model.modules() if isinstance(m, Fp8Linear))
+    assert not any(m.fp8.trace_in_compiled_graph for m in model.modules() if isinstance(m, Fp8Linear))
     warned = [line for line in handler.lines if "tracing the FP8 layers" in line]
     assert len(warned) == 1 and "RuntimeError: dynamo cannot trace this" in warned[0], handler.lines
     assert any("compiled in" in line for line in handler.lines)
