@@ -123,23 +123,44 @@ def build(name: str, args: argparse.Namespace, device: torch.device) -> tuple[Op
     return trainer, ""
 
 
-def profile_step(step: Callable[[], None], device: torch.device, seconds: float) -> dict[str, float]:
-    """Milliseconds per kernel class over one step, and `idle`: the step's time not covered by them."""
+def profile_step(step: Callable[[], None], device: torch.device, seconds: float,
+                 top: int = 0) -> tuple[dict[str, float], list[tuple[str, str, int, float]]]:
+    """Milliseconds per kernel class over one step, and `idle`: the step's time not covered by them; with the
+    `top` kernels (or CPU ops) by time: (class, name, calls, ms)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         step()
     out = {k: 0.0 for k in KERNEL_CLASSES}
+    kernels = []
     for e in prof.key_averages():
         t = e.self_device_time_total if device.type == "cuda" else e.self_cpu_time_total
-        if device.type == "cuda" and e.device_type != torch.autograd.DeviceType.CUDA:
-            continue
+        if device.type == "cuda" and (e.device_type != torch.autograd.DeviceType.CUDA
+                                      or getattr(e, "is_user_annotation", False) or "#" in e.key):
+            continue  # a user annotation's range on the GPU (Optimizer.step#AdamW.step) spans kernels counted
         if device.type == "cpu" and not e.key.startswith("aten::"):
             continue  # Python and framework frames: their self time is not an op's
         out[kernel_class(e.key)] += t / 1e3
+        kernels.append((kernel_class(e.key), e.key, e.count, t / 1e3))
     out["idle"] = max(0.0, seconds * 1e3 - sum(out.values()))
-    return out
+    return out, sorted(kernels, key=lambda k: -k[3])[:top]
+
+
+def graph_counts() -> dict:
+    """Dynamo's counters since the last `reset_graph_counts`: graphs compiled and graph breaks (with the first
+    reasons). A graph break inside a block means part of it (an FP8 layer, say) runs eagerly."""
+    from torch._dynamo.utils import counters
+
+    breaks = counters.get("graph_break", {})
+    return {"graphs": int(counters.get("stats", {}).get("unique_graphs", 0)), "graph_breaks": sum(breaks.values()),
+            "break_reasons": [str(r).splitlines()[0][:160] for r in list(breaks)[:3]]}
+
+
+def reset_graph_counts() -> None:
+    from torch._dynamo.utils import counters
+
+    counters.clear()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -153,6 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", choices=["on", "off"], default="on", help="compiled blocks (the point) or eager")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {', '.join(VARIANTS)}")
     p.add_argument("--profile", action="store_true", help="one profiled step per variant, by kernel class")
+    p.add_argument("--top-kernels", type=int, default=0, metavar="N",
+                   help="with --profile: also print each variant's N longest kernels (CPU: ops)")
     p.add_argument("--json", default=None, help="rewrite this JSON file after every variant")
     return p
 
@@ -188,6 +211,7 @@ def _run(names: list[str], args: argparse.Namespace) -> list[dict]:
     base: Optional[float] = None
     for name in names:
         start = time.perf_counter()
+        reset_graph_counts()
         trainer, why = build(name, args, device)
         if trainer is None:
             print(f"{name:<16} skipped: {why}", flush=True)
@@ -206,14 +230,19 @@ def _run(names: list[str], args: argparse.Namespace) -> list[dict]:
         median = statistics.median(times)
         base = median if name == "bf16" else base
         row = {"variant": name, "median_step_s": median, "vs_bf16": median / base, "tokens_per_s": tokens / median,
-               "build_and_warmup_s": build_s, "steps_s": times}
+               "build_and_warmup_s": build_s, "steps_s": times, **graph_counts()}
         if args.profile:
-            row["profile_ms"] = profile_step(step, device, median)
+            row["profile_ms"], row["top_kernels"] = profile_step(step, device, median, args.top_kernels)
         results.append(row)
         print(f"{name:<16} {median * 1e3:>10.1f}ms {median / base:>7.2f}x {tokens / median:>10.0f} "
               f"{build_s:>13.1f}s", flush=True)
+        if args.compile == "on":
+            print(f"    dynamo: {row['graphs']} graphs, {row['graph_breaks']} graph breaks "
+                  f"{'; '.join(row['break_reasons'])}", flush=True)
         if args.profile:
             print("    " + "  ".join(f"{k} {v:.1f}ms" for k, v in row["profile_ms"].items()), flush=True)
+            for cls, kname, calls, ms in row["top_kernels"]:
+                print(f"      {ms:7.2f}ms {calls:4d}x {cls:<12} {kname[:110]}", flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps({"device": gpu, "torch": torch.__version__, "shape": args.shape,
                                                    "layers": args.layers, "tokens_per_step": tokens,

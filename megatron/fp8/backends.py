@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from megatron.cpu_bf16 import emulates_bf16_gemms
 from megatron.fp8 import fused
 from megatron.fp8.formats import Fp8FormatSpec, format_backend_of, format_spec
-from megatron.fp8.quantize import TiledFp8, dequantize_tiles, quantize
+from megatron.fp8.quantize import TiledFp8, dequantize_tiles, div_like_eager, quantize
 from megatron.fp8.recipe import Fp8Backend, Fp8Scaling
 
 logger = logging.getLogger(__name__)
@@ -101,9 +101,9 @@ def _padded(t: torch.Tensor, pad: tuple[int, ...], value: float = 0.0) -> torch.
 
 
 def _dequantization_factor(scale: torch.Tensor) -> torch.Tensor:
-    """1 / scale as the 0-d fp32 tensor `_scaled_mm` takes: one kernel (`reciprocal` is the correctly rounded
-    1 / x, as a division would be)."""
-    factor = scale.float().reciprocal()
+    """1 / scale as the 0-d fp32 tensor `_scaled_mm` takes: one kernel, with eager's bits (`div_like_eager`) also
+    where the layer is traced into a compiled graph."""
+    factor = div_like_eager(1.0, scale.float())
     return factor if factor.dim() == 0 else factor.reshape(())
 
 
@@ -161,8 +161,8 @@ class CudaScaledMmBackend:
         # Zero columns along K add nothing; padded rows get factor 1 and are sliced off.
         qa = _padded(a.data.contiguous(), (0, kp - k, 0, mp - m))
         qb = _padded(b.data.contiguous(), (0, kp - k, 0, np_ - n))
-        sa = _padded(a.scale.float().reciprocal().reshape(m, 1), (0, 0, 0, mp - m), value=1.0)
-        sb = _padded(b.scale.float().reciprocal().reshape(1, n), (0, np_ - n), value=1.0)
+        sa = _padded(div_like_eager(1.0, a.scale.float()).reshape(m, 1), (0, 0, 0, mp - m), value=1.0)
+        sb = _padded(div_like_eager(1.0, b.scale.float()).reshape(1, n), (0, np_ - n), value=1.0)
         out = torch._scaled_mm(qa, qb.t(), scale_a=sa.contiguous(), scale_b=sb.contiguous(), out_dtype=out_dtype,
                                use_fast_accum=fast_accum)
         return out[:m, :n] if (mp, np_) != (m, n) else out
@@ -184,7 +184,7 @@ def _blockwise_gemm(a: TiledFp8, b: TiledFp8, out_dtype: torch.dtype, fast_accum
     qb = _padded(b.data.contiguous(), (0, kp - k, 0, np_ - n))
 
     def factors(t: TiledFp8, rows: int) -> torch.Tensor:
-        f = t.scale.float().reciprocal()
+        f = div_like_eager(1.0, t.scale.float())
         return _padded(f, (0, kp // 128 - f.shape[1], 0, rows - f.shape[0]), value=1.0)
 
     fa = factors(a, mp).t().contiguous().t()
@@ -192,8 +192,9 @@ def _blockwise_gemm(a: TiledFp8, b: TiledFp8, out_dtype: torch.dtype, fast_accum
         fb, kind_b = factors(b, np_).t().contiguous().t(), F.ScalingType.BlockWise1x128
     else:
         fb, kind_b = factors(b, np_ // 128).contiguous().t(), F.ScalingType.BlockWise128x128
+    # The kernel refuses fast accumulation with 128x128 factors (torch 2.11 on an H200): those GEMMs promote.
     out = F.scaled_mm(qa, qb.t(), fa, F.ScalingType.BlockWise1x128, fb, kind_b, output_dtype=out_dtype,
-                      use_fast_accum=fast_accum)
+                      use_fast_accum=fast_accum and kind_b is F.ScalingType.BlockWise1x128)
     return out[:m, :n]
 
 

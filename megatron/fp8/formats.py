@@ -50,7 +50,8 @@ def format_backend_of(device: torch.device | str) -> str:
 
 def format_spec(dtype: Fp8Dtype | str, backend: str = "cpu") -> Fp8FormatSpec:
     """The spec of `dtype` on `backend` ("cpu", "cuda", "hpu"/"gaudi2", "emulated")."""
-    dtype = Fp8Dtype(dtype)
+    if not isinstance(dtype, Fp8Dtype):  # Fp8Dtype(member) inside a graph dynamo traces fails on torch 2.11
+        dtype = Fp8Dtype(dtype)
     spec = _OCP[dtype]
     if backend in ("hpu", "gaudi2") and dtype is Fp8Dtype.E4M3:
         spec = Fp8FormatSpec(spec.name, spec.torch_dtype, _GAUDI2_E4M3_MAX, spec.min_normal,

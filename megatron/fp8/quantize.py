@@ -7,7 +7,7 @@ optimizer applies them per block and stores `1 / scale` (its `scale_inv`) next t
 
 Conventions (the same as Transformer Engine and torchao):
 - `scale` multiplies: `q = cast(clamp(x * scale, -max, max))`, and dequantization divides: `x ~ q / scale`.
-  The GEMM backends that want a dequantization factor receive `scale.reciprocal()`.
+  The GEMM backends that want a dequantization factor receive `1 / scale` (`div_like_eager`).
 - `scale = fp8_max / amax / 2**margin`, optionally rounded *down* to a power of two. Rounding down keeps
   `amax * scale <= fp8_max` (no extra clipping), and a power-of-two scale makes `x * scale` and `q / scale`
   exact in binary floating point, so the only error left is the FP8 rounding itself.
@@ -58,8 +58,31 @@ def compute_scale(
     if power_of_two:
         raw = _pow2_scale(amax, fp8_max / 2.0**margin)
     else:
-        raw = (fp8_max / 2.0**margin) / amax
+        raw = div_like_eager(fp8_max / 2.0**margin, amax)
     return torch.where(usable, torch.clamp(raw, max=_FP32_MAX_POW2), previous.float())
+
+
+def div_like_eager(num: float | torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    """`num / den` (fp32) with eager PyTorch's bits, in compiled code too. Eager division is IEEE on every
+    device (and a Python float over a tensor is `den.reciprocal() * num`), but Triton lowers an fp32 division or
+    reciprocal to an approximate one (PTX div.full.f32, within 2 ulp), so a scale computed in a compiled CUDA
+    kernel would differ in its last bits from the eager layer's. There the division goes through fp64
+    (`fp64_division`), which gives the eager bits."""
+    if den.device.type == "cuda" and torch.compiler.is_compiling():
+        return fp64_division(num, den)
+    if not torch.is_tensor(num) and num == 1.0:
+        return den.reciprocal()  # one kernel (eager's `1.0 / den` is reciprocal, then a product by 1)
+    return num / den
+
+
+def fp64_division(num: float | torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    """Eager PyTorch's fp32 `num / den` computed through fp64: a tensor quotient is fp32(fp64(num) / fp64(den)),
+    the correctly rounded fp32 quotient (rounding to 53 bits, then to 24, is innocuous for a quotient, as
+    53 >= 2 * 24 + 2); a Python float over a tensor is the correctly rounded fp32 reciprocal times `num`."""
+    if torch.is_tensor(num):
+        return (num.double() / den.double()).float()
+    reciprocal = (1.0 / den.double()).float()
+    return reciprocal if num == 1.0 else reciprocal * num
 
 
 def _pow2_scale(amax: torch.Tensor, target: float | torch.Tensor) -> torch.Tensor:
@@ -167,7 +190,7 @@ def quantize(
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """`q / scale` in `dtype` (computed in fp32, then cast)."""
-    return (q.float() / scale.float()).to(dtype)
+    return div_like_eager(q.float(), scale.float()).to(dtype)
 
 
 # --- Fine-grained scaling: one scale per tile of a 2-D GEMM operand --------------------------------------------
@@ -266,4 +289,4 @@ def from_e8m0(code: torch.Tensor) -> torch.Tensor:
 def dequantize_tiles(t: TiledFp8, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """`data / scale` tile by tile, in fp32 (then `dtype`): the exact values a block-scaled GEMM multiplies."""
     blocks, shape = tile_blocks(t.data.float(), t.tile)
-    return _untile_blocks(blocks / t.scale[:, None, :, None], shape).to(dtype)
+    return _untile_blocks(div_like_eager(blocks, t.scale[:, None, :, None]), shape).to(dtype)

@@ -121,7 +121,8 @@ class Fp8Recipe:
         "--fp8-fast-accum", group=FP8, default=DEFAULT_FAST_ACCUM, cli_default=None, derived=True, metavar="GEMMS",
         help="GEMMs whose FP8 kernel accumulates in the tensor cores' fast, less precise accumulator "
              "(torch._scaled_mm use_fast_accum): comma-separated fprop, dgrad, wgrad, or none, all (default: fprop, "
-             "as Transformer Engine and torchao). The emulation and Gaudi accumulate in FP32 either way")
+             "as Transformer Engine and torchao). The emulation and Gaudi accumulate in FP32 either way, as do "
+             "--fp8-recipe blockwise's GEMMs of 128x128 weight tiles (the sm90 kernel has no fast accumulation)")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fast_accum", parse_fast_accum(self.fast_accum))

@@ -63,14 +63,18 @@ def fp8_optimizer_step(model: nn.Module, batched: bool = True) -> None:
             module.fp8_step_amax.zero_()
 
     for group, modules in groups.values():
-        amaxes = torch.stack([m.fp8_step_amax for m in modules])
+        batches: dict[tuple, list[Fp8Linear]] = {}
+        for m in modules:
+            batches.setdefault(_update_key(m) if batched else id(m), []).append(m)
+        # Stacked batch by batch, so that each batch's rows are a slice (a list index would copy the indices
+        # from the host to the device: a synchronisation per step on a GPU).
+        amaxes = torch.stack([m.fp8_step_amax for batch in batches.values() for m in batch])
         # amax_group None means the default group (when torch.distributed is initialized).
         comm.all_reduce(amaxes, group if group is not None else comm.world_group(), comm.ReduceOp.MAX)
-        batches: dict[tuple, list[int]] = {}
-        for i, m in enumerate(modules):
-            batches.setdefault(_update_key(m) if batched else id(m), []).append(i)
-        for rows in batches.values():
-            _delayed_update_batch([modules[i] for i in rows], amaxes[rows])
+        start = 0
+        for batch in batches.values():
+            _delayed_update_batch(batch, amaxes[start:start + len(batch)])
+            start += len(batch)
     _learn_scale_validity([m for _, modules in groups.values() for m in modules])
 
 

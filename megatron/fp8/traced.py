@@ -59,6 +59,8 @@ from megatron.fp8.scaling import Fp8Role, record_step_amax
 
 # The roles as plain ints: dynamo (torch 2.13) recurses without end indexing a tuple with an IntEnum member.
 _INPUT, _WEIGHT, _GRAD = (int(role) for role in (Fp8Role.INPUT, Fp8Role.WEIGHT, Fp8Role.GRAD_OUTPUT))
+# The GEMMs in order, iterated here: dynamo (torch 2.11) breaks the graph iterating an Enum class.
+_GEMMS = tuple(Fp8Gemm)
 
 
 @torch._dynamo.assume_constant_result
@@ -109,7 +111,7 @@ def forward(state: Fp8LayerState, x: torch.Tensor, weight: torch.Tensor, bias: t
     consts = (backend.name, out_dtype, x.dtype, weight.dtype, recipe.power_of_two_scales, recipe.fp8_wgrad,
               training, state.role_delayed(_GRAD), recipe.scaling.value == "tensorwise",
               state.margin(_GRAD), g_spec.max, g_spec.torch_dtype, values_dtype,
-              tuple(recipe.fast_accum_for(g) for g in Fp8Gemm),  # fprop, dgrad, wgrad
+              tuple(recipe.fast_accum_for(g) for g in _GEMMS),  # fprop, dgrad, wgrad
               known_valid[_GRAD] and state.role_delayed(_GRAD))
     # What wgrad reads: Q(x) (1 byte per element), or x itself for a high-precision wgrad. None: the GEMM operand
     # itself (dynamo refuses one tensor passed twice).

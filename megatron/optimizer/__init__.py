@@ -31,9 +31,12 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.Optim
     groups = get_param_groups(model, cfg.weight_decay)
     betas = (cfg.adam_beta1, cfg.adam_beta2)
     if cfg.optimizer == "adam":
-        # foreach: one multi-tensor kernel per step instead of a Python loop over parameters
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.adam_eps,
-                                 weight_decay=cfg.weight_decay, foreach=True)
+        # On CUDA torch's fused kernel (as Megatron's Apex FusedAdam): one pass over parameter, gradient and both
+        # moments instead of one per foreach op (docs/performance.md has the GPU figures). Elsewhere foreach: one
+        # multi-tensor kernel per op instead of a Python loop over parameters.
+        fused = bool(groups[0]["params"]) and all(p.device.type == "cuda" for g in groups for p in g["params"])
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
+                                 **({"fused": True} if fused else {"foreach": True}))
     if cfg.optimizer == "fp8adam":
         from megatron.optimizer.fp8_adam import Fp8AdamW
 

@@ -31,7 +31,7 @@ from typing import Optional, Tuple
 import torch
 
 from megatron.fp8.formats import Fp8Dtype, format_spec
-from megatron.fp8.quantize import compute_scale, quantize as fp8_quantize, stochastic_round
+from megatron.fp8.quantize import compute_scale, div_like_eager, quantize as fp8_quantize, stochastic_round
 
 
 class MomentDtype(str, enum.Enum):
@@ -115,7 +115,7 @@ def quantize(x: torch.Tensor, fmt: MomentFormat, noise: Optional[torch.Tensor] =
     amax = blocks.abs().amax(dim=1, keepdim=True) if amax is None else amax.view(1, 1).float()
     scale = compute_scale(amax, fmt.max)  # 1.0 for an all-zero block; finite for a tiny amax
     data = fp8_quantize(blocks, scale, fmt, noise=None if noise is None else noise.view(n_blocks, block_len))
-    scale_inv = torch.where(amax > 0, scale.reciprocal(), torch.zeros_like(scale))
+    scale_inv = torch.where(amax > 0, div_like_eager(1.0, scale), torch.zeros_like(scale))
     return data.view(-1), scale_inv.view(-1)
 
 

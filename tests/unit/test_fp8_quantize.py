@@ -123,3 +123,22 @@ def test_stochastic_rounding_is_unbiased_and_on_grid(fmt: str) -> None:
         # Round-to-nearest is biased here: its error is a sizeable fraction of the grid step.
         rne = quantize(values[j:j + 1], torch.tensor(1.0), spec).double().item()
         assert abs(rne - v) > 50 * sigma
+
+
+def _random_fp32(n: int, seed: int) -> torch.Tensor:
+    """n finite, nonzero fp32 values from uniformly random bit patterns: every binade, subnormals included."""
+    bits = torch.randint(-2**31, 2**31, (4 * n,), generator=torch.Generator().manual_seed(seed), dtype=torch.int64)
+    x = bits.to(torch.int32).view(torch.float32)
+    return x[torch.isfinite(x) & (x != 0)][:n]
+
+
+def test_fp64_division_gives_eager_fp32_bits():
+    """What compiled CUDA code computes for a scale (`div_like_eager`): a quotient through fp64 is the correctly
+    rounded fp32 quotient eager division gives, and a float over a tensor is eager's reciprocal-times-float."""
+    from megatron.fp8.quantize import fp64_division
+
+    a, b = _random_fp32(200_000, 1), _random_fp32(200_000, 2)
+    assert torch.equal(fp64_division(a, b), a / b)
+    for num in (1.0, 448.0, 57344.0, 448.0 / 2**3, 240.0):
+        assert torch.equal(fp64_division(num, b), num / b), num
+    assert torch.equal(fp64_division(1.0, b), b.reciprocal())

@@ -38,6 +38,17 @@ def test_scaled_mm_backend_matches_emulation_on_gpu():
         assert sqnr_db(got, ref) > 35.0  # same FP8 inputs; only accumulation order and bf16 output differ
 
 
+def test_adamw_on_gpu_parameters_is_the_fused_kernel():
+    from megatron.arguments import parse_config
+    from megatron.model import GPTModel
+    from megatron.optimizer import build_optimizer
+    from tests.support.config import tiny_argv
+
+    cfg = parse_config(tiny_argv(weight_decay=0.1))
+    opt = build_optimizer(GPTModel(cfg.model).cuda(), cfg.optimizer)
+    assert opt.defaults["fused"] is True and not opt.defaults["foreach"]
+
+
 def test_tiny_fp8_gpt_trains_on_gpu():
     from megatron.arguments import parse_config
     from megatron.training.loop import pretrain

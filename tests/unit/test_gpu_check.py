@@ -27,7 +27,7 @@ def test_the_stage_limits_fit_the_deadline() -> None:
     stages = gpu_check.plan(gpus=1)
     assert sum(s["limit"] for s in stages if not s.get("leftover")) <= gpu_check.DEADLINE_S - 10
     assert [s["name"] for s in stages if s.get("leftover")] == ["model"] and stages[-1]["name"] == "model"
-    assert gpu_check.DEADLINE_S < 240  # the whole check under 4 minutes
+    assert gpu_check.DEADLINE_S < 300  # the whole check under 5 minutes
 
 
 def test_the_model_stage_reads_what_the_bench_writes(tmp_path) -> None:

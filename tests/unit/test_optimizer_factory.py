@@ -21,6 +21,8 @@ def test_no_weight_decay_on_norms_and_biases():
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert all(p.ndim >= 2 for p in decay["params"]) and all(p.ndim == 1 for p in no_decay["params"])
     assert len(no_decay["params"]) == 2 * 2 + 1  # two norms per layer + final norm
+    # CPU parameters: foreach (the fused kernel is chosen for CUDA parameters: tests/unit/test_gpu.py)
+    assert opt.defaults["foreach"] is True and not opt.defaults["fused"]
 
 
 def test_fp8adam_from_flags_logs_its_rule(caplog):
