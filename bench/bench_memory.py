@@ -20,14 +20,13 @@ import argparse
 import ctypes
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import psutil
 
-REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from bench.common import REPO, free_port  # noqa: E402
 
 # Eager Fp8AdamW: compiling costs minutes on a loaded 2-core CPU and changes no tensor that persists.
 FP8ADAM = ["--optimizer", "fp8adam", "--fp8-optimizer-block-size", "128", "--no-fp8-optimizer-compile"]
@@ -85,12 +84,6 @@ def _worker(argv: list[str]) -> None:
     finish_distributed_run(0)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--num-layers", type=int, default=8)
@@ -112,7 +105,7 @@ def main() -> None:
         script = [os.path.abspath(__file__), "--worker", *argv]
         cmd = [sys.executable, *script] if nproc == 1 else [
             sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-            str(_free_port()), *script]
+            str(free_port()), *script]
         out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
         rows = [json.loads(ln[len("RESULT "):]) for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
         if out.returncode != 0 or len(rows) != nproc:

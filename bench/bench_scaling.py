@@ -13,22 +13,17 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import REPO, free_port  # noqa: E402
+
 MODEL = ("--num-layers 4 --hidden-size 256 --num-attention-heads 8 --num-key-value-heads 4 --ffn-hidden-size 704 "
          "--seq-length 128 --swiglu --normalization RMSNorm --use-rotary-position-embeddings "
          "--untie-embeddings-and-output-weights --disable-bias-linear --hidden-dropout 0 --attention-dropout 0 "
          "--lr 1e-3 --mock-data --vocab-size 4096 --bf16 --eval-iters 0").split()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(nproc: int, engine: str, args: argparse.Namespace) -> float:
@@ -40,7 +35,7 @@ def run(nproc: int, engine: str, args: argparse.Namespace) -> float:
     cmd = [sys.executable, "pretrain_gpt.py", *flags]
     if nproc > 1 or engine == "deepspeed":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_port", str(_free_port()), "pretrain_gpt.py", *flags]
+               "--master_port", str(free_port()), "pretrain_gpt.py", *flags]
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, args.cores // nproc)))
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=1800)
     if out.returncode != 0:

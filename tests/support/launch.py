@@ -13,22 +13,15 @@ against them (torch DDP, DeepSpeed ZeRO 0-3) launches them once per session.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from typing import Sequence
 
+from bench.common import free_port
 from tests.support.config import REPO, tiny_argv
 
 BASE = dict(micro_batch_size=2, global_batch_size=8, train_iters=4, eval_iters=1, eval_interval=4, lr_warmup_iters=0,
             log_interval=1)
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now (the OS's pick)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun_command(nproc: int, *target: str, port: int | None = None) -> list[str]:
