@@ -46,6 +46,8 @@ which autograd's in-place checks have not been tried against.
 """
 from __future__ import annotations
 
+import functools
+import logging
 from typing import Any
 
 import torch
@@ -61,6 +63,32 @@ from megatron.fp8.scaling import Fp8Role, record_step_amax
 _INPUT, _WEIGHT, _GRAD = (int(role) for role in (Fp8Role.INPUT, Fp8Role.WEIGHT, Fp8Role.GRAD_OUTPUT))
 # The GEMMs in order, iterated here: dynamo (torch 2.11) breaks the graph iterating an Enum class.
 _GEMMS = tuple(Fp8Gemm)
+# The emulated backend (the CPU's) is traced only from this torch on: with torch 2.11's inductor (C++ code) the
+# traced dgrad of an FP8 linear comes out zero (tests/unit/test_fp8_traced.py, bitwise against eager, fails there);
+# the scaled_mm backend traces bit for bit on both. Older torch runs those layers eagerly (a graph break).
+EMULATED_TRACE_MIN_TORCH = (2, 13)
+logger = logging.getLogger(__name__)
+
+
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+@torch._dynamo.assume_constant_result
+def _emulated_traceable() -> bool:
+    """Whether this torch traces the emulated backend's layers (evaluated in Python when the graph is traced)."""
+    if _torch_version() >= EMULATED_TRACE_MIN_TORCH:
+        return True
+    _log_emulated_untraced(torch.__version__)
+    return False
+
+
+@functools.lru_cache(maxsize=None)
+def _log_emulated_untraced(version: str) -> None:
+    logger.warning("FP8 layers on the emulated backend run eagerly inside compiled blocks with torch %s (traced into "
+                   "the graph from torch %d.%d on: older inductor computes their backward wrongly)", version,
+                   *EMULATED_TRACE_MIN_TORCH)
 
 
 @torch._dynamo.assume_constant_result
@@ -75,7 +103,10 @@ def traceable(state: Fp8LayerState, x: torch.Tensor, column_scale_group: Any) ->
     if not state.takes_traced_path() or state.stats_enabled or column_scale_group is not None:
         return False
     recipe = state.recipe
-    return _backend_name(recipe.backend.value, x.device, recipe.scaling.value) in STATELESS_BACKENDS
+    name = _backend_name(recipe.backend.value, x.device, recipe.scaling.value)
+    if name == "emulated" and not _emulated_traceable():
+        return False
+    return name in STATELESS_BACKENDS
 
 
 def forward(state: Fp8LayerState, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

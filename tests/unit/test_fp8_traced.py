@@ -104,3 +104,28 @@ def test_untraceable_configurations_keep_the_eager_layer():
     compiled(x).sum().backward()
     assert sum(torch._dynamo.utils.counters["graph_break"].values()) > 0
     assert x.grad is not None
+
+
+def test_emulated_layers_stay_eager_on_a_torch_below_the_traced_minimum(monkeypatch):
+    """The emulated backend is traced only from `EMULATED_TRACE_MIN_TORCH` on (older inductor computes its traced
+    backward wrongly): below it the layer is a graph break and its gradients are the eager layer's, bit for bit."""
+    from megatron.fp8 import traced
+
+    torch.manual_seed(0)
+    layer = Fp8Linear(16, 8, bias=False, recipe=Fp8Recipe())
+    set_fused_quantization(layer, True)
+    x = torch.randn(4, 16)
+    assert traced.traceable(layer.fp8, x, None)
+    monkeypatch.setattr(traced, "EMULATED_TRACE_MIN_TORCH", (traced._torch_version()[0] + 1, 0))
+    assert not traced.traceable(layer.fp8, x, None)
+    eager = Fp8Linear(16, 8, bias=False, recipe=Fp8Recipe())
+    eager.load_state_dict(layer.state_dict())
+    set_fused_quantization(eager, True)
+    compiled = torch.compile(layer, dynamic=False)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    xc, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+    compiled(xc).sum().backward()
+    eager(xe).sum().backward()
+    assert sum(torch._dynamo.utils.counters["graph_break"].values()) > 0
+    assert torch.equal(xc.grad, xe.grad) and torch.equal(layer.weight.grad, eager.weight.grad)
