@@ -12,7 +12,7 @@ stage, the block-stack bench's rows after every variant: a stage cut short keeps
                + optimizer step, compiled BF16 vs our FP8 delayed + Smooth-SwiGLU vs our tensorwise vs torchao's
                tensorwise, CUDA events, a profile per variant by kernel class
   gpu_tests    pytest -m gpu (scaled_mm vs emulation on the GPU, a tiny FP8 GPT trained on the GPU, the
-               fine-grained recipes against their emulation)
+               fine-grained recipes against their emulation), one line per test, each stopped after 40 s
   train_1gpu   pretrain_gpt.py under torchrun on one GPU: FP8 + Smooth-SwiGLU + Fp8AdamW, NCCL process group
                with the collective path forced on at world size 1 (MEGATRON_FORCE_COLLECTIVES=1)
   train_tp2    the same at tensor-parallel size 2 (only with 2+ GPUs, within what the deadline leaves)
@@ -66,7 +66,7 @@ def plan(gpus: int) -> list[dict]:
                  "--iters", "10", "--warmup", "2", "--profile", "--top-kernels", "12", "--json",
                  "{out}/block_stack.json"]},
         {"name": "gpu_tests", "limit": 75, "env": {},
-         "cmd": [PY, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+         "cmd": [PY, "-m", "pytest", "-v", "--timeout", "40", "-m", "gpu", "-p", "no:cacheprovider",
                  str(REPO / "tests" / "unit" / "test_gpu.py"), str(REPO / "tests" / "unit" / "test_fp8_recipes.py")]},
         {"name": "train_1gpu", "limit": 90, "env": {"MEGATRON_FORCE_COLLECTIVES": "1"}, "cmd": _torchrun(1, "")},
     ]
