@@ -7,8 +7,8 @@ the embedding and the output head are noise next to the blocks. Variants:
 
   bf16              BF16 autocast, compiled blocks, AdamW (the baseline every ratio is taken against)
   fp8-delayed       ours, the paper's recipe: hybrid FP8, delayed scaling (amax history 16, max), Smooth-SwiGLU
-  fp8-tensorwise    ours: hybrid FP8, current (tensorwise) scaling
   torchao           the bf16 variant with torchao's Float8Linear (tensorwise) in the blocks, when torchao imports
+  fp8-tensorwise    ours: hybrid FP8, current (tensorwise) scaling
 
 Variants run one after another and each prints its row as it finishes (median step, ratio to BF16, tokens/s);
 `--json` is rewritten after every row, so a run cut short keeps the finished rows. `--profile` adds, per variant,
@@ -48,11 +48,12 @@ COMMON = ("--swiglu --normalization RMSNorm --use-rotary-position-embeddings --u
           "--disable-bias-linear --hidden-dropout 0 --attention-dropout 0 --lr 1e-4 --train-iters 1000 --mock-data "
           "--vocab-size 128 --make-vocab-size-divisible-by 128 --bf16 --eval-iters 0 --log-interval 1000000")
 FP8 = "--fp8-format hybrid"
+# In the order they run: the peer right after ours, so that a run cut short keeps the comparison that decides.
 VARIANTS = {
     "bf16": "",
     "fp8-delayed": f"{FP8} --fp8-recipe delayed --fp8-amax-history-len 16 --fp8-amax-compute-algo max --smooth-swiglu",
-    "fp8-tensorwise": f"{FP8} --fp8-recipe tensorwise",
     "torchao": "",  # the bf16 flags; the blocks' linears become torchao Float8Linear after the build
+    "fp8-tensorwise": f"{FP8} --fp8-recipe tensorwise",
 }
 KERNEL_CLASSES = ("GEMM", "quantization", "attention", "other")
 

@@ -61,14 +61,14 @@ def _torchrun(nproc: int, extra: str) -> list[str]:
 def plan(gpus: int) -> list[dict]:
     """The stages: name, command, environment additions and time limit (seconds)."""
     stages = [
-        {"name": "block_stack", "limit": 110, "env": {},
+        {"name": "block_stack", "limit": 120, "env": {},
          "cmd": [PY, str(REPO / "bench" / "bench_block_stack.py"), "--device", "cuda", "--layers", "2",
                  "--iters", "10", "--warmup", "2", "--profile", "--top-kernels", "12", "--json",
                  "{out}/block_stack.json"]},
-        {"name": "gpu_tests", "limit": 75, "env": {},
+        {"name": "gpu_tests", "limit": 70, "env": {},
          "cmd": [PY, "-m", "pytest", "-v", "--timeout", "40", "-m", "gpu", "-p", "no:cacheprovider",
                  str(REPO / "tests" / "unit" / "test_gpu.py"), str(REPO / "tests" / "unit" / "test_fp8_recipes.py")]},
-        {"name": "train_1gpu", "limit": 90, "env": {"MEGATRON_FORCE_COLLECTIVES": "1"}, "cmd": _torchrun(1, "")},
+        {"name": "train_1gpu", "limit": 85, "env": {"MEGATRON_FORCE_COLLECTIVES": "1"}, "cmd": _torchrun(1, "")},
     ]
     if gpus >= 2:
         stages.append({"name": "train_tp2", "limit": 45, "env": {},
