@@ -70,15 +70,10 @@ EMULATED_TRACE_MIN_TORCH = (2, 13)
 logger = logging.getLogger(__name__)
 
 
-def _torch_version() -> tuple[int, int]:
-    major, minor = torch.__version__.split(".")[:2]
-    return int(major), int(minor)
-
-
 @torch._dynamo.assume_constant_result
 def _emulated_traceable() -> bool:
     """Whether this torch traces the emulated backend's layers (evaluated in Python when the graph is traced)."""
-    if _torch_version() >= EMULATED_TRACE_MIN_TORCH:
+    if torch.torch_version.TorchVersion(torch.__version__) >= EMULATED_TRACE_MIN_TORCH:
         return True
     _log_emulated_untraced(torch.__version__)
     return False

@@ -228,8 +228,8 @@ def _per_call_run(recipe: Fp8Recipe, per_call: bool, fused: bool, column_scale: 
                                           ("rowwise", False), ("blockwise", True), ("mxfp8", False)])
 @pytest.mark.parametrize("column_scale", [False, True], ids=["plain", "smooth-swiglu"])
 def test_per_call_weight_requantized_in_backward_is_bitwise_the_cached_one(scaling, fused, column_scale) -> None:
-    """ZeRO-3's mode (`Fp8LayerState.weight_per_call`): no FP8 weight kept from forward to backward; backward requantizes
-    the weight with the forward's scale. Outputs and both gradients equal the cached path's bit for bit."""
+    """ZeRO-3's mode (`Fp8LayerState.weight_per_call`): no FP8 weight kept from forward to backward; backward
+    requantizes the weight with the forward's scale. Outputs and both gradients equal the cached path's bit for bit."""
     recipe = Fp8Recipe(scaling=scaling, amax_history_len=4)
     cached = _per_call_run(recipe, False, fused, column_scale)
     per_call = _per_call_run(recipe, True, fused, column_scale)
