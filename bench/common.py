@@ -1,4 +1,4 @@
-"""What the benches that launch processes share (the test helpers take `free_port` from here too)."""
+"""What the benches that launch processes share (the test helpers take `free_port` and `REPO` from here too)."""
 from __future__ import annotations
 
 import socket

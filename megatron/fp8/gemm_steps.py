@@ -1,5 +1,5 @@
-"""The steps the two FP8 autograd functions share: per-tensor scaling (`per_tensor.Fp8LinearFunction`) and tile
-scaling (`tiled.TiledFp8LinearFunction`) differ in how they quantize and multiply, not in what surrounds that.
+"""The steps the two FP8 autograd functions share: per-tensor scaling (`per_tensor.Fp8Gemms`, eager and traced) and
+tile scaling (`tiled.TiledFp8LinearFunction`) differ in how they quantize and multiply, not in what surrounds that.
 
 Forward: the layer's backend and formats, the input flattened to [tokens, K]; after the GEMM, the bias and the
 input's leading dims restored; what backward needs about the call kept on `ctx`. Backward: the high-precision

@@ -64,11 +64,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from megatron.fp8 import traced
+from megatron.fp8 import per_tensor, traced
 from megatron.fp8.backends import Backend
 from megatron.fp8.formats import Fp8FormatSpec
 from megatron.fp8.layer_state import Fp8LayerState, weight_storage_key
-from megatron.fp8.per_tensor import Fp8LinearFunction
 from megatron.fp8.recipe import Fp8Recipe, Fp8Scaling
 from megatron.fp8.scaling import new_scaling_buffers
 from megatron.fp8.tiled import TiledFp8LinearFunction
@@ -160,8 +159,8 @@ class Fp8Linear(nn.Linear):
         if self.fp8.recipe.tiles is not None:  # rowwise, blockwise, mxfp8: see tiled.py
             return TiledFp8LinearFunction.apply(x, self.weight, self.bias, self.fp8, out_dtype, self.training,
                                                 weight_column_scale)
-        return Fp8LinearFunction.apply(x, self.weight, self.bias, self.fp8, out_dtype, self.training,
-                                       weight_column_scale, input_amax, column_scale_group)
+        return per_tensor.forward(self.fp8, x, self.weight, self.bias, out_dtype, self.training, weight_column_scale,
+                                  input_amax, column_scale_group)
 
     def _apply(self, fn: Any, recurse: bool = True) -> "Fp8Linear":
         # .to()/.cuda() may replace the weight's storage; a cached FP8 copy on the old device must go.

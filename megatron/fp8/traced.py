@@ -7,12 +7,13 @@ into the op that produced its operand (the RMSNorm before qkv and fc1, the SwiGL
 fusion Transformer Engine writes by hand (its LayerNormLinear) and torchao gets from a traced Float8Linear.
 
 Here the layer is expressed in what dynamo traces: the quantization of x and W is ordinary code of the block
-(the functions of fused.py, inlined into the block's graph), and `_Gemms`, an autograd function whose forward
-and backward take tensors and Python constants only, runs the three GEMMs; its backward quantizes dy and
-updates the grad role's scaling buffers in place (AOTAutograd keeps a backward graph's mutation of a forward
-input). The arithmetic is the eager path's, operation for operation (the same fused.py functions, the same
-`gemm_nt`); inductor may fuse the output's rounding to bf16 into the next op (as in any compiled block), so a
-traced block agrees with an eager one within rounding noise, and per operation bitwise (tests/unit/test_fp8_traced.py).
+(the functions of fused.py, inlined into the block's graph), and `per_tensor.Fp8Gemms`, the autograd function of
+the eager layer too, whose forward and backward take tensors and Python constants only, runs the three GEMMs; its
+backward quantizes dy and updates the grad role's scaling buffers in place (AOTAutograd keeps a backward graph's
+mutation of a forward input). The arithmetic is the eager path's, operation for operation (the same fused.py
+functions, the same `gemm_nt`); inductor may fuse the output's rounding to bf16 into the next op (as in any
+compiled block), so a traced block agrees with an eager one within rounding noise, and per operation bitwise
+(tests/unit/test_fp8_traced.py).
 
 The FP8 weight: a cache keyed on the weight's storage and version cannot live in a graph, so the compiled
 block's pre-hook (`register_fp8_weight_refresh` in megatron/model/compile.py, run eagerly before the graph)
@@ -41,7 +42,7 @@ column scale reduced over a TP group (a collective in the block), the Gaudi back
 Where it has run: the torch engine (DDP), DeepSpeed ZeRO 0-2, tensor parallelism with sequence parallelism,
 full activation recompute, Smooth-SwiGLU (tests/e2e/test_torch_compile_launch.py, slow). Not with pipeline
 parallelism or ZeRO-3, whose blocks stay eager (megatron/model/compile.py): a pipeline schedule runs several
-micro-batches' forwards before their backwards, and `_Gemms` saves the layer's scaling buffers for its backward,
+micro-batches' forwards before their backwards, and `Fp8Gemms` saves the layer's scaling buffers for its backward,
 which autograd's in-place checks have not been tried against.
 """
 from __future__ import annotations
@@ -52,17 +53,11 @@ from typing import Any
 
 import torch
 
-from megatron.fp8 import fused, gemm_steps
+from megatron.fp8 import fused
 from megatron.fp8.backends import STATELESS_BACKENDS, select_backend
 from megatron.fp8.layer_state import Fp8LayerState
+from megatron.fp8.per_tensor import ROLE_INPUT, ROLE_WEIGHT, Fp8Gemms, gemm_constants
 from megatron.fp8.quantize import nonfinite_guard
-from megatron.fp8.recipe import Fp8Gemm
-from megatron.fp8.scaling import Fp8Role, record_step_amax
-
-# The roles as plain ints: dynamo (torch 2.13) recurses without end indexing a tuple with an IntEnum member.
-_INPUT, _WEIGHT, _GRAD = (int(role) for role in (Fp8Role.INPUT, Fp8Role.WEIGHT, Fp8Role.GRAD_OUTPUT))
-# The GEMMs in order, iterated here: dynamo (torch 2.11) breaks the graph iterating an Enum class.
-_GEMMS = tuple(Fp8Gemm)
 # The emulated backend (the CPU's) is traced only from this torch on: with torch 2.11's inductor (C++ code) the
 # traced dgrad of an FP8 linear comes out zero (tests/unit/test_fp8_traced.py, bitwise against eager, fails there);
 # the scaled_mm backend traces bit for bit on both. Older torch runs those layers eagerly (a graph break).
@@ -113,18 +108,18 @@ def forward(state: Fp8LayerState, x: torch.Tensor, weight: torch.Tensor, bias: t
     specs = state.specs(backend)
     x2d = x.reshape(-1, x.shape[-1])
     values_dtype = state.values_dtype(backend)
-    w_spec = specs[_WEIGHT]
+    w_spec = specs[ROLE_WEIGHT]
     known_valid = state.known_valid  # read while tracing: a change retraces (once per run)
     with torch.autocast(x.device.type, enabled=False), torch.no_grad():
-        q_x, v_x, s_x, x_amax = state.quantize_input(backend, specs[_INPUT], x2d.detach(), input_amax, values_dtype,
-                                                     training, known_valid[_INPUT])
+        q_x, v_x, s_x, x_amax = state.quantize_input(backend, specs[ROLE_INPUT], x2d.detach(), input_amax,
+                                                     values_dtype, training, known_valid[ROLE_INPUT])
         w_t = None  # dgrad's row-major W^T (backends that want one): from the step's cache, else made in backward
         if column_scale is None and state.step_weight is not None:  # made once per step, outside the graph
             (q_w, s_w, w_amax, w_t), v_w = state.step_weight, None
         elif column_scale is None:
-            q_w, v_w, s_w, w_amax = state.fused_quantize(_WEIGHT, weight.detach(), w_spec,
+            q_w, v_w, s_w, w_amax = state.fused_quantize(ROLE_WEIGHT, weight.detach(), w_spec,
                                                          state.weight_values_dtype(backend), False,
-                                                         known_valid=known_valid[_WEIGHT])
+                                                         known_valid=known_valid[ROLE_WEIGHT])
         else:  # W diag(c): the amax from the step's column maxima (the pre-hook's), else reduced here
             maxima = state.step_column_maxima
             if maxima is None:
@@ -133,65 +128,11 @@ def forward(state: Fp8LayerState, x: torch.Tensor, weight: torch.Tensor, bias: t
         state.note_weight_use(s_w, w_amax, training)
         s_x = nonfinite_guard(s_x, x_amax)
         s_w = nonfinite_guard(s_w, w_amax)
-    g_spec = specs[_GRAD]
-    consts = (backend.name, out_dtype, x.dtype, weight.dtype, recipe.power_of_two_scales, recipe.fp8_wgrad,
-              training, state.role_delayed(_GRAD), recipe.scaling.value == "tensorwise",
-              state.margin(_GRAD), g_spec.max, g_spec.torch_dtype, values_dtype,
-              tuple(recipe.fast_accum_for(g) for g in _GEMMS),  # fprop, dgrad, wgrad
-              known_valid[_GRAD] and state.role_delayed(_GRAD))
+    consts = gemm_constants(state, backend, out_dtype, x.dtype, weight.dtype, training, values_dtype, False)
     # What wgrad reads: Q(x) (1 byte per element), or x itself for a high-precision wgrad. None: the GEMM operand
     # itself (dynamo refuses one tensor passed twice).
     saved_x = (None if v_x is None else q_x) if recipe.fp8_wgrad else x2d.detach()
-    y2d = _Gemms.apply(x2d, weight, bias, q_x if v_x is None else v_x, s_x, q_w if v_w is None else v_w, s_w, w_t,
-                       saved_x, column_scale, state.scale, state.scale_valid, state.step_amax, consts)
+    y2d = Fp8Gemms.apply(x2d, weight, bias, q_x if v_x is None else v_x, s_x, q_w if v_w is None else v_w, s_w, w_t,
+                         saved_x, column_scale, state.scale, state.scale_valid, state.step_amax, consts, None)
     return y2d.reshape(*x.shape[:-1], y2d.shape[-1])
 
-
-class _Gemms(torch.autograd.Function):
-    """fprop on quantized operands; dgrad and wgrad with dy quantized in backward (the grad role's buffers are
-    updated there, in place). Inputs 0-2 (x as [tokens, K], W, b) carry the gradients; the rest are operands."""
-
-    @staticmethod
-    def forward(ctx: Any, x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a: torch.Tensor,
-                s_a: torch.Tensor, w: torch.Tensor, s_w: torch.Tensor, w_t: torch.Tensor | None,
-                saved_x: torch.Tensor | None,
-                column_scale: torch.Tensor | None, scale_buf: torch.Tensor, valid_buf: torch.Tensor,
-                step_amax_buf: torch.Tensor, consts: tuple) -> torch.Tensor:
-        backend_name, out_dtype, pow2, fast_accum = consts[0], consts[1], consts[4], consts[13][0]
-        backend = STATELESS_BACKENDS[backend_name]
-        with torch.autocast(x2d.device.type, enabled=False):
-            y = gemm_steps.add_bias(backend.gemm_nt(a, s_a, w, s_w, out_dtype, pow2, False, fast_accum), bias,
-                                    out_dtype)
-        ctx.save_for_backward(a if saved_x is None else saved_x, s_a, w, s_w, w_t, column_scale, scale_buf, valid_buf,
-                              step_amax_buf)
-        ctx.consts, ctx.has_bias, ctx.w_dtype = consts, bias is not None, consts[3]  # gemm_steps reads the last two
-        return y
-
-    @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        saved_x, s_x, w, s_w, w_t, column_scale, scale_buf, valid_buf, step_amax_buf = ctx.saved_tensors
-        (backend_name, _, x_dtype, _, pow2, fp8_wgrad, training, delayed, tensorwise, margin, g_max, g_dtype,
-         values_dtype, (_, dgrad_fast, wgrad_fast), g_known_valid) = ctx.consts
-        backend = STATELESS_BACKENDS[backend_name]
-        g = _GRAD
-        dx = dw = None
-        with torch.autocast(dy.device.type, enabled=False):
-            q_g, v_g, s_g, g_amax = fused.quantize_tensor(dy.detach(), scale_buf[g], valid_buf[g], delayed, g_max,
-                                                          margin, pow2, g_dtype, values_dtype, g_known_valid)
-            if training:
-                record_step_amax(step_amax_buf[g], g_amax, scale_buf[g], s_g if tensorwise else None)
-            s_g = nonfinite_guard(s_g, g_amax)
-            g_op = q_g if v_g is None else v_g
-            if ctx.needs_input_grad[0]:
-                if w_t is None:  # a weight made per call (Smooth-SwiGLU's W diag(c), no pre-hook)
-                    w_t = w.t().contiguous() if backend.wants_contiguous_operands else w.t()
-                dx = backend.gemm_nt(g_op, s_g, w_t, s_w, x_dtype, pow2, False, dgrad_fast)
-            if ctx.needs_input_grad[1]:
-                if fp8_wgrad:
-                    x_op = saved_x if values_dtype is None else saved_x.to(values_dtype)
-                    dw = backend.gemm_nt(g_op.t(), s_g, x_op.t(), s_x, torch.float32, pow2, False, wgrad_fast)
-                else:
-                    dw = gemm_steps.high_precision_wgrad(dy, saved_x)
-                dw = gemm_steps.finish_weight_grad(ctx, dw, column_scale)
-            db = gemm_steps.bias_grad(ctx, dy)
-        return (dx, dw, db) + (None,) * 11

@@ -342,7 +342,7 @@ def _eager_fp8_layers(kernels: list[Kernel]) -> Iterator[None]:
 
     from megatron.fp8 import fused
     from megatron.fp8.linear import Fp8Linear
-    from megatron.fp8.per_tensor import Fp8LinearFunction
+    from megatron.fp8.per_tensor import Fp8Gemms
     from megatron.fp8.tiled import TiledFp8LinearFunction
 
     phase: list[Optional[str]] = [None]
@@ -350,7 +350,7 @@ def _eager_fp8_layers(kernels: list[Kernel]) -> Iterator[None]:
     backend = _capturing_backend(graphs)
     compiled: dict[int, Callable] = {}
     eager_forward, fused_call = Fp8Linear._eager_forward, fused.CompiledOrEager.__call__
-    backwards = {cls: cls.__dict__["backward"] for cls in (Fp8LinearFunction, TiledFp8LinearFunction)}
+    backwards = {cls: cls.__dict__["backward"] for cls in (Fp8Gemms, TiledFp8LinearFunction)}
 
     @contextlib.contextmanager
     def recording(where: str) -> Iterator[None]:

@@ -40,10 +40,8 @@ from megatron.optimizer.lr_scheduler import LrScheduler
 from megatron.parallel_state import ParallelState
 from megatron.partitioned import full_numel, zero3_partitions_in_groups
 from megatron.training.deepspeed_config import build_deepspeed_config, zero_stage
-from megatron.training.deepspeed_fp8 import fp8_weights_per_call, tag_fp8_state_groups
-from megatron.training.deepspeed_mpu import (
-    ModelParallelUnit, ensure_process_group, mark_model_parallel_params, sum_sequence_parallel_grads_in_backward,
-)
+from megatron.training.deepspeed_fp8 import tag_fp8_state_groups
+from megatron.training.deepspeed_mpu import ModelParallelUnit, ensure_process_group
 from megatron.training.deepspeed_shm import release_deepspeed_shm
 from megatron.training.deepspeed_zero3 import zero3_cast_partitions_to_bf16, zero3_held_line
 from megatron.training.engine import MicroBatchEngine, check_skipped, guarded_step, nan_unless
@@ -77,13 +75,9 @@ class DeepSpeedBase:
         tag_fp8_state_groups(optimizer, self.zero_stage)
         if self.zero_stage == 3:
             logger.info("%s", zero3_held_line(model))
-            if config.training.params_dtype == "bf16":
+            if config.training.params_dtype == "bf16":  # after the optimizer was built on the FP32 partitions
                 zero3_cast_partitions_to_bf16(model)
                 logger.info("--params-dtype bf16: %s", zero3_held_line(model).replace("after build", "in BF16"))
-            fp8_weights_per_call(model)
-        mark_model_parallel_params(model)
-        if config.parallel.sequence_parallel and parallel.tensor_parallel_size > 1:
-            sum_sequence_parallel_grads_in_backward(model, parallel.tensor_parallel_group)
 
     def _wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer,
               mpu: Optional[ModelParallelUnit] = None) -> None:

@@ -4,9 +4,10 @@ In order: the pipeline stage this rank holds (`--pipeline-model-parallel-size`),
 materialized as this rank's tensor-parallel pieces (`--tensor-model-parallel-size`, `--sequence-parallel`) and, under
 ZeRO-3, handed to DeepSpeed's partitioning piece by piece; Habana's fused kernels; the FP8 swap of the linears
 (`Fp8Hooks`: recipe, statistics, controller); the pipeline module around the stage; the SwiGLU diagnostics; then
-`--torch-compile` (blocks compiled in place and warmed up, after every hook is registered). The optimizer and the
-engine are built around the result (megatron/training/engines.py); DeepSpeed's own rewrites of the model (ZeRO-3
-partitions cast to BF16, FP8 weights per call) happen where DeepSpeed wraps it (deepspeed_engine.py).
+`--torch-compile` (blocks compiled in place and warmed up, after every hook is registered); last, what DeepSpeed's
+engines need of the model (`_prepare_for_deepspeed`). The optimizer and the engine are built around the result
+(megatron/training/engines.py). One rewrite waits for the optimizer: ZeRO-3's partitions are cast to BF16 after
+the optimizer was built on the FP32 ones, where DeepSpeed wraps the model (deepspeed_engine.py).
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from megatron.hpu_kernels import apply_habana_kernels
 from megatron.model.build import build_model
 from megatron.model.compile import apply_torch_compile
 from megatron.parallel_state import ParallelState
+from megatron.training.deepspeed_fp8 import fp8_weights_per_call
+from megatron.training.deepspeed_mpu import mark_model_parallel_params, sum_sequence_parallel_grads_in_backward
 from megatron.training.deepspeed_zero3 import zero3_partitioner
 from megatron.training.fp8_hooks import Fp8Hooks
 from megatron.training.swiglu_hooks import SwiGLUHooks
@@ -44,8 +47,9 @@ def parallelize(config: MegatronConfig, parallel: ParallelState, accel: Accelera
         stage = pipeline_stage(config.model.num_layers, parallel)
     # Only this rank's pieces are ever allocated (built on meta, sharded and staged there); sharded before the FP8
     # swap, the optimizer and DDP, which must all see this rank's pieces.
+    partition = zero3_partitioner(config, parallel)
     model = build_model(config.model, accel.device, config.training.seed, parallel, config.parallel.sequence_parallel,
-                        stage, zero3_partitioner(config, parallel))
+                        stage, partition)
     apply_habana_kernels(model, config.compat.kernels, accel.device_type)
     fp8 = Fp8Hooks(model, config.fp8, parallel.amax_group, config.logging.log_fp8_stats, config.fp8_autoheal,
                    parallel.tensor_parallel_group)
@@ -60,4 +64,18 @@ def parallelize(config: MegatronConfig, parallel: ParallelState, accel: Accelera
     swiglu = SwiGLUHooks(layers_view, config.model,
                          config.logging.log_swiglu_diagnostics and parallel.is_logging_rank)
     apply_torch_compile(config, model, accel.device)  # --torch-compile: blocks compiled in place, warmed up
+    if config.parallel.deepspeed or stage is not None:
+        _prepare_for_deepspeed(config, model, parallel, zero3=partition is not None)
     return Parallelized(model, fp8, swiglu)
+
+
+def _prepare_for_deepspeed(config: MegatronConfig, model: nn.Module, parallel: ParallelState, zero3: bool) -> None:
+    """For DeepSpeed's engines (ZeRO and the pipeline): under ZeRO-3 each FP8 layer casts its gathered weight per
+    call; the tensor-parallel shards carry DeepSpeed's `model_parallel` tag (its norms count them on every TP rank);
+    with sequence parallelism each micro-batch's gradient of a replicated parameter is summed over the TP group in
+    backward (DeepSpeed moves gradients out of `.grad` before the torch engine's once-per-step sum could run)."""
+    if zero3:
+        fp8_weights_per_call(model)
+    mark_model_parallel_params(model)
+    if config.parallel.sequence_parallel and parallel.tensor_parallel_size > 1:
+        sum_sequence_parallel_grads_in_backward(model, parallel.tensor_parallel_group)

@@ -5,7 +5,7 @@ import importlib.util
 import json
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from bench.common import REPO  # noqa: F401  (the tests' one definition of the repository's path)
 
 TINY = {
     "--num-layers": 2, "--hidden-size": 64, "--num-attention-heads": 4, "--num-key-value-heads": 2,

@@ -1,4 +1,5 @@
-"""What the FP8 tests share: an independent float64 FP8 reference and a tiny stand-in GPT.
+"""What the FP8 tests share: an independent float64 FP8 reference, a linear layer beside its FP8 twin, and a tiny
+stand-in GPT.
 
 The stand-in has the attribute structure of `megatron.model` GPTModel (embedding.word_embeddings,
 decoder.layers[i].{input_layernorm, self_attention.linear_qkv, self_attention.linear_proj,
@@ -7,9 +8,13 @@ pre_mlp_layernorm, mlp.linear_fc1 (w1|w2), mlp.linear_fc2}, decoder.final_layern
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from megatron.fp8.linear import Fp8Linear
 
 # --- independent FP8 reference (float64, from the bit layout, no torch FP8 casts) ------------------------
 
@@ -49,7 +54,39 @@ def reference_quantize(x: torch.Tensor, fmt: str, fp8_max: float | None = None) 
     return torch.where(torch.isnan(x), x, out)
 
 
-# --- tiny stand-in GPT --------------------------------------------------------------------------------------
+# --- a linear layer beside its FP8 twin ------------------------------------------------------------------
+
+
+def linear_pair(recipe, in_features: int, out_features: int, bias: bool = True, cls: type | None = None,
+                seed: int = 0) -> tuple[nn.Linear, nn.Module]:
+    """An `nn.Linear` (seeded) and an FP8 linear (`cls`, default `Fp8Linear`) converted from a copy of it: the same
+    weights, so the pair's outputs and gradients differ by the FP8 recipe alone."""
+    torch.manual_seed(seed)
+    ref = nn.Linear(in_features, out_features, bias=bias)
+    return ref, (cls or Fp8Linear).from_linear(copy.deepcopy(ref), recipe)
+
+
+def fp8_node(y: torch.Tensor):
+    """The autograd node of the FP8 GEMMs that produced `y` (`Fp8Gemms` or the tiled Function): the first such node
+    on the way back from `y` through views and reshapes."""
+    node = y.grad_fn
+    while node is not None and not type(node).__name__.startswith(("Fp8GemmsBackward", "TiledFp8LinearFunction")):
+        node = node.next_functions[0][0]
+    assert node is not None, "no FP8 autograd node behind this tensor"
+    return node
+
+
+def kept_state_and_weight(y: torch.Tensor):
+    """(the layer state, the FP8 weight) that the FP8 node behind `y` keeps for backward (None: cast again there)."""
+    node = fp8_node(y)
+    eager = getattr(node, "eager", None)
+    if eager is not None:  # per-tensor: the saved FP8 operand goes with the cached weight
+        assert (node.saved_tensors[2] is None) == (eager.weight_fp8 is None)
+        return eager.state, eager.weight_fp8
+    return node.state, node.weight_fp8
+
+
+# --- a stand-in GPT with the real model's attribute structure --------------------------------------------
 
 
 class _Attention(nn.Module):

@@ -14,11 +14,12 @@ import torch.nn as nn
 
 from megatron.fp8 import Fp8Linear, Fp8Recipe, fp8_optimizer_step
 from megatron.fp8.layer_state import Fp8LayerState
-from megatron.fp8.per_tensor import Fp8LinearFunction
+from megatron.fp8 import per_tensor
 from megatron.fp8.recipe import Fp8Scaling
 from megatron.fp8.scaling import new_scaling_buffers
 from megatron.fp8.tiled import TiledFp8LinearFunction
 from tests.support.config import REPO
+from tests.support.fp8_reference import fp8_node, kept_state_and_weight
 
 BENEATH_LINEAR = ("layer_state", "per_tensor", "tiled", "traced", "gemm_steps", "stats", "fused", "quantize",
                   "scaling", "backends", "partition")
@@ -29,12 +30,16 @@ def _module_free_run(recipe: Fp8Recipe, weight: torch.Tensor, xs: list[torch.Ten
     state = Fp8LayerState(recipe)
     state.bind(new_scaling_buffers(recipe.amax_history_len, "cpu"))
     weight = weight.detach().clone().requires_grad_(True)
-    function = TiledFp8LinearFunction if recipe.tiles is not None else Fp8LinearFunction
     out = []
     for x in xs:
         x = x.clone().requires_grad_(True)
-        y = function.apply(x, weight, None, state, torch.float32, True)
-        assert not any(isinstance(v, nn.Module) for v in vars(y.grad_fn).values())  # nothing of a module kept
+        if recipe.tiles is not None:
+            y = TiledFp8LinearFunction.apply(x, weight, None, state, torch.float32, True)
+        else:
+            y = per_tensor.forward(state, x, weight, None, torch.float32, True)
+        node = fp8_node(y)  # nothing of a module kept
+        kept = [*vars(node).values(), *vars(getattr(node, "eager", None) or node).values()]
+        assert not any(isinstance(v, nn.Module) for v in kept)
         y.square().sum().backward()
         out += [y.detach(), x.grad, weight.grad.clone()]
         weight.grad = None
@@ -60,7 +65,7 @@ def test_the_autograd_function_on_a_bare_state_equals_the_module(scaling):
     for x in xs:
         x = x.clone().requires_grad_(True)
         y = layer(x)
-        assert y.grad_fn.state is layer.fp8
+        assert kept_state_and_weight(y)[0] is layer.fp8
         y.square().sum().backward()
         want += [y.detach(), x.grad, layer.weight.grad.clone()]
         layer.weight.grad = None

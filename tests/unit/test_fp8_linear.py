@@ -14,13 +14,12 @@ from megatron.fp8.backends import (CudaScaledMmBackend, EmulatedBackend, backend
 from megatron.fp8.formats import format_spec
 from megatron.fp8.quantize import quantize
 from megatron.fp8.stats import sqnr_db
+from tests.support.fp8_reference import kept_state_and_weight, linear_pair
 
 
 def _pair(recipe: Fp8Recipe, cls: type = Fp8Linear, in_f: int = 256, out_f: int = 512,
           bias: bool = True) -> tuple[nn.Linear, Fp8Linear]:
-    torch.manual_seed(0)
-    ref = nn.Linear(in_f, out_f, bias=bias)
-    return ref, cls.from_linear(copy.deepcopy(ref), recipe)
+    return linear_pair(recipe, in_f, out_f, bias, cls)
 
 
 def _run(ref: nn.Linear, fp8: Fp8Linear, x: torch.Tensor, dy: torch.Tensor) -> dict[str, float]:
@@ -214,7 +213,7 @@ def _per_call_run(recipe: Fp8Recipe, per_call: bool, fused: bool, column_scale: 
             x = (torch.randn(64, 256, generator=g) * 3).requires_grad_(True)
             y = layer(x, weight_column_scale=c)
             if per_call:  # nothing FP8 of the weight outlives the forward
-                assert layer.fp8.weight_cache is None and y.grad_fn.weight_fp8 is None
+                assert layer.fp8.weight_cache is None and kept_state_and_weight(y)[1] is None
             (y.float() * torch.linspace(-1, 1, 128)).square().sum().backward()
             out += [y.detach(), x.grad]
         out.append(layer.weight.grad.clone())

@@ -5,7 +5,6 @@ values where nn.Linear returns inf: the loop's skip-on-non-finite check could ne
 """
 from __future__ import annotations
 
-import copy
 import math
 
 import pytest
@@ -17,14 +16,13 @@ from megatron.fp8 import Fp8Linear, Fp8Recipe, fp8_optimizer_step
 from megatron.fp8.scaling import Fp8Role
 from megatron.training.loop import Trainer
 from tests.support.config import tiny_argv
+from tests.support.fp8_reference import linear_pair
 
 RECIPES = [Fp8Recipe(scaling="delayed"), Fp8Recipe(scaling="tensorwise")]
 
 
 def _layer(recipe: Fp8Recipe) -> tuple[nn.Linear, Fp8Linear]:
-    torch.manual_seed(0)
-    ref = nn.Linear(32, 48, bias=False)
-    return ref, Fp8Linear.from_linear(copy.deepcopy(ref), recipe)
+    return linear_pair(recipe, 32, 48, bias=False)
 
 
 def _data() -> tuple[torch.Tensor, torch.Tensor]:
