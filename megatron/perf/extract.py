@@ -367,6 +367,8 @@ def _eager_fp8_layers(kernels: list[Kernel]) -> Iterator[None]:
 
     def recorded(original: Any) -> Any:
         def backward(ctx: Any, *grads: Any) -> Any:
+            if torch.compiler.is_compiling():  # the per-tensor Function traced into a block: the graph's kernels
+                return original.__func__(ctx, *grads)
             with recording("backward"):
                 return original.__func__(ctx, *grads)
         return staticmethod(backward)
