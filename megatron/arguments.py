@@ -124,71 +124,10 @@ def _not_supported_yet(a: argparse.Namespace) -> None:
                          "On CPU, FP16 compute is also about 1000x slower than BF16.")
 
 
-def _main_params_checks(a: argparse.Namespace, stage: Optional[int]) -> None:
-    """--params-dtype bf16 (Megatron's layout): where it is implemented, and what it needs (`stage`: the ZeRO stage,
-    None where neither --zero-stage nor the DeepSpeed JSON gives one)."""
-    if a.params_dtype == "fp32":
-        return
-    unsupported = (
-        (not a.bf16, "needs --bf16 (BF16 compute; the weights themselves become BF16)"),
-        (a.pipeline_model_parallel_size > 1, "is not supported yet with --pipeline-model-parallel-size > 1"),
-        (a.deepspeed and stage == 0,
-         "under --deepspeed needs --zero-stage 1, 2 or 3 (got 0): DeepSpeed 0.19 accumulates BF16 weights' "
-         "gradients in BF16 without ZeRO (FP32 accumulation is what this layout keeps); without --deepspeed the "
-         "torch engine implements it at any data-parallel size"),
-        (not a.deepspeed and a.sequence_parallel and a.tensor_model_parallel_size > 1,
-         "is not supported yet with --sequence-parallel under the torch engine (use --deepspeed --zero-stage 1)"),
-    )
-    for bad, why in unsupported:
-        if bad:
-            raise ValueError(f"--params-dtype bf16 {why}")
-
-
 def _parallel_size(flag: str, value: int) -> int:
     if value < 1:
         raise ValueError(f"{flag} must be >= 1, got {value}")
     return value
-
-
-def _pipeline_parallel_checks(a: argparse.Namespace, model: ModelConfig, zero_stage: Optional[int]) -> None:
-    pp = _parallel_size("--pipeline-model-parallel-size", a.pipeline_model_parallel_size)
-    if pp == 1:
-        return
-    unsupported = (
-        (not a.deepspeed, "needs --deepspeed (the stages run under DeepSpeed's PipelineEngine)"),
-        (zero_stage not in (None, 0, 1), f"needs --zero-stage 0 or 1 (got {zero_stage}): DeepSpeed's pipeline "
-                                         "engine refuses ZeRO 2/3"),
-        (not model.untie_embeddings_and_output_weights,
-         "needs --untie-embeddings-and-output-weights: a tied embedding would live on the first and the last stage"),
-        (a.reset_position_ids or a.reset_attention_mask,
-         "with --reset-position-ids / --reset-attention-mask is not supported yet (stages exchange hidden states only)"),
-        (model.recompute_granularity is RecomputeGranularity.FULL and model.recompute_method != "uniform",
-         "with --recompute-granularity full needs --recompute-method uniform (DeepSpeed checkpoints every "
-         "--recompute-num-layers layers of a stage)"),
-        (model.num_layers % pp != 0, f"needs --num-layers ({model.num_layers}) divisible by it: each stage gets "
-                                     "the same number of transformer layers"),
-    )
-    for bad, why in unsupported:
-        if bad:
-            raise ValueError(f"--pipeline-model-parallel-size {pp} {why}")
-
-
-def _tensor_parallel_checks(a: argparse.Namespace, model: ModelConfig) -> None:
-    tp = _parallel_size("--tensor-model-parallel-size", a.tensor_model_parallel_size)
-    if tp == 1:
-        return
-    for flag, value in (("--num-attention-heads", model.num_attention_heads),
-                        ("--num-key-value-heads", model.num_key_value_heads),
-                        ("--ffn-hidden-size", model.ffn_hidden_size)):
-        if value % tp:
-            raise ValueError(f"{flag} {value} must be divisible by --tensor-model-parallel-size {tp}: "
-                             "each tensor-parallel rank holds whole heads / FFN channels")
-    if a.sequence_parallel and model.seq_length % tp:
-        raise ValueError(f"--sequence-parallel needs --seq-length ({model.seq_length}) divisible by "
-                         f"--tensor-model-parallel-size {tp}")
-    if model.add_bias_linear:
-        raise ValueError("--tensor-model-parallel-size > 1 needs --disable-bias-linear: biases of row-parallel "
-                         "linears are not supported yet")
 
 
 def _model_config(a: argparse.Namespace, padded_vocab: int) -> ModelConfig:
@@ -496,10 +435,7 @@ def _resolve(a: argparse.Namespace, world_size: Optional[int], recipe: list) -> 
     files = read_files(a)
     if files.vocab_note:
         compat = dataclasses.replace(compat, notes=compat.notes + (files.vocab_note,))
-    _main_params_checks(a, files.zero_stage)
     model = _model_config(a, files.padded_vocab_size)
-    _tensor_parallel_checks(a, model)
-    _pipeline_parallel_checks(a, model, files.zero_stage)
     config = MegatronConfig(
         model=model, optimizer=optimizer, scheduler=scheduler,
         training=TrainingConfig(**copy_flags(TrainingConfig, a), global_batch_size=gbs, data_parallel_size=dp,

@@ -417,9 +417,79 @@ class MegatronConfig:
     fp8_autoheal: Fp8AutohealConfig = Fp8AutohealConfig()
     compat: CompatConfig = CompatConfig()  # upstream flags / env recipe (megatron/compat.py)
 
+    def __post_init__(self) -> None:
+        """The checks across the parts: the parallel layout against the model, the engine and the precision."""
+        _check_main_params(self)
+        _check_tensor_parallel(self.parallel, self.model)
+        _check_pipeline_parallel(self)
+
     def to_dict(self) -> dict:
         """Plain JSON-able dict (enums as their values); stored in checkpoints instead of a Namespace."""
         return _plain(dataclasses.asdict(self))
+
+
+def _raise_first(subject: str, unsupported: Tuple[Tuple[bool, str], ...]) -> None:
+    for bad, why in unsupported:
+        if bad:
+            raise ValueError(f"{subject} {why}")
+
+
+def _check_main_params(config: "MegatronConfig") -> None:
+    """--params-dtype bf16 (Megatron's layout): where it is implemented, and what it needs (the ZeRO stage is None
+    where neither --zero-stage nor the DeepSpeed JSON gives one)."""
+    training, parallel = config.training, config.parallel
+    if training.params_dtype == "fp32":
+        return
+    _raise_first("--params-dtype bf16", (
+        (not training.bf16, "needs --bf16 (BF16 compute; the weights themselves become BF16)"),
+        (parallel.pipeline_model_parallel_size > 1, "is not supported yet with --pipeline-model-parallel-size > 1"),
+        (parallel.deepspeed and parallel.zero_stage == 0,
+         "under --deepspeed needs --zero-stage 1, 2 or 3 (got 0): DeepSpeed 0.19 accumulates BF16 weights' "
+         "gradients in BF16 without ZeRO (FP32 accumulation is what this layout keeps); without --deepspeed the "
+         "torch engine implements it at any data-parallel size"),
+        (not parallel.deepspeed and parallel.sequence_parallel,
+         "is not supported yet with --sequence-parallel under the torch engine (use --deepspeed --zero-stage 1)"),
+    ))
+
+
+def _check_tensor_parallel(parallel: ParallelConfig, model: ModelConfig) -> None:
+    tp = parallel.tensor_model_parallel_size
+    if tp == 1:
+        return
+    for flag_name, value in (("--num-attention-heads", model.num_attention_heads),
+                             ("--num-key-value-heads", model.num_key_value_heads),
+                             ("--ffn-hidden-size", model.ffn_hidden_size)):
+        if value % tp:
+            raise ValueError(f"{flag_name} {value} must be divisible by --tensor-model-parallel-size {tp}: "
+                             "each tensor-parallel rank holds whole heads / FFN channels")
+    if parallel.sequence_parallel and model.seq_length % tp:
+        raise ValueError(f"--sequence-parallel needs --seq-length ({model.seq_length}) divisible by "
+                         f"--tensor-model-parallel-size {tp}")
+    if model.add_bias_linear:
+        raise ValueError("--tensor-model-parallel-size > 1 needs --disable-bias-linear: biases of row-parallel "
+                         "linears are not supported yet")
+
+
+def _check_pipeline_parallel(config: "MegatronConfig") -> None:
+    parallel, model, data = config.parallel, config.model, config.data
+    pp, zero_stage = parallel.pipeline_model_parallel_size, parallel.zero_stage
+    if pp == 1:
+        return
+    _raise_first(f"--pipeline-model-parallel-size {pp}", (
+        (not parallel.deepspeed, "needs --deepspeed (the stages run under DeepSpeed's PipelineEngine)"),
+        (zero_stage not in (None, 0, 1), f"needs --zero-stage 0 or 1 (got {zero_stage}): DeepSpeed's pipeline "
+                                         "engine refuses ZeRO 2/3"),
+        (not model.untie_embeddings_and_output_weights,
+         "needs --untie-embeddings-and-output-weights: a tied embedding would live on the first and the last stage"),
+        (data.reset_position_ids or data.reset_attention_mask,
+         "with --reset-position-ids / --reset-attention-mask is not supported yet (stages exchange hidden states "
+         "only)"),
+        (model.recompute_granularity is RecomputeGranularity.FULL and model.recompute_method != "uniform",
+         "with --recompute-granularity full needs --recompute-method uniform (DeepSpeed checkpoints every "
+         "--recompute-num-layers layers of a stage)"),
+        (model.num_layers % pp != 0, f"needs --num-layers ({model.num_layers}) divisible by it: each stage gets "
+                                     "the same number of transformer layers"),
+    ))
 
 
 def _plain(obj: Any) -> Any:
