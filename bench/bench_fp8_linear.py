@@ -91,7 +91,7 @@ def bench_shape(name: str, in_f: int, out_f: int, tokens: int, iters: int, warmu
         for on in fused_modes:
             layer = Fp8Linear.from_linear(nn.Linear(in_f, out_f, bias=False, device=device, dtype=torch.bfloat16),
                                           Fp8Recipe(scaling=recipe, power_of_two_scales=pow2))
-            layer.fp8.fused_quantization = on
+            layer.fp8.configure(fused_quantization=on)
             variants[f"{label} fused" if on else label] = layer
             fp8_layers.append(layer)
     if use_torchao:

@@ -25,7 +25,7 @@ import torch.nn as nn
 from megatron.fp8 import stats as fp8_stats
 from megatron.fp8.linear import Fp8Linear
 from megatron.fp8.recipe import Fp8Recipe
-from megatron.fp8.scaling import ROLE_NAMES, Fp8Role
+from megatron.fp8.scaling import ROLE_NAMES
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ def set_fused_quantization(model: nn.Module, enabled: bool) -> int:
     variants, a test's reference and its subject) each keep their own."""
     layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
     for layer in layers:
-        layer.fp8.fused_quantization = bool(enabled)
+        layer.fp8.configure(fused_quantization=enabled)
     return len(layers)
 
 
@@ -105,7 +105,7 @@ def set_fp8_tracing(model: nn.Module, enabled: bool) -> int:
     a block, so a change retraces it."""
     layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
     for layer in layers:
-        layer.fp8.trace_in_compiled_graph = bool(enabled)
+        layer.fp8.configure(trace_in_compiled_graph=enabled)
     return len(layers)
 
 
@@ -113,10 +113,7 @@ def enable_fp8_stats(model: nn.Module, enabled: bool = True) -> None:
     """Turn FP8 quantization statistics (stats.py) on or off for every `Fp8Linear` in `model`."""
     for module in model.modules():
         if isinstance(module, Fp8Linear):
-            state = module.fp8
-            state.stats_enabled = enabled
-            if enabled and (state.stats is None or state.stats.device != state.scale.device):
-                state.stats = fp8_stats.Fp8Stats(len(Fp8Role), state.scale.device)
+            module.fp8.configure(stats_enabled=enabled)
 
 
 def collect_fp8_stats(model: nn.Module, reset: bool = True) -> dict[str, float]:

@@ -3,11 +3,12 @@
 `Fp8LayerState` is everything an FP8 linear's GEMMs need besides their tensors: the recipe; the per-role scaling
 buffers (`scaling.py`: amax history, scale, validity, the step's running amax), which the owning `Fp8Linear`
 registers as its non-persistent buffers and binds here (`bind`, again after `.to()`); what is cached per
-optimizer step (the FP8 weight, W's column maxima); which delayed scales are known to be valid; the switches
-that model-level functions set (fused quantization, tracing, statistics, per-call weights under ZeRO-3); and the
-counters tests and benchmarks read. The autograd functions (`per_tensor.py`, `tiled.py`, `traced.py`) receive a
-state and tensors, never the module; `Fp8Linear` (`linear.py`) is an `nn.Linear` that owns a state and
-dispatches to them.
+optimizer step (the FP8 weight, W's column maxima); which delayed scales are known to be valid; the settings
+that model-level functions and the FP8 controller change (`Fp8LayerSettings`, frozen, through `configure` only:
+fused quantization, tracing, statistics, per-call weights under ZeRO-3, extra margins, current-scaled roles, high
+precision); and the counters tests and benchmarks read. The autograd functions (`per_tensor.py`, with its
+traced caller `traced.py`, and `tiled.py`) receive a state and tensors, never the module; `Fp8Linear`
+(`linear.py`) is an `nn.Linear` that owns a state and dispatches to them.
 
 The weight is passed in at each call, not held: under ZeRO-3 it exists only while gathered, and the per-step
 caches are keyed on its version counter and storage (`weight_storage_key`).
@@ -81,6 +82,37 @@ class QuantizedWeight:
         return self.transposed
 
 
+@dataclasses.dataclass(frozen=True)
+class Fp8LayerSettings:
+    """What model-level functions and the FP8 controller set on one layer beside its recipe. Frozen: changed only
+    by `Fp8LayerState.configure` (a new value, `dataclasses.replace`), so a compiled graph that read a field is
+    retraced when it changes."""
+
+    # Quantize through the compiled functions of fused.py (bitwise the eager reference, fewer passes);
+    # `set_fused_quantization` sets it for a model from --torch-compile. Off: the eager reference.
+    fused_quantization: bool = False
+    # Inside a compiled transformer block: traced into its graph (traced.py), or a graph break running the eager
+    # path (`set_fp8_tracing`; the fallback when tracing fails, and a benchmark's comparison).
+    trace_in_compiled_graph: bool = True
+    # Per-call FP8 weight (set under ZeRO-3, where the weight exists only while gathered): no cache across
+    # forwards, and none kept from forward to backward, which requantizes.
+    weight_per_call: bool = False
+    stats_enabled: bool = False  # quantization statistics (stats.py), on in logging iterations
+    # Per role: powers of two of margin on top of the recipe's, raised by the FP8 controller
+    # (megatron/training/fp8_autoheal.py) for a tensor that keeps clipping; checkpointed with the scaling state.
+    extra_margin: tuple[int, int, int] = (0, 0, 0)
+    # Per role: cast with its own current amax whatever the recipe (the controller's next step after the margin).
+    current_roles: tuple[bool, bool, bool] = (False, False, False)
+    # The controller's last resort: the layer runs nn.Linear's GEMM in the compute dtype, no FP8 cast.
+    high_precision: bool = False
+
+
+def _setting(name: str) -> property:
+    """A read-only view of one field of `Fp8LayerState.settings`: one spelling to read, `configure` to change."""
+    return property(lambda state: getattr(state.settings, name),
+                    doc=f"`Fp8LayerSettings.{name}` of this layer (read-only; `Fp8LayerState.configure` changes it)")
+
+
 class Fp8LayerState:
     """The FP8 state of one linear layer (module docstring)."""
 
@@ -89,16 +121,7 @@ class Fp8LayerState:
         # Process group over which amaxes are max-reduced: every rank holding a piece (TP) or a replica (DP)
         # of the same logical tensor. None = the default group when torch.distributed is initialized.
         self.amax_group = amax_group
-        self.stats_enabled = False
-        # Quantize through the compiled functions of fused.py (bitwise the eager reference, fewer passes);
-        # `set_fused_quantization` sets it for a model from --torch-compile. Off: the eager reference.
-        self.fused_quantization = False
-        # Inside a compiled transformer block: traced into its graph (traced.py), or a graph break running the
-        # eager path (`set_fp8_tracing`; the fallback when tracing fails, and a benchmark's comparison).
-        self.trace_in_compiled_graph = True
-        # Per-call FP8 weight (set under ZeRO-3, where the weight exists only while gathered): no cache across
-        # forwards, and none kept from forward to backward, which requantizes.
-        self.weight_per_call = False
+        self.settings = Fp8LayerSettings()  # the switches and the controller's overrides (`configure`)
         self.num_updates = 0  # optimizer steps seen by the delayed-scaling update
         self.weight_quantizations = 0  # how often the weight was cast (once per step when cached)
         self.column_maxima_passes = 0  # how often W's column maxima were computed (once per step when cached)
@@ -117,16 +140,39 @@ class Fp8LayerState:
         self.known_valid: tuple[bool, bool, bool] = (False, False, False)
         self.validity_read_at: int | None = None  # num_updates when the buffer was last read
         self.stats: fp8_stats.Fp8Stats | None = None  # made when statistics are first switched on
-        # Per role: powers of two of margin on top of the recipe's, raised by the FP8 controller
-        # (megatron/training/fp8_autoheal.py) for a tensor that keeps clipping; checkpointed with the scaling state.
-        self.extra_margin: list[int] = [0, 0, 0]
-        # Per role: cast with its own current amax whatever the recipe (the controller's next step after the
-        # margin); a tuple, replaced on change, so a compiled graph that read it is retraced.
-        self.current_roles: tuple[bool, bool, bool] = (False, False, False)
-        # The controller's last resort: the layer runs nn.Linear's GEMM in the compute dtype, no FP8 cast.
-        self.high_precision = False
         self._rows: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = None  # `role_rows`
         self.buffers: dict[str, torch.Tensor] = {}
+
+    fused_quantization = _setting("fused_quantization")
+    trace_in_compiled_graph = _setting("trace_in_compiled_graph")
+    weight_per_call = _setting("weight_per_call")
+    stats_enabled = _setting("stats_enabled")
+    extra_margin = _setting("extra_margin")
+    current_roles = _setting("current_roles")
+    high_precision = _setting("high_precision")
+
+    def configure(self, **changes: Any) -> Fp8LayerSettings:
+        """Change settings (`Fp8LayerSettings` fields) of this layer; returns the new settings. A cached FP8 weight
+        is dropped when how the weight is cast changes (per-call weights, a role's scaling); statistics switched on
+        get their accumulator on the scales' device."""
+        old = self.settings
+        new = dataclasses.replace(old, **_normalized(changes))
+        self.settings = new
+        if (new.weight_per_call, new.current_roles) != (old.weight_per_call, old.current_roles):
+            self.forget_weights()
+        if new.stats_enabled and (self.stats is None or self.stats.device != self.scale.device):
+            self.stats = fp8_stats.Fp8Stats(len(Fp8Role), self.scale.device)
+        return new
+
+    def cache_weight(self, made: Any) -> None:
+        """Keep `made` (a `QuantizedWeight` or `tiled.TiledWeight`) as this step's FP8 weight, unless the weight
+        is made per call (ZeRO-3)."""
+        if not self.weight_per_call:
+            self.weight_cache = made
+
+    def count_update(self) -> None:
+        """One scaling update (an optimizer step) seen."""
+        self.num_updates += 1
 
     # --- buffers, formats, backend ------------------------------------------------------------------------------
 
@@ -323,8 +369,7 @@ class Fp8LayerState:
             self.record_stats(Fp8Role.WEIGHT, weight, q, scale, spec)
         self.weight_quantizations += 1
         made = QuantizedWeight(key, q, scale, amax, values=values)
-        if not self.weight_per_call:
-            self.weight_cache = made
+        self.cache_weight(made)
         return made
 
     def cast_weight(self, weight: torch.Tensor, backend: Backend, spec: Fp8FormatSpec, scale: torch.Tensor,
@@ -431,3 +476,17 @@ class Fp8LayerState:
         self.weight_cache = None
         self.step_weight = None
         self.column_maxima_cache = self.step_column_maxima = None
+
+
+def _normalized(changes: dict[str, Any]) -> dict[str, Any]:
+    """Settings as their declared types: tuples for the per-role fields (read back from JSON as lists), bools."""
+    out = {}
+    for name, value in changes.items():
+        if name == "extra_margin":
+            value = tuple(int(v) for v in value)
+        elif name == "current_roles":
+            value = tuple(bool(v) for v in value)
+        else:
+            value = bool(value)
+        out[name] = value
+    return out

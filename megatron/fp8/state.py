@@ -107,8 +107,8 @@ def load_fp8_state_dict(model: nn.Module, recipe: Fp8Recipe, state: dict[str, An
             m.fp8_scale_valid[r].copy_(entry[role]["scale_valid"])
         m.fp8_step_amax.zero_()
         m.fp8.num_updates = int(entry["num_updates"])
-        m.fp8.extra_margin = [int(e) for e in entry.get("extra_margin", (0, 0, 0))]
-        m.fp8.current_roles = tuple(bool(c) for c in entry.get("current_roles", (False, False, False)))
-        m.fp8.high_precision = bool(entry.get("high_precision", False))
+        m.fp8.configure(extra_margin=entry.get("extra_margin", (0, 0, 0)),
+                        current_roles=entry.get("current_roles", (False, False, False)),
+                        high_precision=entry.get("high_precision", False))
         m.fp8.forget_weights()
         m.fp8.forget_scale_validity()

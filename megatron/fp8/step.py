@@ -106,4 +106,4 @@ def _delayed_update_batch(modules: list[Fp8Linear], step_amax: torch.Tensor) -> 
     torch._foreach_add_([m.fp8_nonfinite_steps for m in modules], list(nonfinite.to(torch.int64).unbind(0)))
     torch._foreach_zero_([m.fp8_step_amax for m in modules])
     for m in modules:
-        m.fp8.num_updates += 1
+        m.fp8.count_update()

@@ -97,9 +97,7 @@ def tiled_weight(state: Fp8LayerState, weight: torch.Tensor, backend: "Backend",
             cache = TiledWeight(key, weight, quantize_tile_role(state, Fp8Role.WEIGHT, weight, w_tile, spec,
                                                                 training=training))
             state.weight_quantizations += 1
-            if state.weight_per_call:
-                return cache
-            state.weight_cache = cache
+            state.cache_weight(cache)
         elif training:  # the amax of every training use, as `note_weight_use` does per tensor
             state.record_amax(Fp8Role.WEIGHT, cache.fprop.amax.amax())
     return cache

@@ -221,7 +221,7 @@ def warm_up(model: nn.Module, run_micro_batch) -> float:
     # statistics reach the first log line.
     stats = {name: m.fp8.stats_enabled for name, m in fp8_layers.items()}
     for m in fp8_layers.values():
-        m.fp8.stats_enabled = False
+        m.fp8.configure(stats_enabled=False)
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     start = time.perf_counter()
     try:
@@ -235,7 +235,7 @@ def warm_up(model: nn.Module, run_micro_batch) -> float:
                     b.copy_(buffers[name])
         for name, m in fp8_layers.items():
             m.fp8.weight_quantizations = counters[name]
-            m.fp8.stats_enabled = stats[name]
+            m.fp8.configure(stats_enabled=stats[name])
             m.fp8.forget_weights()
             m.fp8.forget_scale_validity()
         for p in model.parameters():

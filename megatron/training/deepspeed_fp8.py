@@ -33,7 +33,7 @@ def fp8_weights_per_call(model: nn.Module) -> int:
 
     layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
     for layer in layers:
-        layer.fp8.weight_per_call = True
+        layer.fp8.configure(weight_per_call=True)
         layer.fp8.forget_weights()
     return len(layers)
 

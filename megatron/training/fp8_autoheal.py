@@ -192,13 +192,10 @@ class Fp8Controller:
     def apply(self, name: str, layer: Fp8Linear) -> None:
         """Make one layer (and its MLP's smoothing, for an fc2) what its tensors' levels say."""
         climbed = [self.rungs(name, layer, r)[:self.level[name][r]] for r in range(len(ROLE_NAMES))]
-        state = layer.fp8
-        state.extra_margin = [c.count("margin") for c in climbed]
-        current = tuple("current" in c for c in climbed)
-        if current != state.current_roles:
-            state.current_roles = current
-            layer.fp8.forget_weights()  # the weight's cast follows its role's scaling
-        state.high_precision = any("bf16" in c for c in climbed)
+        # A changed role's scaling drops the cached FP8 weight (`configure`): the weight's cast follows it.
+        layer.fp8.configure(extra_margin=[c.count("margin") for c in climbed],
+                            current_roles=["current" in c for c in climbed],
+                            high_precision=any("bf16" in c for c in climbed))
         mlp = self.mlps.get(name)
         if mlp is not None:
             self._set_smoothing(mlp, "smooth" in climbed[Fp8Role.INPUT])

@@ -36,24 +36,24 @@ def test_a_tensor_that_keeps_clipping_gets_one_more_power_of_two_of_margin_up_to
                                                         actions=("margin",)))
     assert controller.step(10, _stats(l0_input=0.01)) == []  # one log iteration over the threshold: patience 2
     assert controller.step(20, _stats(l0_input=0.01, l1_grad_output=5e-4)) != []
-    assert model[0].fp8.extra_margin == [1, 0, 0] and model[1].fp8.extra_margin == [0, 0, 0]
+    assert model[0].fp8.extra_margin == (1, 0, 0) and model[1].fp8.extra_margin == (0, 0, 0)
     assert "fp8 autoheal: iteration 20: 0 input clipped 1.00e-02 of its values (> 1.0e-03) at 2 log iterations in " \
            "a row: extra margin 0 -> 1 (scale / 2)" in caplog.text
     assert controller.step(30, _stats()) == []  # a clean iteration resets the streak
     for iteration in (40, 50, 60, 70, 80, 90):
         controller.step(iteration, _stats(l0_input=0.01))
-    assert model[0].fp8.extra_margin == [2, 0, 0] and controller.actions == 2  # capped at max_margin
+    assert model[0].fp8.extra_margin == (2, 0, 0) and controller.actions == 2  # capped at max_margin
 
 
 def test_the_undo_lowers_a_margin_after_clean_log_iterations():
     model = _model()
     controller = Fp8Controller(model, Fp8AutohealConfig(enabled=True, patience=1, undo_after=3))
     controller.step(1, _stats(l1_weight=0.5))
-    assert model[1].fp8.extra_margin == [0, 1, 0]
+    assert model[1].fp8.extra_margin == (0, 1, 0)
     for iteration in (2, 3):
         assert controller.step(iteration, _stats()) == []
     assert "clean at 3 log iterations in a row: extra margin 1 -> 0" in controller.step(4, _stats())[0]
-    assert model[1].fp8.extra_margin == [0, 0, 0]
+    assert model[1].fp8.extra_margin == (0, 0, 0)
 
 
 def test_an_extra_margin_divides_the_scale_by_its_power_of_two_exactly():
@@ -62,7 +62,7 @@ def test_an_extra_margin_divides_the_scale_by_its_power_of_two_exactly():
     a = nn.Sequential(Fp8Linear(16, 8, recipe=Fp8Recipe()))
     b = nn.Sequential(Fp8Linear(16, 8, recipe=Fp8Recipe()))
     b.load_state_dict(a.state_dict())
-    b[0].fp8.extra_margin = [1, 2, 3]
+    b[0].fp8.configure(extra_margin=[1, 2, 3])
     x = torch.randn(4, 16) * 7
     for model in (a, b):
         model(x).square().sum().backward()  # step 0: per-call current scales (no history yet)
@@ -74,12 +74,12 @@ def test_an_extra_margin_divides_the_scale_by_its_power_of_two_exactly():
 def test_the_margins_and_counters_are_checkpointed():
     model = _model()
     recipe = Fp8Recipe()
-    model[1].fp8.extra_margin = [0, 2, 1]
+    model[1].fp8.configure(extra_margin=[0, 2, 1])
     state = fp8_state_dict(model, recipe)
     assert state["layers"]["1"]["extra_margin"] == [0, 2, 1] and "extra_margin" not in state["layers"]["0"]
     other = _model()
     load_fp8_state_dict(other, recipe, state)
-    assert other[1].fp8.extra_margin == [0, 2, 1] and other[0].fp8.extra_margin == [0, 0, 0]
+    assert other[1].fp8.extra_margin == (0, 2, 1) and other[0].fp8.extra_margin == (0, 0, 0)
     controller = Fp8Controller(model, Fp8AutohealConfig(enabled=True, patience=3))
     controller.step(1, _stats(l0_grad_output=0.1))
     restored = Fp8Controller(other, Fp8AutohealConfig(enabled=True, patience=3))
@@ -182,7 +182,7 @@ def test_the_ladder_climbs_margin_current_smooth_bf16_one_rung_per_patience(capl
     assert controller.rungs("linear_fc1", mlp.linear_fc1, 0) == ["margin", "current", "bf16"]  # fc1: no smoothing
     clip = {"fp8/linear_fc2/input/clipped_frac": 0.01}
     controller.step(1, clip)
-    assert fc2.fp8.extra_margin == [1, 0, 0] and fc2.fp8.current_roles == (False, False, False)
+    assert fc2.fp8.extra_margin == (1, 0, 0) and fc2.fp8.current_roles == (False, False, False)
     controller.step(2, clip)
     assert fc2.fp8.current_roles == (True, False, False) and mlp.smooth_swiglu is None
     # Current-scaled, the tensor cannot clip: what counts now is its flushed fraction (and inf/NaN).
@@ -223,7 +223,7 @@ def test_the_undo_steps_down_the_ladder_one_rung_at_a_time():
     assert "clean at 1 log iterations in a row: Smooth-SwiGLU channel scaling off for (model)" in lines[0]
     assert not mlp.smooth_swiglu.enabled and fc2.fp8.current_roles[0]
     assert "back to delayed scaling" in controller.step(5, {})[0] and not fc2.fp8.current_roles[0]
-    assert "extra margin 1 -> 0" in controller.step(6, {})[0] and fc2.fp8.extra_margin == [0, 0, 0]
+    assert "extra margin 1 -> 0" in controller.step(6, {})[0] and fc2.fp8.extra_margin == (0, 0, 0)
 
 
 def test_a_current_scaled_role_casts_as_the_tensorwise_recipe_bit_for_bit():
@@ -236,7 +236,7 @@ def test_a_current_scaled_role_casts_as_the_tensorwise_recipe_bit_for_bit():
     x = torch.randn(8, 32, dtype=torch.float64).float() * 3
     for step in range(3):  # history built in step 0, used from step 1 (where the switch matters)
         if step == 1:
-            delayed.fp8.current_roles = (True, True, True)
+            delayed.fp8.configure(current_roles=(True, True, True))
         outs = []
         for layer in (delayed, tensorwise):
             xi = (x * (1 + step)).requires_grad_(True)  # a growing amax: the history's scale would clip
@@ -253,7 +253,7 @@ def test_a_current_scaled_role_casts_as_the_tensorwise_recipe_bit_for_bit():
 def test_a_high_precision_layer_is_nn_linear_exactly():
     torch.manual_seed(2)
     layer = Fp8Linear(16, 8, bias=True, recipe=Fp8Recipe())
-    layer.fp8.high_precision = True
+    layer.fp8.configure(high_precision=True)
     x = torch.randn(4, 16)
     ref = torch.nn.functional.linear(x, layer.weight, layer.bias)
     assert torch.equal(layer(x), ref)
@@ -291,7 +291,7 @@ def test_levels_are_checkpointed_and_applied_on_load():
     restored.load_state_dict(heal_state)
     assert restored.level == controller.level and other.smooth_swiglu.enabled
     assert other.linear_fc1.fp8.current_roles == (False, False, True)
-    assert other.linear_fc1.fp8.extra_margin == [0, 0, 1]
+    assert other.linear_fc1.fp8.extra_margin == (0, 0, 1)
 
 
 @pytest.mark.parametrize("switches, needle", [

@@ -99,8 +99,7 @@ def test_gemm_epilogue_bitwise() -> None:
 def _linear_run(scaling: str, stats: bool, fused_quantization: bool) -> list[torch.Tensor]:
     torch.manual_seed(0)
     lin = Fp8Linear(96, 64, bias=False, recipe=Fp8Recipe(scaling=scaling))
-    lin.fp8.stats_enabled = stats
-    lin.fp8.fused_quantization = fused_quantization
+    lin.fp8.configure(stats_enabled=stats, fused_quantization=fused_quantization)
     x = _sample(torch.float32).requires_grad_(True)
     out = []
     for _ in range(3):  # the first step uses current amaxes, later ones the delayed scales

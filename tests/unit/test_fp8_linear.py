@@ -203,7 +203,7 @@ def _per_call_run(recipe: Fp8Recipe, per_call: bool, fused: bool, column_scale: 
     """Two optimizer steps of two micro-batches; outputs, input and weight gradients of every micro-batch."""
     torch.manual_seed(0)
     layer = Fp8Linear(256, 128, bias=False, recipe=recipe)
-    layer.fp8.weight_per_call, layer.fp8.fused_quantization = per_call, fused
+    layer.fp8.configure(weight_per_call=per_call, fused_quantization=fused)
     opt = torch.optim.SGD(layer.parameters(), lr=0.5)
     g = torch.Generator().manual_seed(3)
     c = torch.rand(256, generator=g) + 0.5 if column_scale else None

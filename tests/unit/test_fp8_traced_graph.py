@@ -102,11 +102,11 @@ def test_column_maxima_are_computed_once_per_optimizer_step():
         with torch.no_grad():
             layer.weight.add_(0.01)
         fp8_optimizer_step(module)
-    layer.fp8.weight_per_call = True
+    layer.fp8.configure(weight_per_call=True)
     module(x).sum().backward()
     module(x, 1).sum().backward()
     assert layer.fp8.column_maxima_passes == 2 + 2
-    layer.fp8.weight_per_call = False
+    layer.fp8.configure(weight_per_call=False)
     set_fused_quantization(module, False)
     fp8_optimizer_step(module)
     module(x).sum().backward()

@@ -62,7 +62,7 @@ def test_tiny_fp8_gpt_trains_on_gpu():
 def _grads_of(per_call: bool, fused: bool) -> list[torch.Tensor]:
     torch.manual_seed(0)
     layer = Fp8Linear(256, 512, bias=False, recipe=Fp8Recipe(backend=Fp8Backend.SCALED_MM), device="cuda")
-    layer.fp8.weight_per_call, layer.fp8.fused_quantization = per_call, fused
+    layer.fp8.configure(weight_per_call=per_call, fused_quantization=fused)
     x = torch.randn(4, 64, 256, device="cuda", requires_grad=True)
     with torch.autocast("cuda", dtype=torch.bfloat16):
         y = layer(x)
