@@ -26,6 +26,10 @@ the amax is still accumulated so statistics and checkpoints look the same.
 A non-finite step amax (an inf or NaN somewhere in the tensor) is counted in `fp8_nonfinite_steps` and
 recorded in the history as 0 (no information), so it neither poisons `max` over the history nor changes the
 scale: no scale can represent inf, and the training loop will see the NaN/inf in the loss and skip the step.
+
+Every write of these buffers is a function of this file: `record_step_amax` between optimizer steps,
+`write_delayed_updates` and `close_current_step` at a step's end (`step.py`), `load_role` from a checkpoint
+(`state.py`). Each takes the buffers as the dict `new_scaling_buffers` made (the module's own buffer dict).
 """
 from __future__ import annotations
 
@@ -107,3 +111,38 @@ def delayed_update(
     new_scale = compute_scale(amax, fp8_max, recipe.margin, recipe.power_of_two_scales, previous=scale)
     valid = scale_valid | (history > 0).any(dim=-1)
     return history, new_scale, valid, ~finite
+
+
+@torch.no_grad()
+def write_delayed_updates(buffers: list[dict[str, torch.Tensor]], history: torch.Tensor, scale: torch.Tensor,
+                          valid: torch.Tensor, nonfinite: torch.Tensor) -> None:
+    """`delayed_update`'s results for many layers at once (row i for `buffers[i]`), written with foreach copies; the
+    non-finite roles counted, the step's running amaxes cleared."""
+    def each(name: str) -> list[torch.Tensor]:
+        return [b[name] for b in buffers]
+
+    torch._foreach_copy_(each("fp8_amax_history"), list(history.unbind(0)))
+    torch._foreach_copy_(each("fp8_scale"), list(scale.unbind(0)))
+    torch._foreach_copy_(each("fp8_scale_valid"), list(valid.unbind(0)))
+    torch._foreach_copy_(each("fp8_step_nonfinite"), list(nonfinite.unbind(0)))
+    torch._foreach_add_(each("fp8_nonfinite_steps"), list(nonfinite.to(torch.int64).unbind(0)))
+    torch._foreach_zero_(each("fp8_step_amax"))
+
+
+@torch.no_grad()
+def close_current_step(buffers: dict[str, torch.Tensor]) -> None:
+    """A step's end under current scaling (no history): count the roles whose step amax was not finite, as delayed
+    scaling does, and clear the running amaxes."""
+    buffers["fp8_step_nonfinite"].copy_(~torch.isfinite(buffers["fp8_step_amax"]))
+    buffers["fp8_nonfinite_steps"] += buffers["fp8_step_nonfinite"].to(torch.int64)
+    buffers["fp8_step_amax"].zero_()
+
+
+@torch.no_grad()
+def load_role(buffers: dict[str, torch.Tensor], role: int, history: torch.Tensor, scale: torch.Tensor,
+              valid: torch.Tensor) -> None:
+    """One role's saved history, scale and validity (a checkpoint's), into the buffers; the running amax cleared."""
+    buffers["fp8_amax_history"][role].copy_(history)
+    buffers["fp8_scale"][role].copy_(scale)
+    buffers["fp8_scale_valid"][role].copy_(valid)
+    buffers["fp8_step_amax"][role].zero_()

@@ -33,7 +33,7 @@ import torch.nn as nn
 
 from megatron.fp8.linear import Fp8Linear
 from megatron.fp8.recipe import Fp8Recipe
-from megatron.fp8.scaling import ROLE_NAMES
+from megatron.fp8.scaling import ROLE_NAMES, load_role
 
 FORMAT_VERSION = 1
 _RECIPE_FIELDS_ALLOWED_TO_DIFFER = frozenset({"backend"})
@@ -102,10 +102,7 @@ def load_fp8_state_dict(model: nn.Module, recipe: Fp8Recipe, state: dict[str, An
             if history.shape != m.fp8_amax_history[r].shape:
                 raise ValueError(f"{name}/{role}: amax_history of shape {tuple(history.shape)}, "
                                  f"expected {tuple(m.fp8_amax_history[r].shape)}")
-            m.fp8_amax_history[r].copy_(history)
-            m.fp8_scale[r].copy_(entry[role]["scale"])
-            m.fp8_scale_valid[r].copy_(entry[role]["scale_valid"])
-        m.fp8_step_amax.zero_()
+            load_role(m.fp8.buffers, r, history, entry[role]["scale"], entry[role]["scale_valid"])
         m.fp8.num_updates = int(entry["num_updates"])
         m.fp8.configure(extra_margin=entry.get("extra_margin", (0, 0, 0)),
                         current_roles=entry.get("current_roles", (False, False, False)),

@@ -22,7 +22,7 @@ import torch.nn as nn
 from megatron import comm
 from megatron.fp8.linear import Fp8Linear
 from megatron.fp8.recipe import Fp8Scaling
-from megatron.fp8.scaling import delayed_update
+from megatron.fp8.scaling import close_current_step, delayed_update, write_delayed_updates
 
 
 def _fp8_maxes(module: Fp8Linear) -> torch.Tensor:
@@ -57,10 +57,7 @@ def fp8_optimizer_step(model: nn.Module, batched: bool = True) -> None:
             groups.setdefault(id(module.fp8.amax_group), (module.fp8.amax_group, []))[1].append(module)
         module.fp8.forget_weights()
         if module.fp8.recipe.scaling is not Fp8Scaling.DELAYED:  # tensorwise and the fine-grained recipes
-            # No history to update, but an inf/NaN seen this step is counted as under delayed scaling.
-            module.fp8_step_nonfinite.copy_(~torch.isfinite(module.fp8_step_amax))
-            module.fp8_nonfinite_steps += module.fp8_step_nonfinite.to(torch.int64)
-            module.fp8_step_amax.zero_()
+            close_current_step(module.fp8.buffers)
 
     for group, modules in groups.values():
         batches: dict[tuple, list[Fp8Linear]] = {}
@@ -99,11 +96,6 @@ def _delayed_update_batch(modules: list[Fp8Linear], step_amax: torch.Tensor) -> 
         torch.stack([m.fp8_amax_history for m in modules]), torch.stack([m.fp8_scale for m in modules]),
         torch.stack([m.fp8_scale_valid for m in modules]), step_amax,
         torch.stack([_fp8_maxes(m) for m in modules]), modules[0].fp8.recipe)
-    torch._foreach_copy_([m.fp8_amax_history for m in modules], list(history.unbind(0)))
-    torch._foreach_copy_([m.fp8_scale for m in modules], list(scale.unbind(0)))
-    torch._foreach_copy_([m.fp8_scale_valid for m in modules], list(valid.unbind(0)))
-    torch._foreach_copy_([m.fp8_step_nonfinite for m in modules], list(nonfinite.unbind(0)))
-    torch._foreach_add_([m.fp8_nonfinite_steps for m in modules], list(nonfinite.to(torch.int64).unbind(0)))
-    torch._foreach_zero_([m.fp8_step_amax for m in modules])
+    write_delayed_updates([m.fp8.buffers for m in modules], history, scale, valid, nonfinite)
     for m in modules:
         m.fp8.count_update()

@@ -97,3 +97,53 @@ def test_the_files_beneath_the_layer_do_not_import_it():
         imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
         imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
         assert not {"megatron.fp8.linear", "megatron.fp8.convert"} & imported, name
+
+
+def test_settings_are_read_only_and_configure_replaces_them():
+    """A layer's settings have one spelling and one way to change: `configure`, which makes a new frozen value
+    (so a compiled graph that read the old one is retraced) and drops the FP8 weight when its cast changes."""
+    layer = Fp8Linear(16, 8, recipe=Fp8Recipe())
+    state = layer.fp8
+    with pytest.raises(AttributeError):
+        state.fused_quantization = True
+    layer(torch.randn(4, 16))
+    cached, before = state.weight_cache, state.settings
+    assert cached is not None
+    after = state.configure(extra_margin=[0, 2, 1], stats_enabled=True)
+    assert before.extra_margin == (0, 0, 0) and after.extra_margin == (0, 2, 1) and state.settings is after
+    assert state.margin(1) == state.recipe.margin + 2 and state.stats is not None
+    assert state.weight_cache is cached  # the weight's cast did not change
+    state.configure(current_roles=[0, 1, 0])
+    assert state.current_roles == (False, True, False) and state.weight_cache is None
+    layer(torch.randn(4, 16))
+    state.configure(weight_per_call=True)
+    assert state.weight_cache is None
+    layer(torch.randn(4, 16))
+    assert state.weight_cache is None  # made per call, never kept
+
+
+# In-place tensor methods that would write a scaling buffer.
+_WRITES = ("copy_", "zero_", "fill_", "add_", "mul_", "maximum", "_foreach_copy_", "_foreach_add_", "_foreach_zero_")
+
+
+def test_the_scaling_buffers_are_written_in_scaling_py_only():
+    """No code outside megatron/fp8/scaling.py calls an in-place method on a scaling buffer (`fp8_scale`,
+    `fp8_amax_history`, ...) or assigns into one: every write is one of that file's functions."""
+    buffer_names = tuple(new_scaling_buffers(1, "cpu"))
+    found = []
+    for path in (REPO / "megatron").rglob("*.py"):
+        if path.name == "scaling.py" and path.parent.name == "fp8":
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            written: list = []
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _WRITES:
+                written = [node.func.value, *node.args[:1]]  # x.copy_(...), torch._foreach_copy_([x, ...], ...)
+            elif isinstance(node, ast.AugAssign):
+                written = [node.target]
+            elif isinstance(node, ast.Assign):
+                written = [t for t in node.targets if isinstance(t, ast.Subscript)]
+            text = " ".join(ast.unparse(w) for w in written)
+            if any(name in text for name in buffer_names):
+                found.append(f"{path.relative_to(REPO)}:{node.lineno}: {text}")
+    assert not found, found
