@@ -134,28 +134,15 @@ def _model_config(a: argparse.Namespace, padded_vocab: int) -> ModelConfig:
     for flag, value in (("--num-layers", a.num_layers), ("--hidden-size", a.hidden_size),
                         ("--num-attention-heads", a.num_attention_heads), ("--seq-length", a.seq_length)):
         _require(value, flag)
-    if a.hidden_size % a.num_attention_heads:
-        raise ValueError(f"--hidden-size {a.hidden_size} must be divisible by --num-attention-heads {a.num_attention_heads}")
     kv_heads = a.num_key_value_heads or a.num_attention_heads
-    if a.num_attention_heads % kv_heads:
-        raise ValueError(f"--num-attention-heads {a.num_attention_heads} must be divisible by "
-                         f"--num-key-value-heads {kv_heads}")
     ffn = a.ffn_hidden_size
     if ffn is None:
         ffn = int(4 * a.hidden_size * 2 / 3 / 64) * 64 if a.swiglu else 4 * a.hidden_size
     max_pos = a.max_position_embeddings or a.seq_length
-    if a.seq_length > max_pos:
-        raise ValueError(f"--seq-length {a.seq_length} exceeds --max-position-embeddings {max_pos}")
     granularity = a.recompute_granularity or ("selective" if a.recompute_activations else None) or (
         "full" if a.deepspeed_activation_checkpointing else None)  # upstream: DeepSpeed's checkpointing = ours
     pos = "rope" if a.use_rotary_position_embeddings else a.position_embedding_type
-    smooth = None
-    if a.smooth_swiglu:
-        if not a.swiglu:
-            raise ValueError("--smooth-swiglu needs --swiglu (it rescales the SwiGLU product)")
-        if not (a.fp8_format or a.fp8_hybrid or a.fp8_e4m3):
-            raise ValueError("--smooth-swiglu only matters for FP8 training: add --fp8-format hybrid (or e4m3)")
-        smooth = SmoothSwiGLUGranularity(a.smooth_swiglu_granularity)
+    smooth = SmoothSwiGLUGranularity(a.smooth_swiglu_granularity) if a.smooth_swiglu else None
     return ModelConfig(
         **copy_flags(ModelConfig, a), num_key_value_heads=kv_heads, ffn_hidden_size=ffn,
         max_position_embeddings=max_pos, padded_vocab_size=padded_vocab,

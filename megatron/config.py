@@ -100,6 +100,17 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.recompute_num_layers < 1:
             raise ValueError("--recompute-num-layers must be >= 1")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"--hidden-size {self.hidden_size} must be divisible by --num-attention-heads "
+                             f"{self.num_attention_heads}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"--num-attention-heads {self.num_attention_heads} must be divisible by "
+                             f"--num-key-value-heads {self.num_key_value_heads}")
+        if self.seq_length > self.max_position_embeddings:
+            raise ValueError(f"--seq-length {self.seq_length} exceeds --max-position-embeddings "
+                             f"{self.max_position_embeddings}")
+        if self.smooth_swiglu is not None and not self.swiglu:
+            raise ValueError("--smooth-swiglu needs --swiglu (it rescales the SwiGLU product)")
 
     @property
     def head_dim(self) -> int:
@@ -419,6 +430,8 @@ class MegatronConfig:
 
     def __post_init__(self) -> None:
         """The checks across the parts: the parallel layout against the model, the engine and the precision."""
+        if self.model.smooth_swiglu is not None and self.fp8 is None:
+            raise ValueError("--smooth-swiglu only matters for FP8 training: add --fp8-format hybrid (or e4m3)")
         _check_main_params(self)
         _check_tensor_parallel(self.parallel, self.model)
         _check_pipeline_parallel(self)
