@@ -369,6 +369,16 @@ class ParallelConfig:
                                            type=str, dest="deepspeed_config")
     zero_stage: Optional[int] = flag("--zero-stage", group=DEEPSPEED, default=None, type=int, derived=True,
                                      help="ZeRO stage 0-3 (default 0, or the JSON's)")
+    use_torch_fsdp2: bool = flag(
+        "--use-torch-fsdp2", group=DISTRIBUTED, default=False,
+        help="PyTorch FSDP2: each transformer block and the model sharded over the data-parallel ranks "
+             "(fully_shard); docs/distributed.md")
+    fsdp_reshard_after_forward: bool = flag(
+        "--fsdp-reshard-after-forward", group=DISTRIBUTED, default=True, action=argparse.BooleanOptionalAction,
+        help="FSDP2: free each block's gathered parameters after its forward and gather them again for backward")
+    grad_reduce_in_bf16: bool = flag(
+        "--grad-reduce-in-bf16", group=DISTRIBUTED, default=False,
+        help="FSDP2: reduce-scatter gradients in BF16 instead of FP32")
     # how long a collective waits for a hung rank
     distributed_timeout_minutes: float = flag("--distributed-timeout-minutes", group=DISTRIBUTED, default=10.0,
                                               help="how long a collective waits for a hung rank before the run fails")
@@ -381,6 +391,18 @@ class ParallelConfig:
             raise ValueError(f"--distributed-timeout-minutes must be > 0, got {self.distributed_timeout_minutes}")
         if self.zero_stage is not None and self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"--zero-stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+        _raise_first("--use-torch-fsdp2", () if not self.use_torch_fsdp2 else (
+            (self.deepspeed, "and --deepspeed are two engines: pick one (FSDP2 shards like ZeRO-3)"),
+            (self.pipeline_model_parallel_size > 1, "with --pipeline-model-parallel-size > 1 is not supported"),
+            (self.tensor_model_parallel_size > 1,
+             "with --tensor-model-parallel-size > 1 (a 2-D mesh) is not built yet: use TP with the torch engine or "
+             "DeepSpeed"),
+        ))
+        if not self.use_torch_fsdp2:
+            for name, set_ in (("--grad-reduce-in-bf16", self.grad_reduce_in_bf16),
+                               ("--no-fsdp-reshard-after-forward", not self.fsdp_reshard_after_forward)):
+                if set_:
+                    raise ValueError(f"{name} applies to --use-torch-fsdp2 only: add it, or drop {name}")
 
 
 @dataclass(frozen=True)
@@ -433,6 +455,7 @@ class MegatronConfig:
         if self.model.smooth_swiglu is not None and self.fp8 is None:
             raise ValueError("--smooth-swiglu only matters for FP8 training: add --fp8-format hybrid (or e4m3)")
         _check_main_params(self)
+        _check_fsdp2(self)
         _check_tensor_parallel(self.parallel, self.model)
         _check_pipeline_parallel(self)
 
@@ -462,6 +485,18 @@ def _check_main_params(config: "MegatronConfig") -> None:
          "torch engine implements it at any data-parallel size"),
         (not parallel.deepspeed and parallel.sequence_parallel,
          "is not supported yet with --sequence-parallel under the torch engine (use --deepspeed --zero-stage 1)"),
+    ))
+
+
+def _check_fsdp2(config: "MegatronConfig") -> None:
+    """What FSDP2 does not combine with yet, beyond the parallel layout (ParallelConfig's own checks)."""
+    if not config.parallel.use_torch_fsdp2:
+        return
+    _raise_first("--use-torch-fsdp2", (
+        (config.training.params_dtype == "bf16",
+         "with --params-dtype bf16: FSDP2 keeps FP32 shards and gathers them in BF16 under --bf16 already; drop "
+         "--params-dtype"),
+        (config.optimizer.optimizer == "fp8adam", "with --optimizer fp8adam is not built yet: use --optimizer adam"),
     ))
 
 

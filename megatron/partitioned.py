@@ -1,4 +1,5 @@
-"""What code outside DeepSpeed reads of ZeRO-3's partitioned parameters and optimizer.
+"""What code outside DeepSpeed reads of ZeRO-3's partitioned parameters and optimizer (and of FSDP2's sharded ones:
+`local_data`).
 
 A parameter built partitioned under ZeRO-3 (megatron/model/build.py) holds an empty placeholder as its data; its
 full shape and size are DeepSpeed's `ds_shape` and `ds_numel`. Between steps ZeRO-3's optimizer keeps the client
@@ -21,6 +22,16 @@ def full_shape(param: torch.Tensor) -> torch.Size:
 
 def full_numel(param: torch.Tensor) -> int:
     return int(getattr(param, "ds_numel", param.numel()))
+
+
+def local_data(param: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of the parameter, detached: ZeRO-3's partition (`ds_tensor`) while the parameter is not
+    gathered, FSDP2's shard (a DTensor's local tensor), else the whole tensor."""
+    partition = getattr(param, "ds_tensor", None)
+    if partition is not None and param.numel() == 0:
+        return partition.detach()
+    data = param.detach()
+    return data.to_local() if hasattr(data, "to_local") else data
 
 
 @contextlib.contextmanager

@@ -356,6 +356,13 @@ def load_checkpoint_files(load_dir: str | os.PathLike, mp_rank: int = 0,
 
 def load_model_state(model: torch.nn.Module, state: dict, source: Path) -> None:
     """`load_state_dict(strict=True)` with errors that show both shapes and the missing/extra keys."""
+    check_model_state(model, state, source)
+    model.load_state_dict(state, strict=True)
+
+
+def check_model_state(model: torch.nn.Module, state: dict, source: Path) -> None:
+    """CheckpointError naming the keys and shapes where `state` does not fit `model` (a sharded model's state
+    dict holds each parameter's full shape)."""
     own = model.state_dict()
     problems = []
     for key, tensor in state.items():
@@ -371,4 +378,3 @@ def load_model_state(model: torch.nn.Module, state: dict, source: Path) -> None:
         raise CheckpointError(f"checkpoint {source} does not match the model built from the current flags:\n"
                               + "\n".join(problems)
                               + "\nUse the same --num-layers/--hidden-size/... as the run that saved it.")
-    model.load_state_dict(state, strict=True)

@@ -37,9 +37,13 @@ ALIGNMENT_THRESHOLD = 0.5
 def up_gate_alignment(fc1_weight: torch.Tensor) -> torch.Tensor:
     """|cos| between row i of up (w1) and row i of gate (w2) for every channel: fp32 [F].
 
-    `fc1_weight` is `linear_fc1.weight` laid out [gate | up] ([2F, H]). A zero row gives 0.
+    `fc1_weight` is `linear_fc1.weight` laid out [gate | up] ([2F, H]). A zero row gives 0. A sharded weight
+    (FSDP2's DTensor) is gathered whole first: a collective, so every rank of its mesh calls this.
     """
-    gate, up = fc1_weight.detach().float().chunk(2, dim=0)
+    weight = fc1_weight.detach()
+    if hasattr(weight, "full_tensor"):
+        weight = weight.full_tensor()
+    gate, up = weight.float().chunk(2, dim=0)
     return F.cosine_similarity(up, gate, dim=-1, eps=1e-12).abs()
 
 

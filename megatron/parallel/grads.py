@@ -45,7 +45,9 @@ def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float, tp_group: An
     """
     params = [p for p in params if p.grad is not None]
     if not comm.is_active(tp_group):
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        # FSDP2's sharded gradients give a DTensor norm, reduced over the mesh: the plain value, on every rank.
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
     device = params[0].grad.device if params else torch.device("cpu")
     sharded = [p.grad for p in params if hasattr(p, TP_SHARD_DIM)]
     replicated = [p.grad for p in params if not hasattr(p, TP_SHARD_DIM)]

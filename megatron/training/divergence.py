@@ -31,14 +31,14 @@ from torch import nn
 
 from megatron import comm
 from megatron.config import DivergenceConfig
+from megatron.partitioned import local_data
 
 
 def max_abs_weight(params: Iterable[nn.Parameter], group) -> torch.Tensor:
     """max |w| over `params` of every rank in `group` (0-d, on the parameters' device; ZeRO-3 shards included)."""
     values = []
     for p in params:
-        data = getattr(p, "ds_tensor", None)  # ZeRO-3 keeps this rank's partition there
-        data = p.detach() if data is None or p.numel() > 0 else data.detach()
+        data = local_data(p)  # ZeRO-3's partition or FSDP2's shard: the max over the group covers the rest
         if data.numel():
             values.append(data.abs().max().float())
     if not values:

@@ -162,6 +162,8 @@ class MicroBatchEngine(Engine):
 class TorchEngine(MicroBatchEngine):
     """One process or torch DDP over the data-parallel group; checkpoints in our layout (mp_rank_XX)."""
 
+    wraps_in_ddp = True  # False: the model reduces its own gradients (FSDP2, megatron/training/fsdp2.py)
+
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: LrScheduler,
                  parallel: ParallelState, clip_grad: float, *, accel: Optional[Accelerator] = None,
                  save_optimizer: bool = True, bf16_params: bool = False, verify_checkpoints: bool = False) -> None:
@@ -179,7 +181,7 @@ class TorchEngine(MicroBatchEngine):
         # masters in the optimizer; fp32 = the model's parameters are the masters.
         self.weights: ModelIsMaster | MainParams = (MainParams if bf16_params else ModelIsMaster)(model, optimizer)
         # DDP over the data-parallel group only: tensor-parallel ranks hold different shards.
-        self.ddp = parallel.data_parallel_size > 1 and not self.weights.reduces_gradients
+        self.ddp = parallel.data_parallel_size > 1 and not self.weights.reduces_gradients and self.wraps_in_ddp
         if self.ddp:
             self.module = nn.parallel.DistributedDataParallel(model, process_group=parallel.data_parallel_group)
 
@@ -219,6 +221,10 @@ class TorchEngine(MicroBatchEngine):
             payload = {"model": self.weights.state_dict(self.model), **extras}
             if self.save_optimizer:
                 payload["optimizer"] = self.optimizer.state_dict()
+        self._write(save_dir, iteration, payload, train_state, config)
+
+    def _write(self, save_dir: str, iteration: int, payload: Optional[dict], train_state: dict, config: dict) -> None:
+        """Write `payload` (None on the ranks that do not write) atomically; every rank takes part."""
         if self.parallel.tensor_parallel_size > 1:  # every rank raises when any shard failed
             save_tensor_parallel_checkpoint(save_dir, iteration, payload, train_state, config, self.parallel,
                                             verify=self.verify)

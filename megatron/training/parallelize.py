@@ -3,7 +3,8 @@
 In order: the pipeline stage this rank holds (`--pipeline-model-parallel-size`), the model built on meta and
 materialized as this rank's tensor-parallel pieces (`--tensor-model-parallel-size`, `--sequence-parallel`) and, under
 ZeRO-3, handed to DeepSpeed's partitioning piece by piece; Habana's fused kernels; the FP8 swap of the linears
-(`Fp8Hooks`: recipe, statistics, controller); the pipeline module around the stage; the SwiGLU diagnostics; then
+(`Fp8Hooks`: recipe, statistics, controller); the pipeline module around the stage; the SwiGLU diagnostics; FSDP2's
+sharding (`--use-torch-fsdp2`, megatron/training/fsdp2.py); then
 `--torch-compile` (blocks compiled in place and warmed up, after every hook is registered); last, what DeepSpeed's
 engines need of the model (`_prepare_for_deepspeed`). The optimizer and the engine are built around the result
 (megatron/training/engines.py). One rewrite waits for the optimizer: ZeRO-3's partitions are cast to BF16 after
@@ -61,8 +62,13 @@ def parallelize(config: MegatronConfig, parallel: ParallelState, accel: Accelera
         model = build_pipeline_module(model, parallel)
         fp8.set_model(model)
         layers_view = stage_layers_view(model)
-    swiglu = SwiGLUHooks(layers_view, config.model,
-                         config.logging.log_swiglu_diagnostics and parallel.is_logging_rank)
+    # The logging rank's diagnostics; under FSDP2 every rank's, as reading a sharded weight whole is a collective.
+    swiglu = SwiGLUHooks(layers_view, config.model, config.logging.log_swiglu_diagnostics
+                         and (parallel.is_logging_rank or config.parallel.use_torch_fsdp2))
+    if config.parallel.use_torch_fsdp2:  # after every hook holds its modules: fully_shard keeps the objects
+        from megatron.training.fsdp2 import apply_fsdp2
+
+        apply_fsdp2(model, config, parallel, accel.device)
     apply_torch_compile(config, model, accel.device)  # --torch-compile: blocks compiled in place, warmed up
     if config.parallel.deepspeed or stage is not None:
         _prepare_for_deepspeed(config, model, parallel, zero3=partition is not None)

@@ -26,6 +26,9 @@ ALIASES = [
      ["--fp8-optimizer-stochastic-rounding", "--no-fp8-optimizer-stochastic-rounding", *FP8ADAM],
      "optimizer.fp8_stochastic_rounding", FP8ADAM),
     (["--no-divergence-guard"], ["--divergence-guard", "--no-divergence-guard"], "divergence.enabled", []),
+    (["--no-fsdp-reshard-after-forward", "--use-torch-fsdp2"],
+     ["--fsdp-reshard-after-forward", "--no-fsdp-reshard-after-forward", "--use-torch-fsdp2"],
+     "parallel.fsdp_reshard_after_forward", []),
     # legacy switches and upstream spellings of a value
     (["--fp8-hybrid"], ["--fp8-format", "hybrid"], "fp8", []),
     (["--fp8-e4m3"], ["--fp8-format", "e4m3"], "fp8", ["--fp8-format", "hybrid"]),

@@ -1,0 +1,162 @@
+"""PyTorch FSDP2 (`--use-torch-fsdp2`): the model's parameters sharded over the data-parallel ranks by PyTorch's own
+engine, `torch.distributed.fsdp.fully_shard`.
+
+`apply_fsdp2` (called by `parallelize`, after the FP8 swap) shards each transformer block and then the model's root
+(embedding, final norm, LM head) over a 1-D mesh of the data-parallel group: every rank keeps 1/dp of each
+parameter (a DTensor, Shard(0)), a block's parameters are all-gathered before its forward and backward, its
+gradients reduce-scattered after backward. Precision is an explicit `MixedPrecisionPolicy`: the FP32 shards are
+gathered in BF16 under `--bf16` (FP32 otherwise), gradients are reduce-scattered in FP32 (`--grad-reduce-in-bf16`:
+BF16), and the optimizer steps the FP32 shards. `--no-fsdp-reshard-after-forward` keeps a block's gathered
+parameters from its forward to its backward (one all-gather less per block, the memory of a whole model's weights).
+
+FP8 layers cast their weight per call, as under ZeRO-3 (`Fp8LayerSettings.weight_per_call`): the gathered weight
+exists only around its block, so no FP8 copy is kept between forwards, nor from forward to backward (backward casts
+the re-gathered weight again with the forward's scale: the same bits).
+
+`Fsdp2Engine` is the torch engine without DDP: gradient accumulation without a reduce-scatter until the last
+micro-batch (`set_requires_gradient_sync`), the same guarded step (the norm of the sharded gradients, reduced over
+the mesh), and checkpoints in the torch engine's layout: the full model and the optimizer state gathered to rank 0
+(`torch.distributed.checkpoint.state_dict`, full state dicts) and written as a data-parallel run writes them, so that
+every tool and every other engine reads them, and a checkpoint loads at any data-parallel size.
+"""
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron.checkpoint import store as ckpt
+from megatron.config import MegatronConfig
+from megatron.parallel_state import ParallelState
+from megatron.training.engine import TorchEngine
+
+logger = logging.getLogger("megatron")
+
+
+def apply_fsdp2(model: nn.Module, config: MegatronConfig, parallel: ParallelState, device: torch.device) -> int:
+    """Shard `model` in place (module docstring); the number of `fully_shard` units (blocks + root)."""
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    except ImportError as exc:  # torch < 2.6
+        raise RuntimeError(f"--use-torch-fsdp2 needs torch.distributed.fsdp.fully_shard (torch >= 2.6; this is torch "
+                           f"{torch.__version__}): {exc}") from exc
+    from megatron.model.compile import transformer_blocks
+    from megatron.training.deepspeed_fp8 import fp8_weights_per_call
+
+    if not dist.is_initialized():  # one process: FSDP2 still needs a process group (of one rank)
+        from megatron.training.deepspeed_mpu import ensure_process_group
+
+        ensure_process_group(parallel)
+    group = parallel.data_parallel_group if parallel.data_parallel_group is not None else dist.group.WORLD
+    mesh = DeviceMesh.from_group(group, device.type)
+    parallel_cfg = config.parallel
+    policy = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16 if config.training.bf16 else None,
+        reduce_dtype=torch.bfloat16 if parallel_cfg.grad_reduce_in_bf16 else torch.float32)
+    reshard = parallel_cfg.fsdp_reshard_after_forward
+    # FSDP2 warns that the root returns a view (the per-token loss); the loop only reads it (a masked sum), never
+    # writes into it in place, which is what would skip the pre-backward hook.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPGPTModel\) returned a view tensor")
+    fp8_layers = fp8_weights_per_call(model)
+    blocks = transformer_blocks(model)
+    for block in blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+    logger.info("FSDP2: %d blocks and the root sharded over %d data-parallel ranks; parameters gathered in %s, "
+                "gradients reduced in %s%s; %d FP8 layers cast their gathered weight per call", len(blocks),
+                mesh.size(), "BF16" if config.training.bf16 else "FP32",
+                "BF16" if parallel_cfg.grad_reduce_in_bf16 else "FP32",
+                "" if reshard else ", gathered parameters kept from forward to backward", fp8_layers)
+    return len(blocks) + 1
+
+
+class Fsdp2Engine(TorchEngine):
+    """The torch engine around an FSDP2-sharded model (module docstring)."""
+
+    wraps_in_ddp = False
+
+    def micro_batch_context(self, is_last: bool):
+        """Gradients are reduce-scattered only after the last micro-batch of the step (as DDP's `no_sync`)."""
+        self.model.set_requires_gradient_sync(is_last)
+        return super().micro_batch_context(is_last)
+
+    def save_checkpoint(self, save_dir: str, iteration: int, extras: dict, train_state: dict,
+                        config: dict) -> None:
+        """Every rank takes part in gathering; rank 0 writes the torch engine's files."""
+        model_state, optim_state = self._full_states()
+        payload = None
+        if self.parallel.is_logging_rank:
+            payload = {"model": model_state, **extras}
+            if self.save_optimizer:
+                payload["optimizer"] = optim_state
+        self._write(save_dir, iteration, payload, train_state, config)
+
+    def _full_states(self) -> tuple[dict, Optional[dict]]:
+        """(the model's full state dict, the optimizer's in `optimizer.state_dict()`'s numbering), on rank 0's CPU."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_state = get_model_state_dict(self.model, options=options)
+        if not self.save_optimizer:
+            return model_state, None
+        optim_state = get_optimizer_state_dict(self.model, self.optimizer, options=options)
+        return model_state, _numbered(optim_state) if self.parallel.is_logging_rank else None
+
+    def load_checkpoint(self, load_dir: str, load_optimizer: bool, module_only: bool,
+                        iteration: Optional[int] = None) -> Optional[dict]:
+        """Every rank reads the full files and keeps its shards."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions, set_model_state_dict, set_optimizer_state_dict,
+        )
+
+        loaded = ckpt.load_checkpoint_files(load_dir, mp_rank=0, iteration=iteration)
+        if loaded is None:
+            return None
+        payload = loaded["payload"]
+        ckpt.check_model_state(self.model, payload["model"], loaded["path"])
+        options = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(self.model, payload["model"], options=options)
+        if load_optimizer and not module_only:
+            if "optimizer" not in payload:
+                raise ckpt.CheckpointError(f"{loaded['path']} has no optimizer state (saved with --no-save-optim); "
+                                           "pass --no-load-optim or --finetune")
+            named = _named(payload["optimizer"], self.optimizer, self.model)
+            set_optimizer_state_dict(self.model, self.optimizer, named, options=options)
+        return loaded
+
+
+def _param_names(optimizer: torch.optim.Optimizer, model: nn.Module) -> list[list[str]]:
+    """The parameter names of each optimizer group, in the optimizer's order."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+
+
+def _numbered(state: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state keyed by parameter name (torch.distributed.checkpoint's) as `optimizer.state_dict()`
+    numbers it: the parameters counted across the groups in order."""
+    index: dict[str, int] = {}
+    groups = []
+    for group in state["param_groups"]:
+        ids = [index.setdefault(name, len(index)) for name in group["params"]]
+        groups.append({**group, "params": ids})
+    return {"state": {index[name]: value for name, value in state["state"].items()}, "param_groups": groups}
+
+
+def _named(state: dict[str, Any], optimizer: torch.optim.Optimizer, model: nn.Module) -> dict[str, Any]:
+    """`_numbered`'s inverse, by this optimizer's groups (the saved run's grouping, checked by the group sizes)."""
+    names = _param_names(optimizer, model)
+    saved_sizes = [len(g["params"]) for g in state["param_groups"]]
+    if saved_sizes != [len(n) for n in names]:
+        raise ckpt.CheckpointError(f"the checkpoint's optimizer groups hold {saved_sizes} parameters, this model's "
+                                   f"{[len(n) for n in names]}: another model or --weight-decay grouping")
+    by_index = {i: name for group, saved in zip(names, state["param_groups"])
+                for i, name in zip(saved["params"], group)}
+    groups = [{**saved, "params": group} for saved, group in zip(state["param_groups"], names)]
+    return {"state": {by_index[i]: value for i, value in state["state"].items()}, "param_groups": groups}

@@ -1,0 +1,57 @@
+"""`--use-torch-fsdp2` in one process: what it refuses with one line, and the optimizer state's renumbering between
+torch.distributed.checkpoint's names and the torch engine's numbers (tests/e2e/test_fsdp2_launch.py trains)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from megatron.arguments import parse_config
+from megatron.training.fsdp2 import _named, _numbered
+from tests.support.config import tiny_argv
+
+REFUSED = {
+    "deepspeed": (["--deepspeed"], 1, "--use-torch-fsdp2 and --deepspeed are two engines"),
+    "tensor-parallel": (["--tensor-model-parallel-size", "2"], 2, "(a 2-D mesh) is not built yet"),
+    "pipeline": (["--pipeline-model-parallel-size", "2"], 2, "with --pipeline-model-parallel-size > 1"),
+    "fp8adam": (["--optimizer", "fp8adam"], 1, "with --optimizer fp8adam is not built yet"),
+    "main-params": (["--bf16", "--params-dtype", "bf16"], 1, "with --params-dtype bf16"),
+    "compile": (["--torch-compile", "on"], 1, "--torch-compile on is not supported with --use-torch-fsdp2"),
+}
+
+
+@pytest.mark.parametrize("argv,world,message", list(REFUSED.values()), ids=list(REFUSED))
+def test_what_fsdp2_does_not_combine_with_is_refused_in_one_line(argv, world, message):
+    with pytest.raises(ValueError, match="^[^\n]*$") as error:
+        parse_config(tiny_argv("--use-torch-fsdp2", *argv), world_size=world)
+    assert message in str(error.value)
+
+
+@pytest.mark.parametrize("flag", ["--grad-reduce-in-bf16", "--no-fsdp-reshard-after-forward"])
+def test_fsdp2s_own_flags_need_it(flag):
+    with pytest.raises(ValueError, match=f"{flag} applies to --use-torch-fsdp2 only"):
+        parse_config(tiny_argv(flag))
+
+
+def test_the_optimizer_state_is_numbered_as_the_torch_engine_numbers_it_and_back():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3), nn.Linear(3, 2))
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight") and p.dim() == 2]
+    rest = [p for n, p in model.named_parameters() if not (n.endswith("weight") and p.dim() == 2)]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}])
+    model(torch.randn(5, 4)).square().sum().backward()
+    optimizer.step()
+    numbered = optimizer.state_dict()
+    names = {id(p): n for n, p in model.named_parameters()}
+    by_name = {  # what torch.distributed.checkpoint's full optimizer state dict holds: the same, keyed by name
+        "state": {names[id(p)]: optimizer.state[p] for g in optimizer.param_groups for p in g["params"]},
+        "param_groups": [{**{k: v for k, v in g.items() if k != "params"},
+                          "params": [names[id(p)] for p in g["params"]]} for g in optimizer.param_groups],
+    }
+    got = _numbered(by_name)
+    assert got["param_groups"] == numbered["param_groups"]
+    assert got["state"].keys() == numbered["state"].keys()
+    for i, state in numbered["state"].items():
+        assert all(torch.equal(got["state"][i][k], v) for k, v in state.items())
+    back = _named(got, optimizer, model)
+    assert back["param_groups"] == by_name["param_groups"] and back["state"].keys() == by_name["state"].keys()
