@@ -107,7 +107,9 @@ def step_collectives(config: MegatronConfig, devices_per_node: int,
         zero = p.zero_stage or 0
         if grad_bytes is None:  # DeepSpeed reduces in the weights' dtype; the torch engine in FP32
             grad_bytes = outside.weight_bytes(config) if p.deepspeed else 4.0
-        if zero == 3:
+        if p.use_torch_fsdp2 and peer is None:
+            out += _fsdp2_collectives(config, params, micro, dp_inter)
+        elif zero == 3:
             regather = peer.backward_regather if peer is not None else _zero3_backward_regather(config)
             out += [Collective("ZeRO-3 weight all-gather (forward)", "all-gather", params * weight_bytes,
                                data_parallel, micro, dp_inter, "forward"),
@@ -145,6 +147,22 @@ def step_collectives(config: MegatronConfig, devices_per_node: int,
     if pp > 1:
         out.append(Collective("pipeline sends", "send", activation, 2, (1 if pp == 2 else 2) * micro,
                               tp * data_parallel >= devices_per_node))
+    return out
+
+
+def _fsdp2_collectives(config: MegatronConfig, params: float, micro: int, dp_inter: bool) -> list[Collective]:
+    """FSDP2 (megatron/training/fsdp2.py): each micro-batch gathers the weights for forward (BF16 under --bf16, else
+    FP32) and again for backward unless --no-fsdp-reshard-after-forward; the gradients are reduce-scattered once per
+    step, after the last micro-batch (FP32, or BF16 with --grad-reduce-in-bf16)."""
+    p, data_parallel = config.parallel, config.training.data_parallel_size
+    gather = (2.0 if config.training.bf16 else 4.0) * params
+    out = [Collective("FSDP2 weight all-gather (forward)", "all-gather", gather, data_parallel, micro, dp_inter,
+                      "forward"),
+           Collective("FSDP2 gradient reduce-scatter", "reduce-scatter",
+                      (2.0 if p.grad_reduce_in_bf16 else 4.0) * params, data_parallel, 1, dp_inter, "backward")]
+    if p.fsdp_reshard_after_forward:
+        out.insert(1, Collective("FSDP2 weight all-gather (backward)", "all-gather", gather, data_parallel, micro,
+                                 dp_inter, "backward"))
     return out
 
 

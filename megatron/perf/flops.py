@@ -8,6 +8,13 @@ from __future__ import annotations
 from megatron.config import MegatronConfig, ModelConfig, PositionEmbedding, RecomputeGranularity
 
 
+def sharding_stage(cfg: MegatronConfig) -> int:
+    """What the data-parallel ranks shard, as a ZeRO stage: 1 the optimizer state, 2 also the gradients, 3 also the
+    parameters. FSDP2 (`--use-torch-fsdp2`) shards all three: 3."""
+    p = cfg.parallel
+    return 3 if p.use_torch_fsdp2 else (p.zero_stage or 0)
+
+
 def block_linear_weights(m: ModelConfig) -> dict[str, int]:
     """Elements of each weight matrix of one transformer block (TP = 1)."""
     return {"qkv": m.hidden_size * (m.query_projection_size + 2 * m.kv_projection_size),
@@ -77,7 +84,7 @@ def memory_estimate_bytes(cfg: MegatronConfig) -> dict[str, float]:
     model_split = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
     params = count_parameters(m) / model_split
     dp = t.data_parallel_size
-    zero = p.zero_stage or 0
+    zero = sharding_stage(cfg)
     opt_bytes = 2.0 if cfg.optimizer.optimizer == "fp8adam" else 8.0
     bf16_params = cfg.training.params_dtype == "bf16"
     weights = params * (2.0 if bf16_params else 4.0) / (dp if zero >= 3 else 1)
@@ -115,6 +122,6 @@ def fp8_weight_copy_bytes(cfg: MegatronConfig) -> float:
     fp8_layers = max(m.num_layers - 2 * cfg.fp8.first_last_layers_bf16, 0)
     if not fp8_layers:
         return 0.0
-    if p.deepspeed and (p.zero_stage or 0) >= 3:  # one layer's copy at a time: the largest
+    if sharding_stage(cfg) >= 3:  # FP8 weights cast per call (ZeRO-3, FSDP2): one layer's copy at a time
         return 2.0 * max(linears) / p.tensor_model_parallel_size
     return 2.0 * sum(linears) * fp8_layers / (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)

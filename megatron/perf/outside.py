@@ -23,7 +23,7 @@ and writes. The bytes per element used below, with their reasons:
 from __future__ import annotations
 
 from megatron.config import MegatronConfig, SmoothSwiGLUGranularity
-from megatron.perf.flops import block_linear_weights, count_parameters
+from megatron.perf.flops import block_linear_weights, count_parameters, sharding_stage
 from megatron.perf.kernels import Kernel, KernelClass
 
 P = KernelClass.POINTWISE
@@ -75,7 +75,7 @@ def device_parameters(config: MegatronConfig) -> float:
 def optimizer_kernels(config: MegatronConfig) -> list[Kernel]:
     """Once per step: the optimizer update on this device's share (ZeRO >= 1 shards it), clipping and zeroing."""
     params = device_parameters(config)
-    zero = config.parallel.zero_stage or 0
+    zero = sharding_stage(config)
     owned = params / (config.training.data_parallel_size if zero >= 1 else 1)
     fp8_adam = config.optimizer.optimizer == "fp8adam"
     per_param = (16.0 if fp8_adam else 28.0) + (2.0 if config.training.params_dtype == "bf16" else 0.0)

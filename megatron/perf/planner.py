@@ -13,6 +13,7 @@ import dataclasses
 from megatron.config import MegatronConfig
 from megatron.perf.calibration import CALIBRATION_SUMMARY
 from megatron.perf.extract import extract_block
+from megatron.perf.flops import sharding_stage
 from megatron.perf.hardware import device
 from megatron.perf.kernels import KernelClass
 from megatron.perf.step import Projection, days, project
@@ -46,7 +47,7 @@ def projection_lines(config: MegatronConfig) -> list[str]:
         " + Smooth-SwiGLU" if config.model.smooth_swiglu is not None else "")
     lines = ["", f"projected (megatron/perf roofline of the compiled blocks; {CALIBRATION_SUMMARY}):"]
     p = config.parallel
-    if p.pipeline_model_parallel_size > 1 or (p.deepspeed and p.zero_stage == 3):
+    if p.pipeline_model_parallel_size > 1 or (p.deepspeed and p.zero_stage == 3) or p.use_torch_fsdp2:
         lines.append("  note: this layout keeps the transformer blocks eager on our engines (megatron/model/compile.py); "
                      "the projection is of compiled blocks, so it is optimistic for this run")
     for name in t.project_on:
@@ -62,6 +63,11 @@ def projection_lines(config: MegatronConfig) -> list[str]:
             lines.append(f"  FP8 / BF16 speed-up (projected): {base.step_seconds / run.step_seconds:.2f}x")
         exposed = run.by_class[KernelClass.COMMUNICATION]
         if exposed > 0.2 * run.step_seconds:
-            lines.append(f"  exposed communication is {100 * exposed / run.step_seconds:.0f}% of the step (gradients "
-                         "and weights once per step): more micro-batches per step (--global-batch-size) amortize it")
+            share = f"  exposed communication is {100 * exposed / run.step_seconds:.0f}% of the step"
+            if sharding_stage(config) >= 3:  # ZeRO-3, FSDP2: the weights are gathered again for every micro-batch
+                lines.append(share + " (the sharded weights are gathered for every micro-batch): a larger "
+                             "--micro-batch-size gathers them fewer times per step")
+            else:
+                lines.append(share + " (gradients and weights once per step): more micro-batches per step "
+                             "(--global-batch-size) amortize it")
     return lines

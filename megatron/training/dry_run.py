@@ -42,5 +42,6 @@ def persistent_line(config: MegatronConfig, mem: dict[str, float]) -> str:
     p = config.parallel
     params = count_parameters(config.model) / (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
     persistent = sum(mem[k] for k in ("weights_GiB", "grads_GiB", "master_GiB", "optimizer_GiB")) * 2.0**30
+    sharding = "FSDP2" if p.use_torch_fsdp2 else f"ZeRO {p.zero_stage or 0}"
     return (f"persistent state per device: {persistent / params:.3f} bytes/param (--params-dtype "
-            f"{config.training.params_dtype}, ZeRO {p.zero_stage or 0}, data parallel {config.training.data_parallel_size})")
+            f"{config.training.params_dtype}, {sharding}, data parallel {config.training.data_parallel_size})")

@@ -98,3 +98,16 @@ def test_the_slurm_script_starts_torchrun_with_the_c10d_rendezvous_and_restarts_
     assert save == load and "--exit-signal-handler" in script  # each attempt resumes where the last one saved
     assert "parameters: 6,738,415,616" in out.stdout
     assert "gradient accumulation steps: 64" in out.stdout  # 1024 / (1 x 16 ranks)
+
+
+def test_llama2_70b_fsdp2_resolves_for_64_devices_and_fits_an_h200():
+    env = dict(os.environ, PYTHON=sys.executable, DRY_RUN="1", PROJECT_ON="")
+    out = subprocess.run(["bash", "examples/llama2_70b_fsdp2.sh"], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "parameters: 68,976,648,192" in out.stdout
+    assert "gradient accumulation steps: 4" in out.stdout  # 1024 / (4 x 64 data-parallel ranks)
+    # FSDP2 shards the FP32 weights, gradients and both moments 64 ways: 16 / 64 bytes per parameter
+    assert "persistent state per device: 0.250 bytes/param (--params-dtype fp32, FSDP2, data parallel 64)" in out.stdout
+    estimate = out.stdout[out.stdout.index("memory estimate per device (GiB):"):].splitlines()[0]
+    assert float(estimate.rsplit("total ", 1)[1]) < 141  # an H200's memory

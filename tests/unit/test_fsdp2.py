@@ -55,3 +55,27 @@ def test_the_optimizer_state_is_numbered_as_the_torch_engine_numbers_it_and_back
         assert all(torch.equal(got["state"][i][k], v) for k, v in state.items())
     back = _named(got, optimizer, model)
     assert back["param_groups"] == by_name["param_groups"] and back["state"].keys() == by_name["state"].keys()
+
+
+def test_the_performance_model_shards_all_three_and_counts_fsdp2s_collectives():
+    """The dry run's memory estimate divides weights, gradients and moments by the data-parallel size, and the
+    step's collectives are FSDP2's: weights gathered in BF16 per micro-batch for forward and backward (once with
+    --no-fsdp-reshard-after-forward), gradients reduce-scattered once per step in FP32 (BF16 on request)."""
+    from megatron.perf.comm import step_collectives
+    from megatron.perf.flops import count_parameters, memory_estimate_bytes
+
+    argv = tiny_argv("--use-torch-fsdp2", "--bf16", micro_batch_size=2, global_batch_size=16)
+    config = parse_config(argv, world_size=4)  # data parallel 4, 2 micro-batches per step
+    params, dp = count_parameters(config.model), 4
+    mem = memory_estimate_bytes(config)
+    for key, per_param in (("weights_GiB", 4.0), ("grads_GiB", 4.0), ("optimizer_GiB", 8.0), ("master_GiB", 0.0)):
+        assert mem[key] * 2.0**30 == pytest.approx(params * per_param / dp), key
+    by_name = {c.name: c for c in step_collectives(config, devices_per_node=8)}
+    gather, regather = by_name["FSDP2 weight all-gather (forward)"], by_name["FSDP2 weight all-gather (backward)"]
+    assert gather.bytes == regather.bytes == 2.0 * params and gather.count == regather.count == 2
+    assert by_name["FSDP2 gradient reduce-scatter"].bytes == 4.0 * params
+    assert by_name["FSDP2 gradient reduce-scatter"].count == 1
+    kept = parse_config(argv + ["--no-fsdp-reshard-after-forward", "--grad-reduce-in-bf16"], world_size=4)
+    names = {c.name: c for c in step_collectives(kept, devices_per_node=8)}
+    assert "FSDP2 weight all-gather (backward)" not in names
+    assert names["FSDP2 gradient reduce-scatter"].bytes == 2.0 * params
