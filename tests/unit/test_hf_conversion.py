@@ -137,11 +137,12 @@ def test_smooth_swiglu_model_exports_its_plain_weights(tmp_path):
     config = _tiny_config().model
     state = GPTModel(config).state_dict()
     assert fold_smooth_swiglu_scales(state, config) is state
-    smooth = dataclasses.replace(config, smooth_swiglu=SmoothSwiGLUGranularity.CHANNEL)
+    full = parse_config(tiny_argv("--smooth-swiglu", fp8_format="hybrid", smooth_swiglu_granularity="channel"))
+    smooth = full.model
+    assert smooth.smooth_swiglu is SmoothSwiGLUGranularity.CHANNEL
     folded = fold_smooth_swiglu_scales(state, smooth)
     assert all(torch.equal(folded[k], state[k]) for k in state)
     # The training-time scales are a per-micro-batch re-parametrisation: the weights export unchanged.
-    full = dataclasses.replace(_tiny_config(), model=smooth)
     save_checkpoint(tmp_path / "ckpt", 1, {"model": state}, {}, full.to_dict())
     export_to_hf(tmp_path / "ckpt", tmp_path / "hf", with_tokenizer=False)
     from safetensors.torch import load_file
