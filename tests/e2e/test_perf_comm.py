@@ -29,6 +29,9 @@ LAYOUTS = {
     "tensor-parallel": ("--tensor-model-parallel-size", "2"),
     "deepspeed-zero2": ("--deepspeed", "--zero-stage", "2"),
     "deepspeed-zero3": ("--deepspeed", "--zero-stage", "3"),
+    "fsdp2-bf16": ("--use-torch-fsdp2", "--bf16"),
+    "fsdp2-kept-gathered-bf16-reduction": ("--use-torch-fsdp2", "--no-fsdp-reshard-after-forward",
+                                           "--grad-reduce-in-bf16"),
 }
 
 

@@ -3,10 +3,10 @@
 Each rank writes OUT.rank<r>.json: per training iteration, per collective, the calls and the bytes one device moves
 over the wire with ring algorithms (megatron/perf/comm.py's convention): all-reduce of B bytes 2 (n-1)/n B,
 all-gather producing B and reduce-scatter consuming B (n-1)/n B, send or receive of B: B, broadcast (n-1)/n B.
-Counted: torch.distributed's Python collectives (megatron.comm, DeepSpeed, torch's FSDP), and DDP's gradient
-buckets, which a comm hook (DDP's default all-reduce, written in Python) sends through torch.distributed.all_reduce
-instead of the C++ reducer's direct call. Collectives outside an iteration (startup, checkpointing,
-evaluation) are filed under iteration null.
+Counted: torch.distributed's Python collectives (megatron.comm, DeepSpeed, torch's FSDP2: its `*_single` forms),
+and DDP's gradient buckets, which a comm hook (DDP's default all-reduce, written in Python) sends through
+torch.distributed.all_reduce instead of the C++ reducer's direct call. Collectives outside an iteration (startup,
+checkpointing, evaluation) are filed under iteration null.
 """
 from __future__ import annotations
 
@@ -46,7 +46,9 @@ def record(op: str, group: Any, nbytes: int) -> None:
 # name -> (op, index of the tensor argument that has the collective's full size)
 _COLLECTIVES = {
     "all_reduce": ("all-reduce", 0), "all_gather": ("all-gather", 0), "all_gather_into_tensor": ("all-gather", 0),
+    "all_gather_single": ("all-gather", 0),
     "reduce_scatter": ("reduce-scatter", 1), "reduce_scatter_tensor": ("reduce-scatter", 1),
+    "reduce_scatter_single": ("reduce-scatter", 1),
     "broadcast": ("broadcast", 0), "send": ("send", 0), "recv": ("recv", 0), "isend": ("send", 0),
     "irecv": ("recv", 0),
 }
