@@ -37,14 +37,19 @@ def reduce_sequence_parallel_grads(model: nn.Module, tp_group: Any) -> None:
 
 
 @torch.no_grad()
-def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float, tp_group: Any) -> torch.Tensor:
+def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float, tp_group: Any, norm_group: Any = None,
+                   replicas: int = 1) -> torch.Tensor:
     """`torch.nn.utils.clip_grad_norm_` over the logical (unsharded) model; returns the total L2 norm.
 
-    At TP size 1 it is exactly torch's function (unless MEGATRON_FORCE_COLLECTIVES=1 gives TP a one-rank group).
-    The norm stays on the device: no host synchronisation here.
+    The squares are summed over `norm_group` (default: the tensor-parallel group; a pipeline sums over every rank,
+    stages included) and divided by `replicas`, the number of copies of each gradient that group holds (a
+    pipeline's data-parallel replicas). At TP size 1 with no other group it is exactly torch's function (unless
+    MEGATRON_FORCE_COLLECTIVES=1 gives TP a one-rank group). The norm stays on the device: no host
+    synchronisation here.
     """
     params = [p for p in params if p.grad is not None]
-    if not comm.is_active(tp_group):
+    norm_group = tp_group if norm_group is None else norm_group
+    if not comm.is_active(norm_group):
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         # FSDP2's sharded gradients give a DTensor norm, reduced over the mesh: the plain value, on every rank.
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
@@ -61,7 +66,8 @@ def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float, tp_group: An
     total = sum_of_squares(sharded)
     if group_rank(tp_group) == 0:
         total = total + sum_of_squares(replicated)
-    total_norm = all_reduce_sum(total.reshape(1), tp_group)[0].sqrt()
+    total = all_reduce_sum(total.reshape(1), norm_group)[0]
+    total_norm = (total / replicas if replicas > 1 else total).sqrt()
     clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     for p in params:
         p.grad.mul_(clip_coef.to(p.grad.device, p.grad.dtype))

@@ -52,8 +52,7 @@ from megatron.config import RecomputeGranularity
 from megatron.data.provider import Batch
 from megatron.model.build import PipelineStage
 from megatron.optimizer.lr_scheduler import LrScheduler
-from megatron.parallel import vocab_parallel_cross_entropy
-from megatron.parallel.layers import TP_SHARD_DIM
+from megatron.parallel import clip_grad_norm, vocab_parallel_cross_entropy
 from megatron.parallel.tensor_parallel import enter_tensor_parallel_region
 from megatron.parallel_state import ParallelState
 from megatron.training.deepspeed_engine import DeepSpeedBase
@@ -234,38 +233,26 @@ def stage_layers_view(pipe: nn.Module) -> _StageLayers:
 
 
 def _guard_non_finite_steps(optimizer: torch.optim.Optimizer, clip_grad: float, data_parallel_size: int,
-                            tensor_parallel_rank: int = 0) -> None:
+                            tp_group=None) -> None:
     """ZeRO-0 pipelines: make `optimizer.step()` clip by the global norm and skip when it is not finite.
 
     DeepSpeed's pipeline calls `optimizer.step()` once per batch on every rank, after the data-parallel
     gradient reduction, then reads `optimizer.overflow` (a skipped step: `was_step_applied()` is False) and
-    `optimizer._global_grad_norm` (`get_global_grad_norm()`). The norm is summed over all ranks: every stage
-    contributes its layers, each TP rank its shards (replicated parameters count on TP rank 0 only), and each of
-    the DP replicas holds the same reduced gradients, hence the division.
+    `optimizer._global_grad_norm` (`get_global_grad_norm()`). The norm is `grads.clip_grad_norm`'s, the other
+    engines' clipping, summed over all ranks: every stage contributes its layers, each TP rank its shards
+    (replicated parameters count on TP rank 0 only), and the DP replicas, which hold the same reduced gradients,
+    are divided out.
     """
 
     real_step = optimizer.step
     params = [p for group in optimizer.param_groups for p in group["params"]]
 
-    counted = [p for p in params if tensor_parallel_rank == 0 or hasattr(p, TP_SHARD_DIM)]
-
     def step(closure=None):
-        grads = [p.grad for p in params if p.grad is not None]
-        squares = torch.zeros((), dtype=torch.float32, device=params[0].device)
-        for p in counted:
-            if p.grad is not None:
-                squares += p.grad.detach().float().pow(2).sum()
-        comm.all_reduce(squares, comm.world_group())
-        norm = float((squares / data_parallel_size).sqrt())  # host read: the skip decision needs it
-        optimizer._global_grad_norm = norm
+        norm = float(clip_grad_norm(params, clip_grad if clip_grad > 0 else float("inf"), tp_group,
+                                    norm_group=comm.world_group(), replicas=data_parallel_size))
+        optimizer._global_grad_norm = norm  # host read: the skip decision needs it
         optimizer.overflow = not math.isfinite(norm)
-        if optimizer.overflow:
-            return None
-        if clip_grad > 0:
-            coef = clip_grad / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s formula
-            if coef < 1.0:
-                torch._foreach_mul_(grads, coef)
-        return real_step(closure)
+        return None if optimizer.overflow else real_step(closure)
 
     optimizer.step = step
 
@@ -281,7 +268,7 @@ class PipelineEngine(DeepSpeedBase, Engine):
         if self.zero_stage == 0:
             # Without ZeRO, DeepSpeed's pipeline clips and steps whatever the gradients hold: the guard does both.
             _guard_non_finite_steps(optimizer, self.ds_config.get("gradient_clipping", 0.0),
-                                    parallel.data_parallel_size, parallel.tensor_parallel_rank)
+                                    parallel.data_parallel_size, parallel.tensor_parallel_group)
             self.ds_config = {**self.ds_config, "gradient_clipping": 0.0}
         self._wrap(model, optimizer)
         logger.info("DeepSpeed %s pipeline: %d stages x %d data-parallel x %d tensor-parallel, ZeRO stage %d, %s, "

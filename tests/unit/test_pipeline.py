@@ -36,3 +36,33 @@ def test_pipeline_needs_untied_embeddings():
             if a != "--untie-embeddings-and-output-weights"]
     with pytest.raises(ValueError, match="needs --untie-embeddings-and-output-weights"):
         parse_config(argv, world_size=2)
+
+
+def test_zero0_guard_clips_by_the_norm_over_replicas_and_skips_non_finite_steps(monkeypatch):
+    """The ZeRO-0 pipeline's optimizer step: grads.clip_grad_norm over every rank (here one, with collectives
+    forced), each gradient counted once although `replicas` data-parallel copies were summed into the norm."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron import comm
+    from megatron.training.pipeline_engine import _guard_non_finite_steps
+
+    monkeypatch.setenv(comm.FORCE_ENV, "1")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        w = torch.nn.Parameter(torch.zeros(2))
+        opt = torch.optim.SGD([w], lr=1.0)
+        _guard_non_finite_steps(opt, 1.0, 2)
+        w.grad = torch.tensor([3.0, 4.0])  # squares 25, over 2 replicas: 12.5
+        opt.step()
+        norm = torch.tensor(12.5).sqrt()  # IEEE square root: correctly rounded, as the guard's
+        assert not opt.overflow and opt._global_grad_norm == float(norm)
+        coef = torch.tensor(1.0) / (norm + 1e-6)  # below 1: clipped, with torch's formula
+        assert torch.equal(w.detach(), -torch.tensor([3.0, 4.0]) * coef)
+
+        before = w.detach().clone()
+        w.grad = torch.tensor([float("inf"), 1.0])
+        opt.step()
+        assert opt.overflow and torch.equal(w.detach(), before)  # skipped: the weights are untouched
+    finally:
+        dist.destroy_process_group()
