@@ -438,13 +438,13 @@ class Fp8LayerState:
     def uses_step_weight(self, backend: Backend) -> bool:
         """Whether `refresh_step_weight` prepares this layer's FP8 weight (for `backend`, the layer's) for the
         traced path (eagerly, outside the graph; a Smooth-SwiGLU fc2 still makes W diag(c) per call)."""
-        return self.takes_traced_path() and backend.name in STATELESS_BACKENDS
+        return self.takes_traced_path() and backend.name in STATELESS_BACKENDS and not self.weight_per_call
 
     def takes_traced_path(self) -> bool:
         """The configuration is one the traced path implements (traced.py), whatever the call."""
         recipe = self.recipe
         return (self.trace_in_compiled_graph and self.fused_quantization and recipe.tiles is None
-                and not recipe.grad_stochastic_rounding and not self.weight_per_call)
+                and not recipe.grad_stochastic_rounding)
 
     def refresh_step_weight(self, weight: torch.Tensor) -> None:
         """Eagerly, before a compiled block runs (its pre-hook, outside the graph): this step's FP8 weight from the

@@ -117,8 +117,6 @@ def unsupported_reason(config: Any) -> Optional[str]:
         return "--pipeline-model-parallel-size > 1 (DeepSpeed's pipeline engine runs the layers itself)"
     if parallel.deepspeed and parallel.zero_stage == 3:
         return "--zero-stage 3 (ZeRO-3 gathers parameters around each block's forward; use 0, 1 or 2)"
-    if getattr(parallel, "use_torch_fsdp2", False):
-        return "--use-torch-fsdp2 (compiled blocks under FSDP2 are not built yet)"
     return None
 
 

@@ -16,7 +16,6 @@ REFUSED = {
     "pipeline": (["--pipeline-model-parallel-size", "2"], 2, "with --pipeline-model-parallel-size > 1"),
     "fp8adam": (["--optimizer", "fp8adam"], 1, "with --optimizer fp8adam is not built yet"),
     "main-params": (["--bf16", "--params-dtype", "bf16"], 1, "with --params-dtype bf16"),
-    "compile": (["--torch-compile", "on"], 1, "--torch-compile on is not supported with --use-torch-fsdp2"),
 }
 
 
@@ -25,6 +24,15 @@ def test_what_fsdp2_does_not_combine_with_is_refused_in_one_line(argv, world, me
     with pytest.raises(ValueError, match="^[^\n]*$") as error:
         parse_config(tiny_argv("--use-torch-fsdp2", *argv), world_size=world)
     assert message in str(error.value)
+
+
+def test_blocks_are_compiled_under_fsdp2_by_default_on_cuda():
+    """What ZeRO-3 cannot do: `--torch-compile auto` compiles the blocks (FP8 layers traced in) on CUDA, and `on`
+    is accepted everywhere (tests/e2e/test_fsdp2_launch.py runs it)."""
+    from megatron.model.compile import plan_torch_compile
+
+    assert plan_torch_compile(parse_config(tiny_argv("--use-torch-fsdp2"), world_size=2), "cuda").blocks
+    assert parse_config(tiny_argv("--use-torch-fsdp2", "--torch-compile", "on"), world_size=2).parallel.use_torch_fsdp2
 
 
 @pytest.mark.parametrize("flag", ["--grad-reduce-in-bf16", "--no-fsdp-reshard-after-forward"])

@@ -27,12 +27,28 @@ from tests.support.run_noise import assert_losses_within_noise
 
 
 class _Lines(logging.Handler):
+    """The megatron logger's messages from INFO up while attached (`with _Lines() as handler:`), whatever level
+    an earlier test left the logger at."""
+
     def __init__(self) -> None:
         super().__init__()
         self.lines: list[str] = []
+        self._level = logging.NOTSET
 
     def emit(self, record: logging.LogRecord) -> None:
         self.lines.append(record.getMessage())
+
+    def __enter__(self) -> "_Lines":
+        logger = logging.getLogger("megatron")
+        self._level = logger.level
+        logger.setLevel(logging.INFO)
+        logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        logger = logging.getLogger("megatron")
+        logger.removeHandler(self)
+        logger.setLevel(self._level)
 
 
 @pytest.fixture(scope="module")
@@ -45,14 +61,10 @@ def compiled_run(tmp_path_factory):
 
     graphs_before = BLOCK_BACKEND.graphs
     save = tmp_path_factory.mktemp("compiled") / "ckpt"
-    handler = _Lines()
-    logging.getLogger("megatron").addHandler(handler)
-    try:
+    with _Lines() as handler:
         with dynamo_config.patch(fail_on_recompile_limit_hit=True):
             result = pretrain(parse_config(tiny_argv(*FP8, "--torch-compile", "on", save=save, save_interval=12,
                                                      **COMMON)))
-    finally:
-        logging.getLogger("megatron").removeHandler(handler)
     return SimpleNamespace(result=result, lines=handler.lines, save=save, graphs=BLOCK_BACKEND.graphs - graphs_before)
 
 
@@ -168,12 +180,8 @@ def test_a_failed_quantization_compile_is_reported_not_claimed(monkeypatch, capl
     config = parse_config(tiny_argv(*FP8, "--torch-compile", "auto", **{**COMMON, "train_iters": 100}))
     model = GPTModel(config.model)
     convert_to_fp8(model, config.fp8)
-    handler = _Lines()
-    logging.getLogger("megatron").addHandler(handler)
-    try:
+    with _Lines() as handler:
         plan = apply_torch_compile(config, model, torch.device("cpu"))
-    finally:
-        logging.getLogger("megatron").removeHandler(handler)
     assert plan.fp8_quantization and not plan.blocks
     assert fp8_fused.failed_functions()
     lines = [line for line in handler.lines if "torch.compile:" in line]
@@ -222,12 +230,8 @@ def test_a_failed_fp8_trace_falls_back_to_graph_breaks(monkeypatch) -> None:
     model = GPTModel(config.model)
     convert_to_fp8(model, config.fp8)
     before = {n: b.clone() for n, b in model.named_buffers()}
-    handler = _Lines()
-    logging.getLogger("megatron").addHandler(handler)
-    try:
+    with _Lines() as handler:
         plan = compile_mod.apply_torch_compile(config, model, torch.device("cpu"))
-    finally:
-        logging.getLogger("megatron").removeHandler(handler)
     assert plan.blocks and calls == [True, False]
     assert not any(m.fp8.trace_in_compiled_graph for m in model.modules() if isinstance(m, Fp8Linear))
     warned = [line for line in handler.lines if "tracing the FP8 layers" in line]
