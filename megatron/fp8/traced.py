@@ -35,8 +35,8 @@ history, no longer precedes the cast (tests/unit/test_fp8_traced_graph.py). The 
 
 Configurations dynamo would not see through stay on the eager path (a graph break, as before): the tiled
 recipes, stochastic rounding of gradients (its noise comes from the eager generator stream), statistics
-iterations (`Fp8LayerState.stats_enabled`), a Smooth-SwiGLU
-column scale reduced over a TP group (a collective in the block), the Gaudi backend and unfused quantization.
+iterations (`Fp8LayerState.stats_enabled`), a Smooth-SwiGLU column scale reduced over a TP group (a collective in
+the block), the Gaudi backend and unfused quantization.
 `traceable` is the list.
 
 Where it has run: the torch engine (DDP), DeepSpeed ZeRO 0-2, tensor parallelism with sequence parallelism,

@@ -67,7 +67,7 @@ def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float, tp_group: An
     if group_rank(tp_group) == 0:
         total = total + sum_of_squares(replicated)
     total = all_reduce_sum(total.reshape(1), norm_group)[0]
-    total_norm = (total / replicas if replicas > 1 else total).sqrt()
+    total_norm = (total / replicas).sqrt()  # exact for one replica
     clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     for p in params:
         p.grad.mul_(clip_coef.to(p.grad.device, p.grad.dtype))
