@@ -4,11 +4,12 @@
 #   bash examples/llama2_70b_fsdp2.sh        (on every node, NODE_RANK set; or RDZV_ID for a c10d rendezvous)
 #
 # FSDP2 (--use-torch-fsdp2) shards every parameter, gradient and Adam moment over the 64 data-parallel ranks; each
-# transformer block is gathered in BF16 for its forward and again for its backward (docs/distributed.md). FP8 =
-# delayed hybrid scaling (E4M3 forward, E5M2 gradients, power-of-two scales) + Smooth-SwiGLU, with AdamW's FP32
-# moments (Fp8AdamW is not built for FSDP2 yet). Not built yet under FSDP2, and so not used here: tensor
-# parallelism (a 2-D mesh), compiled blocks, gathering the weights in FP8, sharded checkpoint files (each save
-# gathers the full model to rank 0's CPU memory: about 280 GB in FP32 for 70B).
+# transformer block is gathered for its forward and again for its backward (docs/distributed.md): the FP8 layers'
+# weights as FP8 bytes cast on the shards (--fp8-param-gather; fc2, whose columns Smooth-SwiGLU scales per call, and
+# the norms in BF16). FP8 = delayed hybrid scaling (E4M3 forward, E5M2 gradients, power-of-two scales) +
+# Smooth-SwiGLU, with AdamW's FP32 moments (Fp8AdamW is not built for FSDP2 yet). Not built yet under FSDP2, and so
+# not used here: tensor parallelism (a 2-D mesh), compiled blocks together with FP8 gathers, sharded checkpoint files
+# (each save gathers the full model to rank 0's CPU memory: about 280 GB in FP32 for 70B).
 # DRY_RUN=1 resolves and validates the configuration for the 64 ranks without launching anything (synthetic
 # data), and prints the memory estimate per device and the projected step time (PROJECT_ON=h200 by default):
 # tests/e2e/test_examples.py runs it. PRINT_LAUNCH=1 prints the launch command instead of running it.
@@ -44,7 +45,7 @@ TRAIN_ARGS=(
   # a block's input is all it keeps for backward: 80 layers of full activations would not fit. Micro-batches of 4:
   # the sharded weights are gathered for every micro-batch, so 4 per step gather them a quarter as often as 16.
   --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
-  --use-torch-fsdp2
+  --use-torch-fsdp2 --fp8-param-gather
   --fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 16 --fp8-amax-compute-algo max
   --fp8-power-of-two-scales --smooth-swiglu --smooth-swiglu-granularity channel --fp8-backend scaled_mm
   --save "$RUN_DIR/checkpoints" --load "$RUN_DIR/checkpoints" --save-interval 500

@@ -379,6 +379,9 @@ class ParallelConfig:
     grad_reduce_in_bf16: bool = flag(
         "--grad-reduce-in-bf16", group=DISTRIBUTED, default=False,
         help="FSDP2: reduce-scatter gradients in BF16 instead of FP32")
+    fp8_param_gather: bool = flag(
+        "--fp8-param-gather", group=DISTRIBUTED, default=False,
+        help="FSDP2: cast each FP8 linear's weight to FP8 on its shard and all-gather it as 1 byte per element")
     # how long a collective waits for a hung rank
     distributed_timeout_minutes: float = flag("--distributed-timeout-minutes", group=DISTRIBUTED, default=10.0,
                                               help="how long a collective waits for a hung rank before the run fails")
@@ -400,6 +403,7 @@ class ParallelConfig:
         ))
         if not self.use_torch_fsdp2:
             for name, set_ in (("--grad-reduce-in-bf16", self.grad_reduce_in_bf16),
+                               ("--fp8-param-gather", self.fp8_param_gather),
                                ("--no-fsdp-reshard-after-forward", not self.fsdp_reshard_after_forward)):
                 if set_:
                     raise ValueError(f"{name} applies to --use-torch-fsdp2 only: add it, or drop {name}")
@@ -498,6 +502,13 @@ def _check_fsdp2(config: "MegatronConfig") -> None:
          "--params-dtype"),
         (config.optimizer.optimizer == "fp8adam", "with --optimizer fp8adam is not built yet: use --optimizer adam"),
     ))
+    if config.parallel.fp8_param_gather:
+        _raise_first("--fp8-param-gather", (
+            (config.fp8 is None, "gathers FP8 weights: add --fp8-format hybrid (or e4m3)"),
+            (config.fp8 is not None and config.fp8.tiles is not None,
+             f"is not built for the tile recipes (--fp8-recipe {config.fp8.scaling.value if config.fp8 else ''}): "
+             "use delayed or tensorwise scaling, or drop --fp8-param-gather"),
+        ))
 
 
 def _check_tensor_parallel(parallel: ParallelConfig, model: ModelConfig) -> None:

@@ -29,6 +29,7 @@ from megatron.fp8 import fused
 from megatron.fp8 import stats as fp8_stats
 from megatron.fp8.backends import STATELESS_BACKENDS, Backend, backend_format_spec, select_backend
 from megatron.fp8.formats import Fp8FormatSpec
+from megatron.fp8.gathered import Fp8GatheredWeight
 from megatron.fp8.quantize import amax_of, column_scaled, compute_scale, nonfinite_guard
 from megatron.fp8.recipe import Fp8Recipe, Fp8Scaling
 from megatron.fp8.scaling import Fp8Role, record_step_amax, role_dtypes
@@ -125,6 +126,9 @@ class Fp8LayerState:
         self.num_updates = 0  # optimizer steps seen by the delayed-scaling update
         self.weight_quantizations = 0  # how often the weight was cast (once per step when cached)
         self.column_maxima_passes = 0  # how often W's column maxima were computed (once per step when cached)
+        # How often what was made from the weight was dropped (`forget_weights`: each optimizer step, a changed cast):
+        # the key of what is made from it outside this state (FSDP2's FP8 gather scales, fp8_gather.py).
+        self.weight_generation = 0
         self.weight_cache: Any = None  # QuantizedWeight, or tiled.TiledWeight under the fine-grained recipes
         # This step's FP8 weight for the traced path (its GEMM operand, scale, amax, W^T as a row-major copy for
         # backends that want one, else None), set outside the compiled graph by `refresh_step_weight` (a compiled
@@ -351,7 +355,10 @@ class Fp8LayerState:
     # --- the weight ------------------------------------------------------------------------------------------------
 
     def quantized_weight(self, weight: torch.Tensor, backend: Backend, spec: Fp8FormatSpec) -> QuantizedWeight:
-        """This step's FP8 weight: cached (made on the first call after an update), or per call under ZeRO-3."""
+        """This step's FP8 weight: cached (made on the first call after an update), per call under ZeRO-3, or the
+        FP8 weight FSDP2 gathered (`Fp8GatheredWeight`, cast on the shards: taken as it is)."""
+        if isinstance(weight, Fp8GatheredWeight):
+            return QuantizedWeight(None, weight._data, weight._scale, weight._amax)
         key = (*weight_storage_key(weight), backend.name)
         cache = self.weight_cache
         if isinstance(cache, QuantizedWeight) and cache.key == key:
@@ -387,7 +394,10 @@ class Fp8LayerState:
     def requantized_weight(self, weight: torch.Tensor, backend: Backend, spec: Fp8FormatSpec, scale: torch.Tensor,
                            amax: torch.Tensor, column_scale: torch.Tensor | None) -> QuantizedWeight:
         """The forward's FP8 weight (or W diag(c)) made again with its scale: the same values and scale give the
-        same bits (the fused and eager casts are bitwise equal, tests/unit/test_fp8_fused.py). Records nothing."""
+        same bits (the fused and eager casts are bitwise equal, tests/unit/test_fp8_fused.py); a weight FSDP2
+        gathered in FP8 is that FP8 weight again. Records nothing."""
+        if isinstance(weight, Fp8GatheredWeight):
+            return QuantizedWeight(None, weight._data, weight._scale, weight._amax)
         with torch.no_grad():
             q, values = self.cast_weight(weight, backend, spec, scale, self.weight_values_dtype(backend), column_scale)
         return QuantizedWeight(None, q, scale, amax, values=values)
@@ -473,6 +483,7 @@ class Fp8LayerState:
     def forget_weights(self) -> None:
         """Drop the FP8 weight and W's column maxima; the next forward re-quantizes (after each optimizer step,
         `fp8_optimizer_step`, and when the weight's device changes)."""
+        self.weight_generation += 1
         self.weight_cache = None
         self.step_weight = None
         self.column_maxima_cache = self.step_column_maxima = None

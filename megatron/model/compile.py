@@ -26,9 +26,11 @@ What is compiled
 `plan_torch_compile` decides, from the flag, the device and the run:
 
     --torch-compile   blocks                                   FP8 quantization
-    on                compiled (refused with PP or ZeRO-3)     compiled
+    on                compiled (refused with PP, ZeRO-3 or     compiled
+                      --fp8-param-gather)
     off               eager                                    eager (nothing is compiled)
-    auto, CUDA        compiled, or eager with PP / ZeRO-3      compiled
+    auto, CUDA        compiled, or eager with PP / ZeRO-3 /    compiled
+                      --fp8-param-gather
     auto, CPU         eager                                    compiled for runs of >= FUSED_MIN_ITERS iterations
     auto, HPU         eager                                    eager (Gaudi casts in its own kernels)
 
@@ -117,6 +119,8 @@ def unsupported_reason(config: Any) -> Optional[str]:
         return "--pipeline-model-parallel-size > 1 (DeepSpeed's pipeline engine runs the layers itself)"
     if parallel.deepspeed and parallel.zero_stage == 3:
         return "--zero-stage 3 (ZeRO-3 gathers parameters around each block's forward; use 0, 1 or 2)"
+    if parallel.fp8_param_gather:
+        return "--fp8-param-gather (its gathered FP8 weight is not traced into a compiled block yet)"
     return None
 
 

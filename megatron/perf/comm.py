@@ -42,7 +42,7 @@ from typing import Optional
 from megatron.config import MegatronConfig
 from megatron.perf.hardware import COMM_EFFICIENCY, Device
 from megatron.perf import outside
-from megatron.perf.flops import block_linear_weights
+from megatron.perf.flops import block_linear_weights, fp8_gathered_parameters
 from megatron.perf.outside import device_parameters
 
 # Per-collective latency (NCCL's small-message all-reduce on NVLink is ~10 us; across nodes ~20-30 us).
@@ -153,9 +153,11 @@ def step_collectives(config: MegatronConfig, devices_per_node: int,
 def _fsdp2_collectives(config: MegatronConfig, params: float, micro: int, dp_inter: bool) -> list[Collective]:
     """FSDP2 (megatron/training/fsdp2.py): each micro-batch gathers the weights for forward (BF16 under --bf16, else
     FP32) and again for backward unless --no-fsdp-reshard-after-forward; the gradients are reduce-scattered once per
-    step, after the last micro-batch (FP32, or BF16 with --grad-reduce-in-bf16)."""
+    step, after the last micro-batch (FP32, or BF16 with --grad-reduce-in-bf16). Under --fp8-param-gather the FP8
+    layers' weights travel as 1 byte per element."""
     p, data_parallel = config.parallel, config.training.data_parallel_size
-    gather = (2.0 if config.training.bf16 else 4.0) * params
+    fp8 = fp8_gathered_parameters(config)
+    gather = (2.0 if config.training.bf16 else 4.0) * (params - fp8) + 1.0 * fp8
     out = [Collective("FSDP2 weight all-gather (forward)", "all-gather", gather, data_parallel, micro, dp_inter,
                       "forward"),
            Collective("FSDP2 gradient reduce-scatter", "reduce-scatter",

@@ -5,7 +5,9 @@ building the model, so everything here is computed from the config alone.
 """
 from __future__ import annotations
 
-from megatron.config import MegatronConfig, ModelConfig, PositionEmbedding, RecomputeGranularity
+from megatron.config import (
+    MegatronConfig, ModelConfig, PositionEmbedding, RecomputeGranularity, SmoothSwiGLUGranularity,
+)
 
 
 def sharding_stage(cfg: MegatronConfig) -> int:
@@ -111,6 +113,20 @@ def memory_estimate_bytes(cfg: MegatronConfig) -> dict[str, float]:
     out["total_GiB"] = sum(out.values())
     out["fp8_weights_in_step_GiB"] = fp8_weight_copy_bytes(cfg) / gib
     return out
+
+
+def fp8_gathered_parameters(cfg: MegatronConfig) -> float:
+    """Parameters per device that FSDP2 gathers in FP8 under --fp8-param-gather (megatron/training/fp8_gather.py):
+    the FP8 layers' weight matrices, less fc2 where it stays BF16 or scales its weight columns per call
+    (Smooth-SwiGLU's channel form)."""
+    m, p = cfg.model, cfg.parallel
+    if cfg.fp8 is None or not (p.use_torch_fsdp2 and p.fp8_param_gather):
+        return 0.0
+    column_scaled = m.smooth_swiglu is SmoothSwiGLUGranularity.CHANNEL
+    linears = [n for name, n in block_linear_weights(m).items()
+               if not (name == "fc2" and (cfg.fp8.mlp_fc2_bf16 or column_scaled))]
+    fp8_layers = max(m.num_layers - 2 * cfg.fp8.first_last_layers_bf16, 0)
+    return sum(linears) * fp8_layers / (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
 
 
 def fp8_weight_copy_bytes(cfg: MegatronConfig) -> float:

@@ -20,8 +20,9 @@ from megatron.perf.step import Projection, days, project
 
 
 def bf16_twin(config: MegatronConfig) -> MegatronConfig:
-    """The same run in BF16: no FP8 recipe, no Smooth-SwiGLU, AdamW."""
+    """The same run in BF16: no FP8 recipe, no Smooth-SwiGLU, no FP8 weight gathers, AdamW."""
     return dataclasses.replace(config, fp8=None, model=dataclasses.replace(config.model, smooth_swiglu=None),
+                               parallel=dataclasses.replace(config.parallel, fp8_param_gather=False),
                                optimizer=config.optimizer.adamw())
 
 

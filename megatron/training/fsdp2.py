@@ -63,16 +63,40 @@ def apply_fsdp2(model: nn.Module, config: MegatronConfig, parallel: ParallelStat
     # writes into it in place, which is what would skip the pre-backward hook.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPGPTModel\) returned a view tensor")
     fp8_layers = fp8_weights_per_call(model)
+    gathered = _fp8_gathered_layers(model, config)
     blocks = transformer_blocks(model)
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+    if gathered:
+        from megatron.training.fp8_gather import GatherScales
+
+        model.fp8_gather_scales = GatherScales(model, gathered, group, policy.param_dtype)
     logger.info("FSDP2: %d blocks and the root sharded over %d data-parallel ranks; parameters gathered in %s, "
-                "gradients reduced in %s%s; %d FP8 layers cast their gathered weight per call", len(blocks),
+                "gradients reduced in %s%s; %d FP8 layers cast their gathered weight per call%s", len(blocks),
                 mesh.size(), "BF16" if config.training.bf16 else "FP32",
                 "BF16" if parallel_cfg.grad_reduce_in_bf16 else "FP32",
-                "" if reshard else ", gathered parameters kept from forward to backward", fp8_layers)
+                "" if reshard else ", gathered parameters kept from forward to backward", fp8_layers - len(gathered),
+                f", {len(gathered)} gather their weight in FP8 (--fp8-param-gather)" if gathered else "")
     return len(blocks) + 1
+
+
+def _fp8_gathered_layers(model: nn.Module, config: MegatronConfig) -> list[nn.Module]:
+    """`--fp8-param-gather`: the FP8 linears whose weight FSDP2 will gather in FP8, their weights wrapped for it
+    (megatron/training/fp8_gather.py); the others, if any, are named in the log."""
+    if not config.parallel.fp8_param_gather:
+        return []
+    from megatron.fp8 import Fp8Linear
+    from megatron.training.fp8_gather import eligible_layers, wrap_weights
+
+    layers = eligible_layers(model)
+    wrap_weights(layers)
+    chosen = {id(m) for m in layers}
+    others = [name for name, m in model.named_modules() if isinstance(m, Fp8Linear) and id(m) not in chosen]
+    if others:
+        logger.info("--fp8-param-gather: %d FP8 layers gather their weight in high precision (their weight columns "
+                    "are scaled per call, Smooth-SwiGLU's fc2): %s", len(others), ", ".join(others[:4]))
+    return layers
 
 
 class Fsdp2Engine(TorchEngine):
@@ -98,14 +122,12 @@ class Fsdp2Engine(TorchEngine):
 
     def _full_states(self) -> tuple[dict, Optional[dict]]:
         """(the model's full state dict, the optimizer's in `optimizer.state_dict()`'s numbering), on rank 0's CPU."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
-        )
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        model_state = get_model_state_dict(self.model, options=options)
+        model_state = full_model_state(self.model)
         if not self.save_optimizer:
             return model_state, None
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         optim_state = get_optimizer_state_dict(self.model, self.optimizer, options=options)
         return model_state, _numbered(optim_state) if self.parallel.is_logging_rank else None
 
@@ -123,6 +145,9 @@ class Fsdp2Engine(TorchEngine):
         ckpt.check_model_state(self.model, payload["model"], loaded["path"])
         options = StateDictOptions(full_state_dict=True)
         set_model_state_dict(self.model, payload["model"], options=options)
+        gather_scales = getattr(self.model, "fp8_gather_scales", None)
+        if gather_scales is not None:  # --fp8-param-gather: the scales of the loaded weights
+            gather_scales.forget()
         if load_optimizer and not module_only:
             if "optimizer" not in payload:
                 raise ckpt.CheckpointError(f"{loaded['path']} has no optimizer state (saved with --no-save-optim); "
@@ -130,6 +155,17 @@ class Fsdp2Engine(TorchEngine):
             named = _named(payload["optimizer"], self.optimizer, self.model)
             set_optimizer_state_dict(self.model, self.optimizer, named, options=options)
         return loaded
+
+
+def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The FSDP2 model's full state dict on CPU (a collective: every rank calls it), as plain tensors (an FP8-gathered
+    shard, `--fp8-param-gather`, is its high-precision values: on one rank the gather returns the shard itself)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from megatron.training.fp8_gather import plain_tensor
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {name: plain_tensor(value) for name, value in state.items()}
 
 
 def _param_names(optimizer: torch.optim.Optimizer, model: nn.Module) -> list[list[str]]:

@@ -32,6 +32,7 @@ LAYOUTS = {
     "fsdp2-bf16": ("--use-torch-fsdp2", "--bf16"),
     "fsdp2-kept-gathered-bf16-reduction": ("--use-torch-fsdp2", "--no-fsdp-reshard-after-forward",
                                            "--grad-reduce-in-bf16"),
+    "fsdp2-fp8-param-gather": ("--use-torch-fsdp2", "--bf16", "--fp8-format", "hybrid", "--fp8-param-gather"),
 }
 
 

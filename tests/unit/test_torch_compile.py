@@ -109,10 +109,10 @@ def test_auto_is_on_for_cuda_only() -> None:
         resolve_torch_compile("yes", "cpu")
 
 
-def _plan_config(mode: str, iters: int, pp: int = 1, zero=None):
+def _plan_config(mode: str, iters: int, pp: int = 1, zero=None, fp8_param_gather: bool = False):
     return SimpleNamespace(training=SimpleNamespace(torch_compile=mode, train_iters=iters),
                            parallel=SimpleNamespace(pipeline_model_parallel_size=pp, deepspeed=zero is not None,
-                                                    zero_stage=zero))
+                                                    zero_stage=zero, fp8_param_gather=fp8_param_gather))
 
 
 @pytest.mark.parametrize("mode,device,iters,pp,zero,blocks,quant", [
@@ -134,11 +134,16 @@ def test_compile_plan_table(mode, device, iters, pp, zero, blocks, quant) -> Non
         assert str(iters) in plan.why_fp8  # the log line names the rule it applied
 
 
+def test_fp8_param_gather_keeps_the_blocks_eager_under_auto() -> None:
+    plan = plan_torch_compile(_plan_config("auto", 2, fp8_param_gather=True), "cuda")
+    assert not plan.blocks and "--fp8-param-gather" in plan.why_blocks
+
+
 @pytest.mark.parametrize("pp,deepspeed,zero,needle", [(2, False, None, "--pipeline-model-parallel-size"),
                                                        (1, True, 3, "--zero-stage 3")])
 def test_unsupported_combinations_are_refused(pp, deepspeed, zero, needle) -> None:
     config = SimpleNamespace(parallel=SimpleNamespace(pipeline_model_parallel_size=pp, deepspeed=deepspeed,
-                                                      zero_stage=zero))
+                                                      zero_stage=zero, fp8_param_gather=False))
     with pytest.raises(ValueError, match=re.escape(needle)):
         check_torch_compile_supported(config)
 
