@@ -39,7 +39,8 @@ def reduce_sequence_parallel_grads(model: nn.Module, tp_group: Any) -> None:
 @torch.no_grad()
 def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float, tp_group: Any, norm_group: Any = None,
                    replicas: int = 1) -> torch.Tensor:
-    """`torch.nn.utils.clip_grad_norm_` over the logical (unsharded) model; returns the total L2 norm.
+    """`torch.nn.utils.clip_grad_norm_` over the logical (unsharded) model; returns the total L2 norm. `max_norm` 0
+    (`--clip-grad 0`, Megatron's "no clipping") computes the norm and clips nothing.
 
     The squares are summed over `norm_group` (default: the tensor-parallel group; a pipeline sums over every rank,
     stages included) and divided by `replicas`, the number of copies of each gradient that group holds (a
@@ -48,6 +49,7 @@ def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float, tp_group: An
     synchronisation here.
     """
     params = [p for p in params if p.grad is not None]
+    max_norm = max_norm if max_norm > 0 else float("inf")  # a coefficient of exactly 1: the gradients unchanged
     norm_group = tp_group if norm_group is None else norm_group
     if not comm.is_active(norm_group):
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)

@@ -59,7 +59,7 @@ def guarded_step(params: Sequence[nn.Parameter], clip_grad: float, tp_group, los
     (`grads.clip_grad_norm`, over the tensor-parallel shards; 0: no clipping), then `skip()` when the loss or the
     norm is not finite (one host read: the decision), else `step()` (set the LR, step the optimizer).
     Returns (grad norm, stepped); the norm stays on the device."""
-    grad_norm = clip_grad_norm(params, clip_grad if clip_grad > 0 else float("inf"), tp_group)
+    grad_norm = clip_grad_norm(params, clip_grad, tp_group)
     if not bool(loss_finite & torch.isfinite(grad_norm)):
         skip()
         return grad_norm, False

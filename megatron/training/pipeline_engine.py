@@ -248,8 +248,8 @@ def _guard_non_finite_steps(optimizer: torch.optim.Optimizer, clip_grad: float, 
     params = [p for group in optimizer.param_groups for p in group["params"]]
 
     def step(closure=None):
-        norm = float(clip_grad_norm(params, clip_grad if clip_grad > 0 else float("inf"), tp_group,
-                                    norm_group=comm.world_group(), replicas=data_parallel_size))
+        norm = float(clip_grad_norm(params, clip_grad, tp_group, norm_group=comm.world_group(),
+                                    replicas=data_parallel_size))
         optimizer._global_grad_norm = norm  # host read: the skip decision needs it
         optimizer.overflow = not math.isfinite(norm)
         return None if optimizer.overflow else real_step(closure)
