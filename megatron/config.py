@@ -271,6 +271,10 @@ class CheckpointConfig:
     no_load_rng: bool = flag("--no-load-rng", group=CHECKPOINTING, default=False)
     finetune: bool = flag("--finetune", group=CHECKPOINTING, default=False,
                           help="load weights only; reset iteration and optimizer")
+    ckpt_format: str = flag(
+        "--ckpt-format", group=CHECKPOINTING, default="torch", choices=["torch", "torch_dist"],
+        help="torch: full tensors written by rank 0 (every engine); torch_dist: each rank writes its shards through "
+             "torch.distributed.checkpoint (--use-torch-fsdp2)")
     verify: bool = False  # --verify-checkpoint (megatron/compat.py): each file read back and compared before the commit
     # --keep-last-n-checkpoints: older checkpoints removed after each save
     keep_last: Optional[int] = flag(
@@ -494,6 +498,9 @@ def _check_main_params(config: "MegatronConfig") -> None:
 
 def _check_fsdp2(config: "MegatronConfig") -> None:
     """What FSDP2 does not combine with yet, beyond the parallel layout (ParallelConfig's own checks)."""
+    if config.checkpoint.ckpt_format == "torch_dist" and not config.parallel.use_torch_fsdp2:
+        raise ValueError("--ckpt-format torch_dist (sharded checkpoints) is built for --use-torch-fsdp2 only: add it, "
+                         "or use --ckpt-format torch")
     if not config.parallel.use_torch_fsdp2:
         return
     _raise_first("--use-torch-fsdp2", (

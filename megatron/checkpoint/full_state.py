@@ -41,7 +41,7 @@ from typing import Any, Optional
 
 import torch
 
-from megatron.checkpoint import layouts
+from megatron.checkpoint import dcp_io, layouts
 from megatron.checkpoint import store as ckpt
 from megatron.checkpoint.configs import model_config_from_dict
 from megatron.checkpoint.deepspeed_io import CLIENT_KEY, DS_MODEL_FILE
@@ -255,6 +255,17 @@ def _read_torch_layouts(folder: Path, names, model, model_config) -> tuple[Optio
     return {"params": _torch_optimizer_moments(states, names, model, model_config), **_optimizer_meta(states[0])}, extras
 
 
+def _read_torch_dist(folder: Path) -> tuple[Optional[dict], dict]:
+    """A sharded (DCP) checkpoint's optimizer state, keyed by name already, and rank 0's extras (dcp_io.py)."""
+    extras = {k: v for k, v in dcp_io.read_extras(folder).items() if k not in ("checkpoint_version", "iteration")}
+    saved = dcp_io.full_optimizer(folder)
+    if saved is None:
+        return None, extras
+    params = {name: {m: entry[m].float() for m in MOMENTS} | {"step": _step(entry)}
+              for name, entry in saved["state"].items()}
+    return {"params": params, **_optimizer_meta(saved)}, extras
+
+
 def _saved_tp(config: dict) -> int:
     return int(config.get("parallel", {}).get("tensor_model_parallel_size", 1) or 1)
 
@@ -374,6 +385,8 @@ def read_full_state(folder: Path) -> FullState:
     names = list(model)
     if layout in (layouts.SINGLE, layouts.TENSOR_PARALLEL):
         optimizer, extras = _read_torch_layouts(folder, names, model, model_config)
+    elif layout == layouts.TORCH_DIST:
+        optimizer, extras = _read_torch_dist(folder)
     elif layout == layouts.DEEPSPEED:
         optimizer, extras = _read_deepspeed(folder, names, model, model_config, _saved_tp(config))
     elif layout == layouts.PIPELINE:

@@ -13,6 +13,8 @@ An iteration folder (`iter_XXXXXXX/`) holds one of these layouts; `detect_layout
     pipeline          layer_<i>-model_<t>-model_states.pt per pipeline       embedding (0), transformer layers
                       layer i and TP rank t                                  (1..L), final norm + head (L+1); TP
                                                                              shards merged per layer
+    torch_dist        dcp/.metadata + dcp/__<rank>_0.distcp, extras.pt       every rank's shards, read whole by
+                      (FSDP2's sharded checkpoints, dcp_io.py)               torch.distributed.checkpoint
 
 Tensor parallelism under DeepSpeed keeps the layout's name (the files say how many TP ranks wrote it): DeepSpeed
 numbers its files by "model-parallel rank", which is the TP rank without a pipeline and stage x TP + TP rank in
@@ -30,19 +32,22 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from megatron.checkpoint import dcp_io
 from megatron.checkpoint import store as ckpt
 from megatron.checkpoint.configs import model_config_from_dict
 from megatron.checkpoint.deepspeed_io import CLIENT_KEY, DS_MODEL_FILE, deepspeed_safe_globals
 from megatron.config import ModelConfig
 from megatron.parallel.layout import merge_state_dicts
 
-SINGLE, TENSOR_PARALLEL, DEEPSPEED, DEEPSPEED_ZERO3, PIPELINE = (
-    "single", "tensor_parallel", "deepspeed", "deepspeed_zero3", "pipeline")
+SINGLE, TENSOR_PARALLEL, DEEPSPEED, DEEPSPEED_ZERO3, PIPELINE, TORCH_DIST = (
+    "single", "tensor_parallel", "deepspeed", "deepspeed_zero3", "pipeline", "torch_dist")
 _PIPE_LAYER = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt")
 
 
 def detect_layout(path: Path) -> str | None:
     """The layout of iteration folder `path`, or None when it holds no checkpoint we wrote."""
+    if dcp_io.is_dcp(path):
+        return TORCH_DIST
     if ckpt.model_file(path, 1).exists():
         return TENSOR_PARALLEL
     if ckpt.model_file(path).exists():
@@ -191,6 +196,8 @@ def read_model_state(path: Path, model_config: ModelConfig) -> tuple[dict[str, t
         return state, {k: v for k, v in shards[0].items() if k != "model"}, layout
     if layout == DEEPSPEED:
         return *_deepspeed_state(path, model_config), layout
+    if layout == TORCH_DIST:
+        return dcp_io.full_model(path), dcp_io.read_extras(path), layout
     extras: dict = {}
     # Our client state (LR schedule, RNG, FP8) sits in DeepSpeed's model-states file (rank 0's under ZeRO-3).
     model_states = path / (DS_MODEL_FILE if layout != DEEPSPEED_ZERO3 else "zero_pp_rank_0_mp_rank_00_model_states.pt")

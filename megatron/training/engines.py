@@ -25,9 +25,11 @@ def build_engine(config, model: nn.Module, optimizer: torch.optim.Optimizer, sch
     if config.parallel.use_torch_fsdp2:
         from megatron.training.fsdp2 import Fsdp2Engine
 
-        return Fsdp2Engine(model, optimizer, scheduler, parallel, config.optimizer.clip_grad, accel=accel,
-                           save_optimizer=not config.checkpoint.no_save_optim,
-                           verify_checkpoints=config.checkpoint.verify)
+        engine = Fsdp2Engine(model, optimizer, scheduler, parallel, config.optimizer.clip_grad, accel=accel,
+                             save_optimizer=not config.checkpoint.no_save_optim,
+                             verify_checkpoints=config.checkpoint.verify)
+        engine.sharded_checkpoints = config.checkpoint.ckpt_format == "torch_dist"
+        return engine
     return TorchEngine(model, optimizer, scheduler, parallel, config.optimizer.clip_grad, accel=accel,
                        save_optimizer=not config.checkpoint.no_save_optim,
                        bf16_params=config.training.params_dtype == "bf16",

@@ -134,6 +134,18 @@ def plain_tensor(t: Any) -> Any:
     return t._tensor if isinstance(t, Fp8ShardWeight) else t
 
 
+def plain_dtensor(t: Any) -> Any:
+    """A DTensor whose local tensor is an `Fp8ShardWeight` as one around the plain tensor inside (the same storage:
+    what DCP writes, and loads into); anything else as it is."""
+    local = getattr(t, "_local_tensor", None)
+    if not isinstance(local, Fp8ShardWeight):
+        return t
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local._tensor, t.device_mesh, t.placements, run_check=False, shape=t.shape,
+                              stride=t.stride())
+
+
 def eligible_layers(model: nn.Module) -> list[nn.Module]:
     """The FP8 linears whose weight can travel in FP8: per-tensor recipes, and not a column-scaled weight
     (Smooth-SwiGLU's fc2, which needs W itself)."""

@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import logging
 import warnings
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron.checkpoint import dcp_io, reshard
 from megatron.checkpoint import store as ckpt
 from megatron.config import MegatronConfig
 from megatron.parallel_state import ParallelState
@@ -103,6 +105,7 @@ class Fsdp2Engine(TorchEngine):
     """The torch engine around an FSDP2-sharded model (module docstring)."""
 
     wraps_in_ddp = False
+    sharded_checkpoints = False  # --ckpt-format torch_dist: each rank writes its shards (checkpoint/dcp_io.py)
 
     def micro_batch_context(self, is_last: bool):
         """Gradients are reduce-scattered only after the last micro-batch of the step (as DDP's `no_sync`)."""
@@ -111,7 +114,13 @@ class Fsdp2Engine(TorchEngine):
 
     def save_checkpoint(self, save_dir: str, iteration: int, extras: dict, train_state: dict,
                         config: dict) -> None:
-        """Every rank takes part in gathering; rank 0 writes the torch engine's files."""
+        """Every rank takes part in gathering; rank 0 writes the torch engine's files. Sharded (--ckpt-format
+        torch_dist): every rank writes its own shards."""
+        if self.sharded_checkpoints:
+            dcp_io.save_sharded_checkpoint(save_dir, iteration, self._sharded_state(self.save_optimizer), extras,
+                                           train_state, config, self.parallel.rank, self._group(),
+                                           self.parallel.host_group)
+            return
         model_state, optim_state = self._full_states()
         payload = None
         if self.parallel.is_logging_rank:
@@ -131,13 +140,51 @@ class Fsdp2Engine(TorchEngine):
         optim_state = get_optimizer_state_dict(self.model, self.optimizer, options=options)
         return model_state, _numbered(optim_state) if self.parallel.is_logging_rank else None
 
+    def _forget_gather_scales(self) -> None:
+        _forget_gather_scales_of(self.model)
+
+    def _group(self) -> Any:
+        return self.parallel.data_parallel_group if self.parallel.data_parallel_group is not None else dist.group.WORLD
+
+    def _sharded_state(self, with_optimizer: bool) -> dict[str, Any]:
+        """This rank's shards of the model and (optionally) the optimizer state, as DCP stores them (dcp_io.py)."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        from megatron.training.fp8_gather import plain_dtensor
+
+        model_state = {name: plain_dtensor(value) for name, value in get_model_state_dict(self.model).items()}
+        optim_state = get_optimizer_state_dict(self.model, self.optimizer) if with_optimizer else None
+        return dcp_io.flat_state(model_state, optim_state)
+
+    def _load_sharded(self, folder: Path, load_optimizer: bool) -> dict:
+        """Each rank reads the pieces of the saved shards its own shards overlap (any data-parallel size)."""
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        has_optimizer = dcp_io.GROUPS in dcp_io.saved_keys(folder)
+        if load_optimizer and not has_optimizer:
+            raise ckpt.CheckpointError(f"{folder} has no optimizer state (saved with --no-save-optim); pass "
+                                       "--no-load-optim or --finetune")
+        flat = self._sharded_state(load_optimizer)
+        dcp_io.read_sharded(folder, flat, self._group())
+        model_state, optim_state = dcp_io.nested_state(flat)
+        set_model_state_dict(self.model, model_state)
+        if optim_state is not None:
+            set_optimizer_state_dict(self.model, self.optimizer, optim_state)
+        return {"payload": dcp_io.read_extras(folder), "train_state": ckpt.read_json(folder / "train_state.json"),
+                "config": ckpt.read_json(folder / "config.json"), "path": folder}
+
     def load_checkpoint(self, load_dir: str, load_optimizer: bool, module_only: bool,
                         iteration: Optional[int] = None) -> Optional[dict]:
-        """Every rank reads the full files and keeps its shards."""
+        """Every rank reads the full files and keeps its shards; a sharded checkpoint, its overlapping pieces."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions, set_model_state_dict, set_optimizer_state_dict,
         )
 
+        folder = reshard.newest_folder(load_dir, iteration)
+        if folder is not None and dcp_io.is_dcp(folder):
+            loaded = self._load_sharded(folder, load_optimizer and not module_only)
+            self._forget_gather_scales()
+            return loaded
         loaded = ckpt.load_checkpoint_files(load_dir, mp_rank=0, iteration=iteration)
         if loaded is None:
             return None
@@ -145,9 +192,7 @@ class Fsdp2Engine(TorchEngine):
         ckpt.check_model_state(self.model, payload["model"], loaded["path"])
         options = StateDictOptions(full_state_dict=True)
         set_model_state_dict(self.model, payload["model"], options=options)
-        gather_scales = getattr(self.model, "fp8_gather_scales", None)
-        if gather_scales is not None:  # --fp8-param-gather: the scales of the loaded weights
-            gather_scales.forget()
+        self._forget_gather_scales()
         if load_optimizer and not module_only:
             if "optimizer" not in payload:
                 raise ckpt.CheckpointError(f"{loaded['path']} has no optimizer state (saved with --no-save-optim); "
@@ -155,6 +200,12 @@ class Fsdp2Engine(TorchEngine):
             named = _named(payload["optimizer"], self.optimizer, self.model)
             set_optimizer_state_dict(self.model, self.optimizer, named, options=options)
         return loaded
+
+
+def _forget_gather_scales_of(model: nn.Module) -> None:
+    gather_scales = getattr(model, "fp8_gather_scales", None)
+    if gather_scales is not None:  # --fp8-param-gather: the scales of the loaded weights
+        gather_scales.forget()
 
 
 def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -52,6 +52,10 @@ def checkpoint_tensors(folder, iteration: int) -> dict:
 
     for path in sorted(final.rglob("*.pt")):
         walk(str(path.relative_to(final)), torch.load(path, map_location="cpu", weights_only=False))
+    if (final / "dcp").is_dir():  # --ckpt-format torch_dist: every saved key, whole
+        from megatron.checkpoint import dcp_io
+
+        walk("dcp", dcp_io.read_full(final))
     assert out, f"no tensors in {final}"
     return out
 

@@ -87,3 +87,10 @@ def test_the_performance_model_shards_all_three_and_counts_fsdp2s_collectives():
     names = {c.name: c for c in step_collectives(kept, devices_per_node=8)}
     assert "FSDP2 weight all-gather (backward)" not in names
     assert names["FSDP2 gradient reduce-scatter"].bytes == 2.0 * params
+
+
+def test_sharded_checkpoints_need_fsdp2():
+    with pytest.raises(ValueError, match="^--ckpt-format torch_dist .* --use-torch-fsdp2 only"):
+        parse_config(tiny_argv("--ckpt-format", "torch_dist"))
+    assert parse_config(tiny_argv("--use-torch-fsdp2", "--ckpt-format", "torch_dist"),
+                        world_size=2).checkpoint.ckpt_format == "torch_dist"

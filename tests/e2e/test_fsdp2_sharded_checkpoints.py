@@ -1,0 +1,83 @@
+"""`--ckpt-format torch_dist` under FSDP2, 2 processes over gloo: each rank writes its shards through
+torch.distributed.checkpoint into our folder layout (megatron/checkpoint/dcp_io.py).
+
+- A run stopped halfway and resumed from its sharded checkpoint ends bitwise where the straight run ends (every
+  saved key: weights, Adam's moments and steps, FP8 scaling state, RNG).
+- Resharded: loaded into FSDP2 on one rank and saved again at once, the checkpoint holds the same bits.
+- Every other reader takes it whole: the torch engine (one rank) resumes from it and trains on, and the Hugging Face
+  export reads its weights.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.support.config import tiny_argv
+from tests.support.launch import REPO, launch_checked
+from tests.support.logs import losses
+from tests.support.training import bitwise_differences, checkpoint_tensors
+
+ITERS = 6
+RUN = dict(train_iters=ITERS, micro_batch_size=2, global_batch_size=8, eval_iters=1, eval_interval=ITERS,
+           log_interval=1, save_interval=ITERS // 2)
+SHARDED = ("--use-torch-fsdp2", "--ckpt-format", "torch_dist", "--bf16", "--fp8-format", "hybrid",
+           "--fp8-param-gather")
+
+
+def _train(folder, *switches, nproc: int = 2, **overrides) -> str:
+    return launch_checked(nproc, tiny_argv(*switches, **{**RUN, "save": folder, **overrides}), stdout_tail=0).stderr
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sharded")
+    straight = _train(root / "straight", *SHARDED)
+    _train(root / "resumed", *SHARDED, exit_interval=ITERS // 2)
+    resumed = _train(root / "resumed", *SHARDED, load=root / "resumed")
+    return root, straight, resumed
+
+
+def test_each_rank_writes_its_shards_and_a_resume_is_bitwise(runs):
+    root, straight, resumed = runs
+    final = root / "straight" / f"iter_{ITERS:07d}"
+    assert sorted(p.name for p in (final / "dcp").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert not (final / "mp_rank_00").exists()
+    assert losses(resumed) == losses(straight)[ITERS // 2:]
+    different = bitwise_differences(checkpoint_tensors(root / "resumed", ITERS),
+                                    checkpoint_tensors(root / "straight", ITERS))
+    assert not different, different[:10]
+
+
+def test_it_reshards_to_one_rank_bitwise(runs, tmp_path):
+    root, _, _ = runs
+    log = _train(tmp_path / "one", *SHARDED, nproc=1, load=root / "straight")
+    assert f"loaded checkpoint {root / 'straight' / f'iter_{ITERS:07d}'}" in log
+    want = checkpoint_tensors(root / "straight", ITERS)
+    got = checkpoint_tensors(tmp_path / "one", ITERS)
+    different = bitwise_differences(got, want)
+    assert not different, different[:10]
+
+
+def test_the_torch_engine_resumes_from_it(runs, tmp_path):
+    root, straight, _ = runs
+    torch_engine = ("--bf16", "--fp8-format", "hybrid")
+    log = _train(tmp_path / "on", *torch_engine, nproc=1, load=root / "straight", train_iters=ITERS + 2)
+    assert f"iteration {ITERS}" in log and len(losses(log)) == 2
+    assert all(abs(loss - losses(straight)[-1]) < 0.5 for loss in losses(log))
+    _train(tmp_path / "torch", *torch_engine, nproc=1, load=root / "straight")  # saves what it loaded, at once
+    saved = checkpoint_tensors(tmp_path / "torch", ITERS)
+    sharded = checkpoint_tensors(root / "straight", ITERS)
+    for key, value in saved.items():
+        if key.startswith("mp_rank_00/model_optim_rng.pt/model/"):
+            assert torch.equal(value, sharded["dcp/model/" + key.rsplit("/model/", 1)[1]]), key
+
+
+def test_the_hugging_face_export_reads_it(runs, tmp_path):
+    root, _, _ = runs
+    out = subprocess.run([sys.executable, "tools/convert_to_hf.py", "--load", str(root / "straight"), "--no-tokenizer",
+                          "--output", str(tmp_path / "hf")], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert any((tmp_path / "hf").glob("*.safetensors"))
