@@ -7,9 +7,10 @@
 # transformer block is gathered for its forward and again for its backward (docs/distributed.md): the FP8 layers'
 # weights as FP8 bytes cast on the shards (--fp8-param-gather; fc2, whose columns Smooth-SwiGLU scales per call, and
 # the norms in BF16). FP8 = delayed hybrid scaling (E4M3 forward, E5M2 gradients, power-of-two scales) +
-# Smooth-SwiGLU, with AdamW's FP32 moments (Fp8AdamW is not built for FSDP2 yet). Not built yet under FSDP2, and so
-# not used here: tensor parallelism (a 2-D mesh), compiled blocks together with FP8 gathers, sharded checkpoint files
-# (each save gathers the full model to rank 0's CPU memory: about 280 GB in FP32 for 70B).
+# Smooth-SwiGLU, with AdamW's FP32 moments (Fp8AdamW is not built for FSDP2 yet). Checkpoints: each rank writes its
+# shards (--ckpt-format torch_dist) in the background (--async-save), instead of gathering the whole model (about
+# 280 GB in FP32 for 70B) into rank 0's CPU memory. Not built yet under FSDP2, and so not used here: tensor
+# parallelism (a 2-D mesh), compiled blocks together with FP8 gathers.
 # DRY_RUN=1 resolves and validates the configuration for the 64 ranks without launching anything (synthetic
 # data), and prints the memory estimate per device and the projected step time (PROJECT_ON=h200 by default):
 # tests/e2e/test_examples.py runs it. PRINT_LAUNCH=1 prints the launch command instead of running it.
@@ -49,6 +50,7 @@ TRAIN_ARGS=(
   --fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 16 --fp8-amax-compute-algo max
   --fp8-power-of-two-scales --smooth-swiglu --smooth-swiglu-granularity channel --fp8-backend scaled_mm
   --save "$RUN_DIR/checkpoints" --load "$RUN_DIR/checkpoints" --save-interval 500
+  --ckpt-format torch_dist --async-save
   --tensorboard-dir "$RUN_DIR/tensorboard" --log-interval 10 --eval-interval 1000 --eval-iters 10
   --exit-signal-handler
 )

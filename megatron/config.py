@@ -275,6 +275,10 @@ class CheckpointConfig:
         "--ckpt-format", group=CHECKPOINTING, default="torch", choices=["torch", "torch_dist"],
         help="torch: full tensors written by rank 0 (every engine); torch_dist: each rank writes its shards through "
              "torch.distributed.checkpoint (--use-torch-fsdp2)")
+    async_save: bool = flag(
+        "--async-save", group=CHECKPOINTING, default=False,
+        help="--ckpt-format torch_dist: the loop blocks only to copy the state; the files are written in the "
+             "background and committed once every rank has written them")
     verify: bool = False  # --verify-checkpoint (megatron/compat.py): each file read back and compared before the commit
     # --keep-last-n-checkpoints: older checkpoints removed after each save
     keep_last: Optional[int] = flag(
@@ -501,6 +505,12 @@ def _check_fsdp2(config: "MegatronConfig") -> None:
     if config.checkpoint.ckpt_format == "torch_dist" and not config.parallel.use_torch_fsdp2:
         raise ValueError("--ckpt-format torch_dist (sharded checkpoints) is built for --use-torch-fsdp2 only: add it, "
                          "or use --ckpt-format torch")
+    if config.checkpoint.verify and config.checkpoint.ckpt_format == "torch_dist":
+        raise ValueError("--verify-checkpoint is not built for --ckpt-format torch_dist: its files are checked against "
+                         "their CRC-32s in manifest.json before a resume; drop --verify-checkpoint")
+    if config.checkpoint.async_save and config.checkpoint.ckpt_format != "torch_dist":
+        raise ValueError("--async-save writes sharded checkpoints in the background: add --ckpt-format torch_dist "
+                         "(with --use-torch-fsdp2)")
     if not config.parallel.use_torch_fsdp2:
         return
     _raise_first("--use-torch-fsdp2", (

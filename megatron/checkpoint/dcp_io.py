@@ -70,10 +70,16 @@ def write_sharded(staging: Path, flat: dict[str, Any], rank: int, group: Any) ->
     target = staging / DCP_DIR
     with ckpt.checkpoint_write_errors(staging):
         dcp.save(flat, storage_writer=dcp.FileSystemWriter(target, sync_files=True), process_group=group)
-        mine = sorted(target.glob(f"__{rank}_*.distcp")) + ([target / ".metadata"] if rank == 0 else [])
-        manifest.write_part(staging, f"dcp_rank{rank}", {
-            str(path.relative_to(staging)): {"bytes": path.stat().st_size, "crc32": manifest.file_crc32(path)}
-            for path in mine})
+        record_rank_files(staging, rank)
+
+
+def record_rank_files(staging: Path, rank: int) -> None:
+    """The manifest entries of the DCP files `rank` wrote (its shards; rank 0 also the index), read back once."""
+    target = staging / DCP_DIR
+    mine = sorted(target.glob(f"__{rank}_*.distcp")) + ([target / ".metadata"] if rank == 0 else [])
+    manifest.write_part(staging, f"dcp_rank{rank}", {
+        str(path.relative_to(staging)): {"bytes": path.stat().st_size, "crc32": manifest.file_crc32(path)}
+        for path in mine})
 
 
 def read_sharded(folder: Path, flat: dict[str, Any], group: Any) -> None:

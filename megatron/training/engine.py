@@ -96,6 +96,11 @@ class Engine(abc.ABC):
         """None when `load_dir` holds no checkpoint; else {"payload": extras, "train_state", "path"}. `iteration`:
         the one to load (`fallback.resume_iteration`'s choice); None: the tracker's."""
 
+    def poll_checkpoint(self, wait: bool = False) -> Optional[int]:
+        """Commit a checkpoint written in the background (--async-save) once every rank has written it; `wait`:
+        block until then. The iteration committed, or None (engines that save synchronously: always)."""
+        return None
+
     @property
     def learning_rate(self) -> float:
         return self.optimizer.param_groups[0]["lr"]

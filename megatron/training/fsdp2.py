@@ -106,6 +106,16 @@ class Fsdp2Engine(TorchEngine):
 
     wraps_in_ddp = False
     sharded_checkpoints = False  # --ckpt-format torch_dist: each rank writes its shards (checkpoint/dcp_io.py)
+    async_saver = None  # --async-save: checkpoint/dcp_async.py's AsyncSaver
+
+    def start_async_saves(self) -> None:
+        """--async-save: sharded saves written in the background (a collective: every rank makes a process group)."""
+        from megatron.checkpoint.dcp_async import AsyncSaver
+
+        self.async_saver = AsyncSaver(self.parallel.rank, self.parallel.host_group)
+
+    def poll_checkpoint(self, wait: bool = False) -> Optional[int]:
+        return None if self.async_saver is None else self.async_saver.poll(wait)
 
     def micro_batch_context(self, is_last: bool):
         """Gradients are reduce-scattered only after the last micro-batch of the step (as DDP's `no_sync`)."""
@@ -116,6 +126,10 @@ class Fsdp2Engine(TorchEngine):
                         config: dict) -> None:
         """Every rank takes part in gathering; rank 0 writes the torch engine's files. Sharded (--ckpt-format
         torch_dist): every rank writes its own shards."""
+        if self.async_saver is not None:
+            self.async_saver.start(save_dir, iteration, self._sharded_state(self.save_optimizer), extras, train_state,
+                                   config)
+            return
         if self.sharded_checkpoints:
             dcp_io.save_sharded_checkpoint(save_dir, iteration, self._sharded_state(self.save_optimizer), extras,
                                            train_state, config, self.parallel.rank, self._group(),

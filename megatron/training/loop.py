@@ -179,20 +179,35 @@ class Trainer:
         """A --save-interval checkpoint; one that cannot be written (the engine has removed its partial folder on
         every rank and kept the previous checkpoint as the newest) is logged and training goes on, until
         --exit-on-save-failure failures in a row. Whether it was saved."""
-        c = self.config.checkpoint
         try:
             self.save()
         except ckpt.CheckpointError as exc:
-            self.save_failures += 1
-            if self.save_failures >= c.exit_on_save_failure:
-                raise
-            logger.error("iteration %d: checkpoint not saved (%d failed in a row; --exit-on-save-failure %d ends the "
-                         "run): %s. Training goes on; the next save is at iteration %d", self.state.iteration,
-                         self.save_failures, c.exit_on_save_failure, str(exc).splitlines()[0],
-                         self.state.iteration + c.save_interval)
+            self._save_failed(exc)
             return False
         self.save_failures = 0
         return True
+
+    def _save_failed(self, exc: ckpt.CheckpointError) -> None:
+        """Count a failed save; --exit-on-save-failure failures in a row end the run (the error raised)."""
+        c = self.config.checkpoint
+        self.save_failures += 1
+        if self.save_failures >= c.exit_on_save_failure:
+            raise exc
+        logger.error("iteration %d: checkpoint not saved (%d failed in a row; --exit-on-save-failure %d ends the run): "
+                     "%s. Training goes on; the next save is at iteration %d", self.state.iteration, self.save_failures,
+                     c.exit_on_save_failure, str(exc).splitlines()[0], self.state.iteration + (c.save_interval or 0))
+
+    def _poll_checkpoint(self, wait: bool = False) -> None:
+        """A checkpoint written in the background (--async-save) is committed once every rank has written it; then
+        --keep-last-n-checkpoints prunes. A failed background write counts as a failed save."""
+        try:
+            committed = self.engine.poll_checkpoint(wait)
+        except ckpt.CheckpointError as exc:
+            self._save_failed(exc)
+            return
+        c = self.config.checkpoint
+        if committed is not None and c.keep_last is not None and self.parallel.rank == 0:
+            prune_checkpoints(c.save, c.keep_last, self.last_healthy)
 
     # ---------------------------------------------------------------------------------- one step
     def _forward_loss(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -285,6 +300,7 @@ class Trainer:
                 self._log_iteration(loss, grad_norm, elapsed)
                 validated = self._validate_if_due(result)
                 save_due, saved = self._save_if_due(pending, result)
+                self._poll_checkpoint()
                 if saved:
                     saved_at = self.state.iteration
                 if validated or save_due:
@@ -387,6 +403,7 @@ class Trainer:
         if self.config.checkpoint.save and saved_at != self.state.iteration:
             self._judge(pending, result)
             self.save()
+        self._poll_checkpoint(wait=True)  # a checkpoint still written in the background is committed before the end
         if self.test_ds is not None and result.exit_reason == "train-iters":
             result.test_loss = self.evaluate(self.test_ds)
             self.tlog.validation("test", result.test_loss, self.state.iteration, self.state.consumed_train_tokens,

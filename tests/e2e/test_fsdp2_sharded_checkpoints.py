@@ -81,3 +81,15 @@ def test_the_hugging_face_export_reads_it(runs, tmp_path):
                           "--output", str(tmp_path / "hf")], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert any((tmp_path / "hf").glob("*.safetensors"))
+
+
+def test_an_async_save_writes_bitwise_what_a_synchronous_one_writes(runs, tmp_path):
+    root, straight, _ = runs
+    log = _train(tmp_path / "async", *SHARDED, "--async-save")
+    assert "written in the background (--async-save)" in log and "committed" in log
+    assert losses(log) == losses(straight)
+    for iteration in (ITERS // 2, ITERS):
+        different = bitwise_differences(checkpoint_tensors(tmp_path / "async", iteration),
+                                        checkpoint_tensors(root / "straight", iteration))
+        assert not different, (iteration, different[:10])
+    assert (tmp_path / "async" / "latest_checkpointed_iteration.txt").read_text() == str(ITERS)
