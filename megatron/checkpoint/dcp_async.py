@@ -63,16 +63,16 @@ class AsyncSaver:
         self.poll(wait=True)  # the previous save is committed (or has failed) first
         began = time.perf_counter()
         root = Path(save_dir)
-        staging = root / f"{ckpt.TMP_PREFIX}{iteration:07d}_dcp"
+        staging = dcp_io.prepare_staging(root, iteration, self.rank, self.host_group)
+        error: Optional[BaseException] = None
         if self.rank == 0:
-            root.mkdir(parents=True, exist_ok=True)
-            ckpt.sweep_stale_saves(root)
-            staging.mkdir()
-            dcp_io.write_extras(staging, extras or {}, iteration)
-        comm.barrier(self.host_group)
+            try:
+                dcp_io.write_extras(staging, extras or {}, iteration)
+            except ckpt.CheckpointError as exc:  # fails the save on every rank at the next poll
+                error = exc
         writer = dcp.FileSystemWriter(staging / dcp_io.DCP_DIR, sync_files=True)
         future = dcp.async_save(flat, storage_writer=writer, process_group=self.group)
-        self.pending = _Pending(future, root, staging, iteration, dict(train_state), dict(config), began)
+        self.pending = _Pending(future, root, staging, iteration, dict(train_state), dict(config), began, error=error)
         self.blocked_seconds = time.perf_counter() - began
         logger.info("checkpoint of iteration %d: state copied in %.3f s, written in the background (--async-save)",
                     iteration, self.blocked_seconds)

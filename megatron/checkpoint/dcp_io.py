@@ -83,10 +83,23 @@ def record_rank_files(staging: Path, rank: int) -> None:
 
 
 def read_sharded(folder: Path, flat: dict[str, Any], group: Any) -> None:
-    """Load `folder`'s DCP state into `flat`'s tensors in place (each rank its shards; a collective)."""
+    """Load `folder`'s DCP state into `flat`'s tensors in place (each rank its shards; a collective: DCP gathers
+    every rank's read errors, so each rank raises the same CheckpointError)."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.load(flat, storage_reader=dcp.FileSystemReader(folder / DCP_DIR), process_group=group)
+    try:
+        dcp.load(flat, storage_reader=dcp.FileSystemReader(folder / DCP_DIR), process_group=group)
+    except Exception as exc:  # a damaged or missing shard file: DCP's CheckpointException wraps the OS/pickle error
+        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+        raise ckpt.CheckpointError(f"cannot read the sharded checkpoint {folder / DCP_DIR} ({exc.__class__.__name__}: "
+                                   f"{first}). Restore its files, or resume from an older checkpoint by writing its "
+                                   f"iteration into {ckpt.TRACKER_FILE}") from exc
+
+
+def saved_model_shapes(saved: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The saved parameters' full shapes (from `saved_keys`), as storage-free tensors for store.check_model_state."""
+    return {key[len(MODEL):]: torch.empty(meta.size, device="meta") for key, meta in saved.items()
+            if key.startswith(MODEL)}
 
 
 def saved_keys(folder: Path) -> dict[str, Any]:
@@ -151,6 +164,26 @@ def read_extras(folder: Path) -> dict:
         raise ckpt.unreadable(path, exc) from exc
 
 
+def prepare_staging(root: Path, iteration: int, rank: int, host_group: Any) -> Path:
+    """Rank 0 sweeps the stale staging folders of crashed saves and creates this save's (one name for every rank);
+    every rank returns its path once it exists (a collective). A folder that cannot be created fails the save on
+    every rank, nothing written."""
+    staging = root / f"{ckpt.TMP_PREFIX}{iteration:07d}_dcp"
+    error: Optional[ckpt.CheckpointError] = None
+    if rank == 0:
+        try:
+            with ckpt.checkpoint_write_errors(staging):
+                root.mkdir(parents=True, exist_ok=True)
+                ckpt.sweep_stale_saves(root)
+                staging.mkdir()
+        except ckpt.CheckpointError as exc:
+            error = exc
+    if ckpt.any_rank_failed(error is not None, host_group):
+        raise error or ckpt.CheckpointError(f"rank 0 could not create the staging folder {staging} (see its error); "
+                                            "the previous checkpoint is intact")
+    return staging
+
+
 def save_sharded_checkpoint(save_dir: str, iteration: int, flat: dict[str, Any], extras: Optional[dict],
                             train_state: dict, config: dict, rank: int, group: Any, host_group: Any) -> None:
     """Write checkpoint `iteration` as DCP shards (every rank) and rank 0's extras into one staging folder, then rank 0
@@ -161,12 +194,7 @@ def save_sharded_checkpoint(save_dir: str, iteration: int, flat: dict[str, Any],
     from megatron import comm
 
     root = Path(save_dir)
-    staging = root / f"{ckpt.TMP_PREFIX}{iteration:07d}_dcp"  # one name for every rank
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        ckpt.sweep_stale_saves(root)
-        staging.mkdir()
-    comm.barrier(host_group)
+    staging = prepare_staging(root, iteration, rank, host_group)
     error: Optional[ckpt.CheckpointError] = None
     try:
         write_sharded(staging, flat, rank, group)

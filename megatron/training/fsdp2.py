@@ -174,8 +174,9 @@ class Fsdp2Engine(TorchEngine):
         """Each rank reads the pieces of the saved shards its own shards overlap (any data-parallel size)."""
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-        has_optimizer = dcp_io.GROUPS in dcp_io.saved_keys(folder)
-        if load_optimizer and not has_optimizer:
+        saved = dcp_io.saved_keys(folder)
+        ckpt.check_model_state(self.model, dcp_io.saved_model_shapes(saved), folder)
+        if load_optimizer and dcp_io.GROUPS not in saved:
             raise ckpt.CheckpointError(f"{folder} has no optimizer state (saved with --no-save-optim); pass "
                                        "--no-load-optim or --finetune")
         flat = self._sharded_state(load_optimizer)

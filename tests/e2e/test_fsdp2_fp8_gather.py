@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.config import tiny_argv
-from tests.support.launch import launch_checked
 from tests.support.logs import losses
-from tests.support.training import bitwise_differences, checkpoint_tensors
+from tests.support.training import assert_same_checkpoint, launched_run, straight_and_resumed
 
 ITERS = 6
 RUN = dict(train_iters=ITERS, micro_batch_size=2, global_batch_size=8, eval_iters=1, eval_interval=ITERS,
@@ -27,22 +25,19 @@ DELAYED_BF16 = ("--bf16", "--fp8-format", "hybrid", "--smooth-swiglu")
 
 
 def _train(folder, *switches, nproc: int = 2, **overrides) -> str:
-    return launch_checked(nproc, tiny_argv(*switches, **{**RUN, "save": folder, **overrides}), stdout_tail=0).stderr
+    return launched_run(folder, switches, RUN, nproc, **overrides)
 
 
 def _same_run(a, b) -> None:
-    different = bitwise_differences(checkpoint_tensors(a, ITERS), checkpoint_tensors(b, ITERS))
-    assert not different, different[:10]
+    assert_same_checkpoint(a, b, ITERS)
 
 
 @pytest.fixture(scope="module")
 def delayed_runs(tmp_path_factory):
+    """High-precision gathers in root/"plain"; FP8 gathers straight in root/"straight" and resumed halfway."""
     root = tmp_path_factory.mktemp("fp8_gather")
     plain = _train(root / "plain", *FSDP2, *DELAYED_BF16)
-    gathered = _train(root / "gathered", *FSDP2, *DELAYED_BF16, *GATHER)
-    _train(root / "resumed", *FSDP2, *DELAYED_BF16, *GATHER, exit_interval=ITERS // 2)
-    resumed = _train(root / "resumed", *FSDP2, *DELAYED_BF16, *GATHER, load=root / "resumed")
-    return root, plain, gathered, resumed
+    return root, plain, *straight_and_resumed(root, (*FSDP2, *DELAYED_BF16, *GATHER), RUN)
 
 
 def test_fp8_gathers_train_bitwise_what_high_precision_gathers_train(delayed_runs):
@@ -50,18 +45,18 @@ def test_fp8_gathers_train_bitwise_what_high_precision_gathers_train(delayed_run
     assert "6 gather their weight in FP8 (--fp8-param-gather)" in gathered
     assert "2 FP8 layers gather their weight in high precision" in gathered  # the two blocks' fc2
     assert losses(gathered) == losses(plain)
-    _same_run(root / "gathered", root / "plain")
+    _same_run(root / "straight", root / "plain")
 
 
 def test_a_run_with_fp8_gathers_resumes_bit_for_bit(delayed_runs):
     root, _, gathered, resumed = delayed_runs
     assert losses(resumed) == losses(gathered)[ITERS // 2:]
-    _same_run(root / "resumed", root / "gathered")
+    _same_run(root / "resumed", root / "straight")
 
 
 def test_its_checkpoint_loads_into_the_torch_engine(delayed_runs, tmp_path):
     root, _, gathered, _ = delayed_runs
-    log = _train(tmp_path / "next", *DELAYED_BF16, nproc=1, load=root / "gathered", train_iters=ITERS + 2)
+    log = _train(tmp_path / "next", *DELAYED_BF16, nproc=1, load=root / "straight", train_iters=ITERS + 2)
     assert f"iteration {ITERS}" in log and len(losses(log)) == 2
     assert all(abs(loss - losses(gathered)[-1]) < 0.5 for loss in losses(log))
 

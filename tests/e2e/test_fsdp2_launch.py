@@ -20,10 +20,8 @@ import re
 import pytest
 import torch
 
-from tests.support.config import tiny_argv
-from tests.support.launch import launch_checked
 from tests.support.logs import losses
-from tests.support.training import bitwise_differences, checkpoint_tensors
+from tests.support.training import assert_same_checkpoint, checkpoint_tensors, launched_run, straight_and_resumed
 
 ITERS = 6
 RUN = dict(train_iters=ITERS, micro_batch_size=2, global_batch_size=8, eval_iters=1, eval_interval=ITERS,
@@ -32,9 +30,12 @@ FSDP2 = ("--use-torch-fsdp2",)
 FP8 = ("--bf16", "--fp8-format", "hybrid", "--smooth-swiglu")
 
 
+KEPT_RECOMPUTED = (*FSDP2, *FP8, "--no-fsdp-reshard-after-forward", "--grad-reduce-in-bf16",
+                  "--recompute-granularity", "full", "--recompute-method", "uniform")
+
+
 def _train(folder, *switches, nproc: int = 2, **overrides) -> str:
-    out = launch_checked(nproc, tiny_argv(*switches, **{**RUN, "save": folder, **overrides}), stdout_tail=0)
-    return out.stderr
+    return launched_run(folder, switches, RUN, nproc, **overrides)
 
 
 def test_fp32_fsdp2_equals_ddp_bit_for_bit(tmp_path):
@@ -42,8 +43,7 @@ def test_fp32_fsdp2_equals_ddp_bit_for_bit(tmp_path):
     log = _train(fsdp, *FSDP2, clip_grad=0)
     assert "FSDP2: 2 blocks and the root sharded over 2 data-parallel ranks" in log
     _train(ddp, clip_grad=0)
-    different = bitwise_differences(checkpoint_tensors(fsdp, ITERS), checkpoint_tensors(ddp, ITERS))
-    assert not different, different[:10]
+    assert_same_checkpoint(fsdp, ddp, ITERS)
 
 
 @pytest.mark.slow
@@ -63,21 +63,14 @@ def test_fp32_fsdp2_with_clipping_is_within_a_rounding_per_step_of_ddp(tmp_path)
 def fp8_runs(tmp_path_factory):
     """FSDP2 with FP8, straight to ITERS and stopped at ITERS // 2 then resumed."""
     root = tmp_path_factory.mktemp("fsdp2_fp8")
-    switches = (*FSDP2, *FP8, "--no-fsdp-reshard-after-forward", "--grad-reduce-in-bf16",
-                "--recompute-granularity", "full", "--recompute-method", "uniform")
-    straight = _train(root / "straight", *switches)
-    _train(root / "resumed", *switches, exit_interval=ITERS // 2)
-    resumed = _train(root / "resumed", *switches, load=root / "resumed")
-    return root, straight, resumed
+    return root, *straight_and_resumed(root, KEPT_RECOMPUTED, RUN)
 
 
 def test_an_fp8_run_resumes_bit_for_bit(fp8_runs):
     root, straight, resumed = fp8_runs
     assert "8 FP8 layers cast their gathered weight per call" in straight
     assert losses(resumed) == losses(straight)[ITERS // 2:]
-    different = bitwise_differences(checkpoint_tensors(root / "resumed", ITERS),
-                                    checkpoint_tensors(root / "straight", ITERS))
-    assert not different, different[:10]
+    assert_same_checkpoint(root / "resumed", root / "straight", ITERS)
 
 
 def test_compiled_blocks_under_fsdp2_track_the_eager_run(fp8_runs, tmp_path):
@@ -86,9 +79,7 @@ def test_compiled_blocks_under_fsdp2_track_the_eager_run(fp8_runs, tmp_path):
     of the eager run's losses (a lost reduce-scatter or a stale weight moves them by far more; the compiled block's
     fused roundings by ~1e-6)."""
     root, straight, _ = fp8_runs
-    switches = (*FSDP2, *FP8, "--no-fsdp-reshard-after-forward", "--grad-reduce-in-bf16",
-                "--recompute-granularity", "full", "--recompute-method", "uniform")
-    log = _train(tmp_path / "compiled", *switches, "--torch-compile", "on")
+    log = _train(tmp_path / "compiled", *KEPT_RECOMPUTED, "--torch-compile", "on")
     assert re.search(r"torch.compile: 2 transformer blocks \(1 graph for all\)", log), log[-2000:]
     assert "tracing the FP8 layers into the transformer blocks failed" not in log
     compiled, eager = losses(log), losses(straight)

@@ -4,21 +4,26 @@ torch.distributed.checkpoint into our folder layout (megatron/checkpoint/dcp_io.
 - A run stopped halfway and resumed from its sharded checkpoint ends bitwise where the straight run ends (every
   saved key: weights, Adam's moments and steps, FP8 scaling state, RNG).
 - Resharded: loaded into FSDP2 on one rank and saved again at once, the checkpoint holds the same bits.
+- A bit flipped in a shard file of the newest checkpoint: both ranks fall back to the one before it and the run ends
+  bitwise where the straight run ends. A checkpoint of another model size is refused with an error naming the
+  mismatched parameters.
 - Every other reader takes it whole: the torch engine (one rank) resumes from it and trains on, and the Hugging Face
   export reads its weights.
 """
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
 
+from megatron.checkpoint import store as ckpt
 from tests.support.config import tiny_argv
-from tests.support.launch import REPO, launch_checked
+from tests.support.launch import REPO, launch
 from tests.support.logs import losses
-from tests.support.training import bitwise_differences, checkpoint_tensors
+from tests.support.training import assert_same_checkpoint, checkpoint_tensors, launched_run, straight_and_resumed
 
 ITERS = 6
 RUN = dict(train_iters=ITERS, micro_batch_size=2, global_batch_size=8, eval_iters=1, eval_interval=ITERS,
@@ -28,16 +33,13 @@ SHARDED = ("--use-torch-fsdp2", "--ckpt-format", "torch_dist", "--bf16", "--fp8-
 
 
 def _train(folder, *switches, nproc: int = 2, **overrides) -> str:
-    return launch_checked(nproc, tiny_argv(*switches, **{**RUN, "save": folder, **overrides}), stdout_tail=0).stderr
+    return launched_run(folder, switches, RUN, nproc, **overrides)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("sharded")
-    straight = _train(root / "straight", *SHARDED)
-    _train(root / "resumed", *SHARDED, exit_interval=ITERS // 2)
-    resumed = _train(root / "resumed", *SHARDED, load=root / "resumed")
-    return root, straight, resumed
+    return root, *straight_and_resumed(root, SHARDED, RUN)
 
 
 def test_each_rank_writes_its_shards_and_a_resume_is_bitwise(runs):
@@ -46,19 +48,38 @@ def test_each_rank_writes_its_shards_and_a_resume_is_bitwise(runs):
     assert sorted(p.name for p in (final / "dcp").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     assert not (final / "mp_rank_00").exists()
     assert losses(resumed) == losses(straight)[ITERS // 2:]
-    different = bitwise_differences(checkpoint_tensors(root / "resumed", ITERS),
-                                    checkpoint_tensors(root / "straight", ITERS))
-    assert not different, different[:10]
+    assert_same_checkpoint(root / "resumed", root / "straight", ITERS)
 
 
 def test_it_reshards_to_one_rank_bitwise(runs, tmp_path):
     root, _, _ = runs
     log = _train(tmp_path / "one", *SHARDED, nproc=1, load=root / "straight")
     assert f"loaded checkpoint {root / 'straight' / f'iter_{ITERS:07d}'}" in log
-    want = checkpoint_tensors(root / "straight", ITERS)
-    got = checkpoint_tensors(tmp_path / "one", ITERS)
-    different = bitwise_differences(got, want)
-    assert not different, different[:10]
+    assert_same_checkpoint(tmp_path / "one", root / "straight", ITERS)
+
+
+def test_a_damaged_shard_of_the_newest_checkpoint_falls_back_and_ends_bitwise(runs, tmp_path):
+    root, straight, _ = runs
+    run = tmp_path / "run"
+    shutil.copytree(root / "straight", run)
+    damaged = ckpt.iteration_dir(run, ITERS) / "dcp" / "__1_0.distcp"
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0x01  # the disk flipped one bit of rank 1's shards in the newest checkpoint
+    damaged.write_bytes(bytes(data))
+    log = _train(run, *SHARDED, load=run)
+    assert f"{damaged} fails its checksum" in log, log[-3000:]
+    assert f"resuming from iteration {ITERS // 2}, the newest checkpoint" in log, log[-3000:]
+    assert losses(log) == losses(straight)[ITERS // 2:]
+    assert_same_checkpoint(run, root / "straight", ITERS)
+
+
+def test_a_checkpoint_of_another_model_size_is_refused_naming_the_parameters(runs, tmp_path):
+    root, _, _ = runs
+    out = launch(1, tiny_argv(*SHARDED, **{**RUN, "load": root / "straight", "save": tmp_path / "x",
+                                           "hidden_size": 32}))
+    assert out.returncode != 0
+    assert "does not match the model built from the current flags" in out.stderr, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
 
 
 def test_the_torch_engine_resumes_from_it(runs, tmp_path):
@@ -89,7 +110,5 @@ def test_an_async_save_writes_bitwise_what_a_synchronous_one_writes(runs, tmp_pa
     assert "written in the background (--async-save)" in log and "committed" in log
     assert losses(log) == losses(straight)
     for iteration in (ITERS // 2, ITERS):
-        different = bitwise_differences(checkpoint_tensors(tmp_path / "async", iteration),
-                                        checkpoint_tensors(root / "straight", iteration))
-        assert not different, (iteration, different[:10])
+        assert_same_checkpoint(tmp_path / "async", root / "straight", iteration)
     assert (tmp_path / "async" / "latest_checkpointed_iteration.txt").read_text() == str(ITERS)

@@ -66,3 +66,26 @@ def bitwise_differences(got: dict, want: dict) -> list[str]:
 
     assert got.keys() == want.keys(), sorted(set(got) ^ set(want))[:10]
     return [k for k in want if got[k].dtype != want[k].dtype or not torch.equal(got[k], want[k])]
+
+
+def launched_run(folder, switches: tuple, run: dict, nproc: int = 2, **overrides) -> str:
+    """Train `nproc` processes (tests.support.launch) on the tiny config with `switches` and `run`'s settings,
+    saving to `folder`; `overrides` replace settings. Returns the run's log (stderr)."""
+    from tests.support.launch import launch_checked
+
+    return launch_checked(nproc, tiny_argv(*switches, **{**run, "save": folder, **overrides}), stdout_tail=0).stderr
+
+
+def straight_and_resumed(root, switches: tuple, run: dict) -> tuple[str, str]:
+    """Launched runs of `switches`: straight to `run["train_iters"]` in root/"straight", and in root/"resumed" stopped
+    halfway (`--exit-interval`) then resumed from its own checkpoint. Returns (straight log, resumed log)."""
+    straight = launched_run(root / "straight", switches, run)
+    launched_run(root / "resumed", switches, run, exit_interval=run["train_iters"] // 2)
+    return straight, launched_run(root / "resumed", switches, run, load=root / "resumed")
+
+
+def assert_same_checkpoint(got_folder, want_folder, iteration: int) -> None:
+    """Checkpoint `iteration` holds the same keys with the same bits in both folders."""
+    different = bitwise_differences(checkpoint_tensors(got_folder, iteration),
+                                    checkpoint_tensors(want_folder, iteration))
+    assert not different, different[:10]
