@@ -128,6 +128,13 @@ def _load_state(optimizer: torch.optim.Optimizer, state: dict, groups: list[dict
 def _load_plain_optimizer(optimizer: torch.optim.Optimizer, full_name: dict[int, str], full: FullState,
                           model_config: ModelConfig, tp_rank: int, tp_size: int) -> None:
     """An optimizer stepping the parameters themselves (TorchEngine, DeepSpeed ZeRO 0): a torch state dict."""
+    sd = _plain_optimizer_state(optimizer, full_name, full, model_config, tp_rank, tp_size)
+    _load_state(optimizer, sd["state"], sd["param_groups"], full)
+
+
+def _plain_optimizer_state(optimizer: torch.optim.Optimizer, full_name: dict[int, str], full: FullState,
+                           model_config: ModelConfig, tp_rank: int, tp_size: int) -> dict:
+    """This rank's pieces of the saved moments as `optimizer.state_dict()` numbers them, with the current groups."""
     groups, state, index = [], {}, 0
     for group in optimizer.param_groups:  # the current hyper-parameters: the flags win (the LR is the scheduler's)
         ids = []
@@ -138,7 +145,7 @@ def _load_plain_optimizer(optimizer: torch.optim.Optimizer, full_name: dict[int,
             ids.append(index)
             index += 1
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
-    _load_state(optimizer, state, groups, full)
+    return {"state": state, "param_groups": groups}
 
 
 def _load_zero_optimizer(zero, full_name: dict[int, str], full: FullState, model_config: ModelConfig,
@@ -282,7 +289,8 @@ def load_resharded(folder: Path, *, model: nn.Module, full_name: Callable[[str],
                    model_config: ModelConfig, tp_rank: int, tp_size: int, optimizer: torch.optim.Optimizer,
                    zero_optimizer=None, load_optimizer: bool, module_only: bool,
                    fp8_name: Callable[[str], Optional[str]] = lambda n: n, describe: str = "",
-                   weights: Optional[list[tuple[str, torch.Tensor]]] = None) -> dict:
+                   weights: Optional[list[tuple[str, torch.Tensor]]] = None,
+                   load_pieces: Optional[Callable[[dict, Optional[dict]], None]] = None) -> dict:
     """Load `folder` (any layout) into this rank's `model` and optimizer; returns the loop's dict (module docstring).
 
     `full_name(local parameter name)` is the full-model name (None: not a parameter of the checkpoint);
@@ -290,26 +298,43 @@ def load_resharded(folder: Path, *, model: nn.Module, full_name: Callable[[str],
     `zero_optimizer` is DeepSpeed's ZeRO 1/2/3 optimizer when there is one (it owns master weights and moments).
     `weights` (local name, tensor) replaces the model's parameters as what is filled and what the optimizer's
     state is keyed by: the FP32 masters of `--params-dtype bf16` (MainParams), which the optimizer steps.
+    `load_pieces(weights, optimizer state)` sets them where the engine does (FSDP2): this rank's tensor-parallel
+    pieces by full name, and the optimizer's state dict in `optimizer.state_dict()`'s numbering (None: not loaded).
     """
     full = read_full_state(folder)
     named = [(full_name(n), p) for n, p in (weights if weights is not None else model.named_parameters())]
     pieces = _pieces(named, full, model_config, tp_rank, tp_size)
-    zero3 = hasattr(zero_optimizer, "fp32_partitioned_groups_flat")  # ZeRO-3 writes the partitions itself
-    if not zero3:
-        with torch.no_grad():
-            for name, p in named:
-                p.copy_(pieces[name])
     restore_optimizer = load_optimizer and not module_only
     if restore_optimizer and full.optimizer is None:
         raise ckpt.CheckpointError(f"{folder} has no optimizer state this run can use ({full.optimizer_missing}); "
                                    "pass --no-load-optim (or --finetune) to load its weights only")
     by_id = {id(p): name for name, p in named}
-    if zero3:
+    zero3 = hasattr(zero_optimizer, "fp32_partitioned_groups_flat")  # ZeRO-3 writes the partitions itself
+    if load_pieces is not None:
+        load_pieces(pieces, _plain_optimizer_state(optimizer, by_id, full, model_config, tp_rank, tp_size)
+                    if restore_optimizer else None)
+    elif zero3:
         _load_zero3_optimizer(zero_optimizer, named, pieces, full, model_config, tp_rank, tp_size, restore_optimizer)
-    elif zero_optimizer is not None:
-        _load_zero_optimizer(zero_optimizer, by_id, full, model_config, tp_rank, tp_size, restore_optimizer)
-    elif restore_optimizer:
-        _load_plain_optimizer(optimizer, by_id, full, model_config, tp_rank, tp_size)
+    else:
+        with torch.no_grad():
+            for name, p in named:
+                p.copy_(pieces[name])
+        if zero_optimizer is not None:
+            _load_zero_optimizer(zero_optimizer, by_id, full, model_config, tp_rank, tp_size, restore_optimizer)
+        elif restore_optimizer:
+            _load_plain_optimizer(optimizer, by_id, full, model_config, tp_rank, tp_size)
+    saved = full.saved_parallel
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        logger.warning("resharded %s (%s layout: tensor parallel %s, pipeline %s, data parallel %s) into this run's "
+                       "layout%s; Fp8AdamW moments, if any, were requantized", folder, full.layout,
+                       saved.get("tensor_model_parallel_size", "?"), saved.get("pipeline_model_parallel_size", "?"),
+                       full.config.get("training", {}).get("data_parallel_size", "?"), f" ({describe})" if describe else "")
+    return {"payload": _client_state(full, fp8_name), "train_state": full.train_state, "config": full.config,
+            "path": folder}
+
+
+def _client_state(full: FullState, fp8_name: Callable[[str], Optional[str]]) -> dict:
+    """The loop's client state of a resharded checkpoint: its extras, the FP8 state under this rank's layer names."""
     payload = dict(full.extras)
     if full.fp8 is not None:
         layers = {}
@@ -318,13 +343,7 @@ def load_resharded(folder: Path, *, model: nn.Module, full_name: Callable[[str],
             if local is not None:
                 layers[local] = entry
         payload["fp8"] = {**full.fp8, "layers": layers}
-    saved = full.saved_parallel
-    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-        logger.warning("resharded %s (%s layout: tensor parallel %s, pipeline %s, data parallel %s) into this run's "
-                       "layout%s; Fp8AdamW moments, if any, were requantized", folder, full.layout,
-                       saved.get("tensor_model_parallel_size", "?"), saved.get("pipeline_model_parallel_size", "?"),
-                       full.config.get("training", {}).get("data_parallel_size", "?"), f" ({describe})" if describe else "")
-    return {"payload": payload, "train_state": full.train_state, "config": full.config, "path": folder}
+    return payload
 
 
 # ---------------------------------------------------------------------------------- DeepSpeed engines

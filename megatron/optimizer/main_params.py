@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from megatron import comm
-from megatron.parallel.layers import SEQUENCE_PARALLEL_GRAD, TP_SHARD_DIM
+from megatron.parallel.grads import copy_parallel_roles
 
 
 class ModelIsMaster:
@@ -83,9 +83,7 @@ class MainParams:
         self.params = params
         self.masters = [nn.Parameter(p.detach().clone(), requires_grad=True) for p in params]
         for p, m in zip(params, self.masters):  # what gradient clipping reads of a parameter: its TP role
-            for attr in (TP_SHARD_DIM, SEQUENCE_PARALLEL_GRAD):
-                if hasattr(p, attr):
-                    setattr(m, attr, getattr(p, attr))
+            copy_parallel_roles(p, m)
         total = sum(p.numel() for p in params)
         self.flat_grad = torch.zeros(total, dtype=torch.float32, device=params[0].device if params else "cpu")
         self.main_grads = []

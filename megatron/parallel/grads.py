@@ -8,6 +8,9 @@
   would clip differently and their replicas drift apart). Sharded parameters contribute the sum of their
   shards' squares over the TP group; replicated ones are counted once, not tp times. DDP has already
   made gradients identical across data-parallel replicas, so no data-parallel reduction is needed.
+- FSDP2 (its gradients DTensors sharded over the data-parallel ranks): each rank works on its local shards, and
+  the squares are summed over every rank holding a piece (`norm_group`: data- and tensor-parallel ranks).
+  `fully_shard` replaces the parameters, so their TP roles are copied onto the new ones (`copy_parallel_roles`).
 """
 from __future__ import annotations
 
@@ -22,10 +25,26 @@ from megatron.parallel.layers import SEQUENCE_PARALLEL_GRAD, TP_SHARD_DIM
 from megatron.parallel.tensor_parallel import all_reduce_sum, group_rank
 
 
+PARALLEL_ROLES = (TP_SHARD_DIM, SEQUENCE_PARALLEL_GRAD)
+
+
+def copy_parallel_roles(source: nn.Parameter, target: nn.Parameter) -> None:
+    """Give `target` the tensor-parallel roles of `source` (what clipping and the sequence-parallel sum read)."""
+    for attr in PARALLEL_ROLES:
+        if hasattr(source, attr):
+            setattr(target, attr, getattr(source, attr))
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (FSDP2's parameters and gradients); any other tensor as it is."""
+    return getattr(tensor, "_local_tensor", tensor)
+
+
 @torch.no_grad()
 def reduce_sequence_parallel_grads(model: nn.Module, tp_group: Any) -> None:
     """Sum the gradients of sequence-parallel replicated parameters over the TP group, in place."""
-    grads = [p.grad for p in model.parameters() if getattr(p, SEQUENCE_PARALLEL_GRAD, False) and p.grad is not None]
+    grads = [local(p.grad) for p in model.parameters()
+             if getattr(p, SEQUENCE_PARALLEL_GRAD, False) and p.grad is not None]
     if not grads or not comm.is_active(tp_group):
         return
     flat = torch.cat([at_least_fp32(g.reshape(-1)) for g in grads])
@@ -56,8 +75,8 @@ def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float, tp_group: An
         # FSDP2's sharded gradients give a DTensor norm, reduced over the mesh: the plain value, on every rank.
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
     device = params[0].grad.device if params else torch.device("cpu")
-    sharded = [p.grad for p in params if hasattr(p, TP_SHARD_DIM)]
-    replicated = [p.grad for p in params if not hasattr(p, TP_SHARD_DIM)]
+    sharded = [local(p.grad) for p in params if hasattr(p, TP_SHARD_DIM)]
+    replicated = [local(p.grad) for p in params if not hasattr(p, TP_SHARD_DIM)]
 
     def sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
         if not grads:
@@ -72,5 +91,6 @@ def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float, tp_group: An
     total_norm = (total / replicas).sqrt()  # exact for one replica
     clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     for p in params:
-        p.grad.mul_(clip_coef.to(p.grad.device, p.grad.dtype))
+        grad = local(p.grad)
+        grad.mul_(clip_coef.to(grad.device, grad.dtype))
     return total_norm

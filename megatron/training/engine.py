@@ -54,12 +54,14 @@ def nan_unless(finite: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
 
 
 def guarded_step(params: Sequence[nn.Parameter], clip_grad: float, tp_group, loss_finite: torch.Tensor,
-                 skip: Callable[[], None], step: Callable[[], None]) -> tuple[torch.Tensor, bool]:
+                 skip: Callable[[], None], step: Callable[[], None], norm_group: Any = None
+                 ) -> tuple[torch.Tensor, bool]:
     """The step of every engine that clips itself: clip to `clip_grad` by the norm of the whole logical gradient
     (`grads.clip_grad_norm`, over the tensor-parallel shards; 0: no clipping), then `skip()` when the loss or the
     norm is not finite (one host read: the decision), else `step()` (set the LR, step the optimizer).
+    `norm_group`: the ranks whose pieces make up the gradient, where not the tensor-parallel group (FSDP2's).
     Returns (grad norm, stepped); the norm stays on the device."""
-    grad_norm = clip_grad_norm(params, clip_grad, tp_group)
+    grad_norm = clip_grad_norm(params, clip_grad, tp_group, norm_group)
     if not bool(loss_finite & torch.isfinite(grad_norm)):
         skip()
         return grad_norm, False
@@ -216,7 +218,12 @@ class TorchEngine(MicroBatchEngine):
             self.weights.copy_to_model()
 
         return guarded_step(params, self.clip_grad, self.parallel.tensor_parallel_group, loss_finite, self.zero_grad,
-                            step)
+                            step, self.norm_group())
+
+    def norm_group(self) -> Any:
+        """The ranks over which the gradient norm's squares are summed; None: the tensor-parallel group (DDP has
+        made the data-parallel replicas' gradients equal)."""
+        return None
 
     def save_checkpoint(self, save_dir: str, iteration: int, extras: dict, train_state: dict,
                         config: dict) -> None:

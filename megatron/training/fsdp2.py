@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron.checkpoint import dcp_io, reshard
+from megatron.checkpoint import dcp_io, layouts, reshard
 from megatron.checkpoint import store as ckpt
 from megatron.config import MegatronConfig
 from megatron.parallel_state import ParallelState
@@ -48,6 +48,7 @@ def apply_fsdp2(model: nn.Module, config: MegatronConfig, parallel: ParallelStat
         raise RuntimeError(f"--use-torch-fsdp2 needs torch.distributed.fsdp.fully_shard (torch >= 2.6; this is torch "
                            f"{torch.__version__}): {exc}") from exc
     from megatron.model.compile import transformer_blocks
+    from megatron.parallel.grads import copy_parallel_roles
     from megatron.training.deepspeed_fp8 import fp8_weights_per_call
 
     if not dist.is_initialized():  # one process: FSDP2 still needs a process group (of one rank)
@@ -64,19 +65,23 @@ def apply_fsdp2(model: nn.Module, config: MegatronConfig, parallel: ParallelStat
     # FSDP2 warns that the root returns a view (the per-token loss); the loop only reads it (a masked sum), never
     # writes into it in place, which is what would skip the pre-backward hook.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPGPTModel\) returned a view tensor")
+    before = dict(model.named_parameters())  # the parameters with their TP roles (FP8 gathers wrap them anew)
     fp8_layers = fp8_weights_per_call(model)
     gathered = _fp8_gathered_layers(model, config)
     blocks = transformer_blocks(model)
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+    for name, param in model.named_parameters():  # fully_shard made new parameters: the TP roles carry over
+        copy_parallel_roles(before[name], param)
     if gathered:
         from megatron.training.fp8_gather import GatherScales
 
         model.fp8_gather_scales = GatherScales(model, gathered, group, policy.param_dtype)
-    logger.info("FSDP2: %d blocks and the root sharded over %d data-parallel ranks; parameters gathered in %s, "
+    logger.info("FSDP2: %d blocks and the root sharded over %d data-parallel ranks%s; parameters gathered in %s, "
                 "gradients reduced in %s%s; %d FP8 layers cast their gathered weight per call%s", len(blocks),
-                mesh.size(), "BF16" if config.training.bf16 else "FP32",
+                mesh.size(), f" (of each of {parallel.tensor_parallel_size} tensor-parallel ranks' pieces)"
+                if parallel.tensor_parallel_size > 1 else "", "BF16" if config.training.bf16 else "FP32",
                 "BF16" if parallel_cfg.grad_reduce_in_bf16 else "FP32",
                 "" if reshard else ", gathered parameters kept from forward to backward", fp8_layers - len(gathered),
                 f", {len(gathered)} gather their weight in FP8 (--fp8-param-gather)" if gathered else "")
@@ -117,6 +122,11 @@ class Fsdp2Engine(TorchEngine):
     def poll_checkpoint(self, wait: bool = False) -> Optional[int]:
         return None if self.async_saver is None else self.async_saver.poll(wait)
 
+    def norm_group(self) -> Any:
+        """Each rank holds its shards of the gradients: the squares are summed over every rank (pipeline
+        parallelism is refused with FSDP2, so the amax group is the world)."""
+        return self.parallel.amax_group
+
     def micro_batch_context(self, is_last: bool):
         """Gradients are reduce-scattered only after the last micro-batch of the step (as DDP's `no_sync`)."""
         self.model.set_requires_gradient_sync(is_last)
@@ -137,22 +147,23 @@ class Fsdp2Engine(TorchEngine):
             return
         model_state, optim_state = self._full_states()
         payload = None
-        if self.parallel.is_logging_rank:
+        if self.parallel.data_parallel_rank == 0:
             payload = {"model": model_state, **extras}
             if self.save_optimizer:
                 payload["optimizer"] = optim_state
         self._write(save_dir, iteration, payload, train_state, config)
 
     def _full_states(self) -> tuple[dict, Optional[dict]]:
-        """(the model's full state dict, the optimizer's in `optimizer.state_dict()`'s numbering), on rank 0's CPU."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+        """(the model's full state dict, the optimizer's in `optimizer.state_dict()`'s numbering), on the CPU of the
+        first data-parallel rank of each tensor-parallel rank (what the torch engine's layout writes)."""
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        model_state = full_model_state(self.model)
+        keep = self.parallel.data_parallel_rank == 0
+        model_state = full_model_state(self.model, keep)
         if not self.save_optimizer:
             return model_state, None
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        optim_state = get_optimizer_state_dict(self.model, self.optimizer, options=options)
-        return model_state, _numbered(optim_state) if self.parallel.is_logging_rank else None
+        optim_state = full_tensors(get_optimizer_state_dict(self.model, self.optimizer), keep)
+        return model_state, _numbered(optim_state) if keep else None
 
     def _forget_gather_scales(self) -> None:
         _forget_gather_scales_of(self.model)
@@ -190,31 +201,55 @@ class Fsdp2Engine(TorchEngine):
 
     def load_checkpoint(self, load_dir: str, load_optimizer: bool, module_only: bool,
                         iteration: Optional[int] = None) -> Optional[dict]:
-        """Every rank reads the full files and keeps its shards; a sharded checkpoint, its overlapping pieces."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions, set_model_state_dict, set_optimizer_state_dict,
-        )
-
+        """Every rank reads the files of its tensor-parallel rank whole and keeps its shards; a checkpoint of another
+        layout or engine through its full state (checkpoint/reshard.py); a sharded one, its overlapping pieces."""
         folder = reshard.newest_folder(load_dir, iteration)
         if folder is not None and dcp_io.is_dcp(folder):
             loaded = self._load_sharded(folder, load_optimizer and not module_only)
             self._forget_gather_scales()
             return loaded
-        loaded = ckpt.load_checkpoint_files(load_dir, mp_rank=0, iteration=iteration)
+        p = self.parallel
+        if folder is not None:
+            saved = reshard.saved_layout(folder)
+            same_layout = (saved["layout"] in (layouts.SINGLE, layouts.TENSOR_PARALLEL)
+                           and saved["mp_files"] == p.tensor_parallel_size)
+            switched = reshard.optimizer_switched(saved, self.optimizer, load_optimizer and not module_only)
+            if saved["layout"] is not None and (switched or not same_layout):
+                loaded = reshard.load_resharded(
+                    folder, model=self.model, full_name=lambda n: n, model_config=self.model.config,
+                    tp_rank=p.tensor_parallel_rank, tp_size=p.tensor_parallel_size, optimizer=self.optimizer,
+                    load_optimizer=load_optimizer, module_only=module_only,
+                    describe=f"FSDP2, tensor parallel {p.tensor_parallel_size}", load_pieces=self._set_full_states)
+                self._forget_gather_scales()
+                return loaded
+        loaded = ckpt.load_checkpoint_files(load_dir, mp_rank=p.tensor_parallel_rank, iteration=iteration)
         if loaded is None:
             return None
         payload = loaded["payload"]
         ckpt.check_model_state(self.model, payload["model"], loaded["path"])
-        options = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(self.model, payload["model"], options=options)
-        self._forget_gather_scales()
+        optimizer_state = None
         if load_optimizer and not module_only:
             if "optimizer" not in payload:
                 raise ckpt.CheckpointError(f"{loaded['path']} has no optimizer state (saved with --no-save-optim); "
                                            "pass --no-load-optim or --finetune")
-            named = _named(payload["optimizer"], self.optimizer, self.model)
-            set_optimizer_state_dict(self.model, self.optimizer, named, options=options)
+            optimizer_state = payload["optimizer"]
+        self._set_full_states(payload["model"], optimizer_state)
         return loaded
+
+    def _set_full_states(self, model_state: dict, optimizer_state: Optional[dict]) -> None:
+        """Set the model (full tensors of this tensor-parallel rank, by name: each rank keeps its shards) and the
+        optimizer (`optimizer.state_dict()`'s numbering; None: left as it is)."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions, set_model_state_dict, set_optimizer_state_dict,
+        )
+
+        # strict=False: a resharded checkpoint gives the parameters (no buffer is saved state)
+        options = StateDictOptions(full_state_dict=True, strict=False)
+        set_model_state_dict(self.model, model_state, options=options)
+        self._forget_gather_scales()
+        if optimizer_state is not None:
+            named = _named(optimizer_state, self.optimizer, self.model)
+            set_optimizer_state_dict(self.model, self.optimizer, named, options=options)
 
 
 def _forget_gather_scales_of(model: nn.Module) -> None:
@@ -223,15 +258,33 @@ def _forget_gather_scales_of(model: nn.Module) -> None:
         gather_scales.forget()
 
 
-def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The FSDP2 model's full state dict on CPU (a collective: every rank calls it), as plain tensors (an FP8-gathered
-    shard, `--fp8-param-gather`, is its high-precision values: on one rank the gather returns the shard itself)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+def full_tensors(state: dict[str, Any], keep: bool) -> dict[str, Any]:
+    """Each DTensor of `state` (a model's or an optimizer's named state, nested) gathered whole over its mesh, one at a
+    time (a collective: every rank calls it), and kept on the CPU where `keep` (the first data-parallel rank of each
+    tensor-parallel rank); other values as they are. An FP8-gathered shard (`--fp8-param-gather`) gathers its
+    high-precision values."""
+    from torch.distributed.tensor import DTensor
 
-    from megatron.training.fp8_gather import plain_tensor
+    from megatron.training.fp8_gather import plain_dtensor
 
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return {name: plain_tensor(value) for name, value in state.items()}
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        if isinstance(value, dict):
+            out[key] = full_tensors(value, keep)
+            continue
+        if isinstance(value, DTensor):
+            value = plain_dtensor(value).full_tensor()
+        if keep:
+            out[key] = value.cpu() if isinstance(value, torch.Tensor) else value
+    return out
+
+
+def full_model_state(model: nn.Module, keep: bool = True) -> dict[str, torch.Tensor]:
+    """The FSDP2 model's full state dict (this tensor-parallel rank's pieces, whole over the data-parallel ranks) on
+    the CPU where `keep`; a collective."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return full_tensors(get_model_state_dict(model), keep)
 
 
 def _param_names(optimizer: torch.optim.Optimizer, model: nn.Module) -> list[list[str]]:

@@ -76,12 +76,13 @@ def launched_run(folder, switches: tuple, run: dict, nproc: int = 2, **overrides
     return launch_checked(nproc, tiny_argv(*switches, **{**run, "save": folder, **overrides}), stdout_tail=0).stderr
 
 
-def straight_and_resumed(root, switches: tuple, run: dict) -> tuple[str, str]:
-    """Launched runs of `switches`: straight to `run["train_iters"]` in root/"straight", and in root/"resumed" stopped
-    halfway (`--exit-interval`) then resumed from its own checkpoint. Returns (straight log, resumed log)."""
-    straight = launched_run(root / "straight", switches, run)
-    launched_run(root / "resumed", switches, run, exit_interval=run["train_iters"] // 2)
-    return straight, launched_run(root / "resumed", switches, run, load=root / "resumed")
+def straight_and_resumed(root, switches: tuple, run: dict, nproc: int = 2) -> tuple[str, str]:
+    """Launched runs of `switches` in `nproc` processes: straight to `run["train_iters"]` in root/"straight", and in
+    root/"resumed" stopped halfway (`--exit-interval`) then resumed from its own checkpoint. Returns (straight log,
+    resumed log)."""
+    straight = launched_run(root / "straight", switches, run, nproc)
+    launched_run(root / "resumed", switches, run, nproc, exit_interval=run["train_iters"] // 2)
+    return straight, launched_run(root / "resumed", switches, run, nproc, load=root / "resumed")
 
 
 def assert_same_checkpoint(got_folder, want_folder, iteration: int) -> None:
