@@ -515,9 +515,6 @@ def _check_fsdp2(config: "MegatronConfig") -> None:
          "with --params-dtype bf16: FSDP2 keeps FP32 shards and gathers them in BF16 under --bf16 already; drop "
          "--params-dtype"),
         (config.optimizer.optimizer == "fp8adam", "with --optimizer fp8adam is not built yet: use --optimizer adam"),
-        (config.checkpoint.ckpt_format == "torch_dist" and config.parallel.tensor_model_parallel_size > 1,
-         "with --ckpt-format torch_dist and --tensor-model-parallel-size > 1 is not built yet: use --ckpt-format "
-         "torch (full checkpoints, one file per tensor-parallel rank) or tensor parallel size 1"),
     ))
     if config.parallel.fp8_param_gather:
         _raise_first("--fp8-param-gather", (

@@ -9,7 +9,8 @@ model and the optimizer state through `torch.distributed.checkpoint` (DCP), into
 
 The state DCP holds is one flat dict: `model/<parameter name>` (the FSDP2 DTensors), `optimizer/state/<parameter
 name>/<exp_avg | exp_avg_sq | step>` and `optimizer/param_groups` (the groups' hyper-parameters and parameter
-names, as JSON). Written into a staging folder and committed by rank 0 as every other layout is (store.py: a crash
+names, as JSON). Under tensor parallelism each tensor is the TP ranks' pieces end to end along their dimension (a
+DTensor on the tp x dp mesh, training/fsdp2_mesh.py); `untangled` turns that into the full model's layout. Written into a staging folder and committed by rank 0 as every other layout is (store.py: a crash
 at any moment leaves the previous checkpoint the newest); each rank records its own files in the manifest.
 
 Read back three ways: sharded into an FSDP2 model at any data-parallel size (DCP reshards: each rank reads the
@@ -28,6 +29,8 @@ import torch
 
 from megatron.checkpoint import manifest
 from megatron.checkpoint import store as ckpt
+from megatron.config import ModelConfig
+from megatron.parallel.layout import merge_shards, shard_spec
 
 DCP_DIR = "dcp"
 EXTRAS_FILE = "extras.pt"
@@ -96,10 +99,18 @@ def read_sharded(folder: Path, flat: dict[str, Any], group: Any) -> None:
                                    f"iteration into {ckpt.TRACKER_FILE}") from exc
 
 
-def saved_model_shapes(saved: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The saved parameters' full shapes (from `saved_keys`), as storage-free tensors for store.check_model_state."""
-    return {key[len(MODEL):]: torch.empty(meta.size, device="meta") for key, meta in saved.items()
-            if key.startswith(MODEL)}
+def saved_model_shapes(saved: dict[str, Any], tp: int, model_config: ModelConfig) -> dict[str, torch.Tensor]:
+    """The shapes of one tensor-parallel rank's pieces of the saved parameters (from `saved_keys`; saved at tensor
+    parallel size `tp`), as storage-free tensors for store.check_model_state."""
+    out = {}
+    for key, meta in saved.items():
+        if key.startswith(MODEL):
+            name, shape = key[len(MODEL):], list(meta.size)
+            spec = shard_spec(name, model_config)
+            if spec is not None and tp > 1:
+                shape[spec.dim] //= tp
+            out[name] = torch.empty(shape, device="meta")
+    return out
 
 
 def saved_keys(folder: Path) -> dict[str, Any]:
@@ -133,15 +144,40 @@ def read_full(folder: Path, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def full_model(folder: Path) -> dict[str, torch.Tensor]:
+def saved_tensor_parallel(folder: Path) -> int:
+    """The tensor-parallel size of the run that saved `folder` (its config.json)."""
+    config = ckpt.read_json(Path(folder) / "config.json")
+    return int(config.get("parallel", {}).get("tensor_model_parallel_size", 1) or 1)
+
+
+def untangled(name: str, tensor: torch.Tensor, tp: int, model_config: ModelConfig) -> torch.Tensor:
+    """Saved at tensor parallel size `tp`, a sharded tensor is its TP ranks' pieces end to end along their dimension
+    (what each rank holds, as one global tensor): the full model's layout again (SwiGLU's fc1 is [gate_r | up_r] per
+    rank, [gate | up] whole: parallel/layout.py)."""
+    spec = shard_spec(name, model_config)
+    if spec is None or tp == 1:
+        return tensor
+    return merge_shards(list(tensor.chunk(tp, dim=spec.dim)), spec)
+
+
+def full_model(folder: Path, model_config: ModelConfig) -> dict[str, torch.Tensor]:
     """The model's full state dict (every tool's weights)."""
-    return nested_state(read_full(folder, MODEL))[0]
+    tp = saved_tensor_parallel(folder)
+    return {name: untangled(name, value, tp, model_config)
+            for name, value in nested_state(read_full(folder, MODEL))[0].items()}
 
 
-def full_optimizer(folder: Path) -> Optional[dict]:
+def full_optimizer(folder: Path, model_config: ModelConfig) -> Optional[dict]:
     """The optimizer state keyed by parameter name ({"state": {name: {moment: full tensor}}, "param_groups"}), None
     when it was not saved."""
-    return nested_state(read_full(folder, "optimizer/"))[1]
+    saved = nested_state(read_full(folder, "optimizer/"))[1]
+    tp = saved_tensor_parallel(folder)
+    if saved is not None and tp > 1:
+        for name, entry in saved["state"].items():
+            for key, value in entry.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    entry[key] = untangled(name, value, tp, model_config)
+    return saved
 
 
 def write_extras(staging: Path, extras: dict, iteration: int) -> None:

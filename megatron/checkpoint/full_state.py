@@ -255,10 +255,10 @@ def _read_torch_layouts(folder: Path, names, model, model_config) -> tuple[Optio
     return {"params": _torch_optimizer_moments(states, names, model, model_config), **_optimizer_meta(states[0])}, extras
 
 
-def _read_torch_dist(folder: Path) -> tuple[Optional[dict], dict]:
+def _read_torch_dist(folder: Path, model_config: ModelConfig) -> tuple[Optional[dict], dict]:
     """A sharded (DCP) checkpoint's optimizer state, keyed by name already, and rank 0's extras (dcp_io.py)."""
     extras = {k: v for k, v in dcp_io.read_extras(folder).items() if k not in ("checkpoint_version", "iteration")}
-    saved = dcp_io.full_optimizer(folder)
+    saved = dcp_io.full_optimizer(folder, model_config)
     if saved is None:
         return None, extras
     params = {name: {m: entry[m].float() for m in MOMENTS} | {"step": _step(entry)}
@@ -386,7 +386,7 @@ def read_full_state(folder: Path) -> FullState:
     if layout in (layouts.SINGLE, layouts.TENSOR_PARALLEL):
         optimizer, extras = _read_torch_layouts(folder, names, model, model_config)
     elif layout == layouts.TORCH_DIST:
-        optimizer, extras = _read_torch_dist(folder)
+        optimizer, extras = _read_torch_dist(folder, model_config)
     elif layout == layouts.DEEPSPEED:
         optimizer, extras = _read_deepspeed(folder, names, model, model_config, _saved_tp(config))
     elif layout == layouts.PIPELINE:

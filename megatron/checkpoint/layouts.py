@@ -197,7 +197,7 @@ def read_model_state(path: Path, model_config: ModelConfig) -> tuple[dict[str, t
     if layout == DEEPSPEED:
         return *_deepspeed_state(path, model_config), layout
     if layout == TORCH_DIST:
-        return dcp_io.full_model(path), dcp_io.read_extras(path), layout
+        return dcp_io.full_model(path, model_config), dcp_io.read_extras(path), layout
     extras: dict = {}
     # Our client state (LR schedule, RNG, FP8) sits in DeepSpeed's model-states file (rank 0's under ZeRO-3).
     model_states = path / (DS_MODEL_FILE if layout != DEEPSPEED_ZERO3 else "zero_pp_rank_0_mp_rank_00_model_states.pt")

@@ -112,6 +112,7 @@ class Fsdp2Engine(TorchEngine):
     wraps_in_ddp = False
     sharded_checkpoints = False  # --ckpt-format torch_dist: each rank writes its shards (checkpoint/dcp_io.py)
     async_saver = None  # --async-save: checkpoint/dcp_async.py's AsyncSaver
+    tp_shards = None  # under tensor parallelism, the (tp, dp) mesh of sharded checkpoints (made at the first use)
 
     def start_async_saves(self) -> None:
         """--async-save: sharded saves written in the background (a collective: every rank makes a process group)."""
@@ -136,14 +137,13 @@ class Fsdp2Engine(TorchEngine):
                         config: dict) -> None:
         """Every rank takes part in gathering; rank 0 writes the torch engine's files. Sharded (--ckpt-format
         torch_dist): every rank writes its own shards."""
-        if self.async_saver is not None:
-            self.async_saver.start(save_dir, iteration, self._sharded_state(self.save_optimizer), extras, train_state,
-                                   config)
-            return
-        if self.sharded_checkpoints:
-            dcp_io.save_sharded_checkpoint(save_dir, iteration, self._sharded_state(self.save_optimizer), extras,
-                                           train_state, config, self.parallel.rank, self._group(),
-                                           self.parallel.host_group)
+        if self.async_saver is not None or self.sharded_checkpoints:
+            flat = self._global_state(self._sharded_state(self.save_optimizer))
+            if self.async_saver is not None:
+                self.async_saver.start(save_dir, iteration, flat, extras, train_state, config)
+            else:
+                dcp_io.save_sharded_checkpoint(save_dir, iteration, flat, extras, train_state, config,
+                                               self.parallel.rank, self._group(), self.parallel.host_group)
             return
         model_state, optim_state = self._full_states()
         payload = None
@@ -169,7 +169,8 @@ class Fsdp2Engine(TorchEngine):
         _forget_gather_scales_of(self.model)
 
     def _group(self) -> Any:
-        return self.parallel.data_parallel_group if self.parallel.data_parallel_group is not None else dist.group.WORLD
+        """The ranks of a sharded save or load: every rank (each holds pieces of the global tensors)."""
+        return self.parallel.amax_group if self.parallel.amax_group is not None else dist.group.WORLD
 
     def _sharded_state(self, with_optimizer: bool) -> dict[str, Any]:
         """This rank's shards of the model and (optionally) the optimizer state, as DCP stores them (dcp_io.py)."""
@@ -181,17 +182,31 @@ class Fsdp2Engine(TorchEngine):
         optim_state = get_optimizer_state_dict(self.model, self.optimizer) if with_optimizer else None
         return dcp_io.flat_state(model_state, optim_state)
 
+    def _global_state(self, flat: dict[str, Any]) -> dict[str, Any]:
+        """Under tensor parallelism, the shards as pieces of the global tensors (training/fsdp2_mesh.py)."""
+        if self.parallel.tensor_parallel_size == 1:
+            return flat
+        if self.tp_shards is None:
+            from megatron.training.fsdp2_mesh import TensorParallelShards
+
+            self.tp_shards = TensorParallelShards(self.parallel, self.model.config, self.accel.device_type)
+        return self.tp_shards.globalize(flat)
+
     def _load_sharded(self, folder: Path, load_optimizer: bool) -> dict:
-        """Each rank reads the pieces of the saved shards its own shards overlap (any data-parallel size)."""
+        """Each rank reads the pieces of the saved shards its own shards overlap (any data-parallel size; the same
+        tensor-parallel size)."""
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
         saved = dcp_io.saved_keys(folder)
-        ckpt.check_model_state(self.model, dcp_io.saved_model_shapes(saved), folder)
+        shapes = dcp_io.saved_model_shapes(saved, self.parallel.tensor_parallel_size, self.model.config)
+        ckpt.check_model_state(self.model, shapes, folder)
         if load_optimizer and dcp_io.GROUPS not in saved:
             raise ckpt.CheckpointError(f"{folder} has no optimizer state (saved with --no-save-optim); pass "
                                        "--no-load-optim or --finetune")
         flat = self._sharded_state(load_optimizer)
-        dcp_io.read_sharded(folder, flat, self._group())
+        target = self._global_state(flat)  # the same storage: read in place
+        dcp_io.read_sharded(folder, target, self._group())
+        flat.update({key: value for key, value in target.items() if not isinstance(value, torch.Tensor)})
         model_state, optim_state = dcp_io.nested_state(flat)
         set_model_state_dict(self.model, model_state)
         if optim_state is not None:
@@ -204,11 +219,12 @@ class Fsdp2Engine(TorchEngine):
         """Every rank reads the files of its tensor-parallel rank whole and keeps its shards; a checkpoint of another
         layout or engine through its full state (checkpoint/reshard.py); a sharded one, its overlapping pieces."""
         folder = reshard.newest_folder(load_dir, iteration)
-        if folder is not None and dcp_io.is_dcp(folder):
+        p = self.parallel
+        if folder is not None and dcp_io.is_dcp(folder) and \
+                dcp_io.saved_tensor_parallel(folder) == p.tensor_parallel_size:
             loaded = self._load_sharded(folder, load_optimizer and not module_only)
             self._forget_gather_scales()
             return loaded
-        p = self.parallel
         if folder is not None:
             saved = reshard.saved_layout(folder)
             same_layout = (saved["layout"] in (layouts.SINGLE, layouts.TENSOR_PARALLEL)

@@ -5,14 +5,20 @@ rank's pieces over its data-parallel group (a 2-D layout: dp x tp).
   tensor-parallel arithmetic; FSDP2 and DDP both average a gradient over 2 ranks as (a + b) / 2).
 - FP8 (delayed scaling, BF16, sequence parallelism, clipping on): gathering each weight in FP8 trains bitwise what
   gathering in BF16 trains (the clip norm counts every tensor-parallel piece once, the FP8-gathered weights
-  included), and a run resumed from its checkpoint ends bitwise where the straight run ends.
-- Resharding through the full state: the TP=2 checkpoint loads into FSDP2 at TP=1, and a TP=1 DDP checkpoint into
-  TP=2 x FSDP2; loaded and saved at once, each holds the bits the torch engine holds after the same load.
+  included); its sharded checkpoint (--ckpt-format torch_dist: every rank's shards as pieces of the global
+  tensors) read whole holds the bits of the full checkpoint (one file per TP rank) of the BF16-gathered run, and a
+  run resumed from it ends bitwise where the straight run ends.
+- Resharding: the sharded TP=2 checkpoint loads at data parallel 1 (DCP reads the overlapping pieces) bitwise, and
+  into FSDP2 at TP=1 through the full state; a TP=1 DDP checkpoint loads into TP=2 x FSDP2. Loaded and saved at
+  once, each holds the bits the torch engine holds after the same load.
 """
 from __future__ import annotations
 
 import pytest
+import torch
 
+from megatron.checkpoint import store as ckpt
+from megatron.checkpoint.full_state import read_full_state
 from tests.support.logs import losses
 from tests.support.training import assert_same_checkpoint, launched_run, straight_and_resumed
 
@@ -22,6 +28,7 @@ RUN = dict(train_iters=ITERS, micro_batch_size=2, global_batch_size=8, eval_iter
 TP2 = ("--tensor-model-parallel-size", "2", "--sequence-parallel")
 FSDP2 = ("--use-torch-fsdp2",)
 FP8 = ("--bf16", "--fp8-format", "hybrid")
+SHARDED = ("--fp8-param-gather", "--ckpt-format", "torch_dist")
 
 
 def _train(folder, *switches, nproc: int = 4, **overrides) -> str:
@@ -38,23 +45,38 @@ def test_fp32_tp2_fsdp2_equals_tp2_ddp_bit_for_bit(tmp_path):
 
 @pytest.fixture(scope="module")
 def fp8_runs(tmp_path_factory):
-    """BF16 gathers in root/"plain"; FP8 gathers straight in root/"straight" and resumed halfway."""
+    """BF16 gathers and full checkpoints in root/"plain"; FP8 gathers and sharded checkpoints straight in
+    root/"straight" and resumed halfway."""
     root = tmp_path_factory.mktemp("tp_fsdp2_fp8")
     plain = _train(root / "plain", *TP2, *FSDP2, *FP8)
-    return root, plain, *straight_and_resumed(root, (*TP2, *FSDP2, *FP8, "--fp8-param-gather"), RUN, nproc=4)
+    return root, plain, *straight_and_resumed(root, (*TP2, *FSDP2, *FP8, *SHARDED), RUN, nproc=4)
 
 
 def test_fp8_gathers_under_tensor_parallelism_train_bitwise_what_bf16_gathers_train(fp8_runs):
     root, plain, straight, _ = fp8_runs
     assert "8 gather their weight in FP8 (--fp8-param-gather)" in straight
     assert losses(straight) == losses(plain)
-    assert_same_checkpoint(root / "straight", root / "plain", ITERS)
+    sharded = read_full_state(ckpt.iteration_dir(root / "straight", ITERS))
+    full = read_full_state(ckpt.iteration_dir(root / "plain", ITERS))
+    assert sharded.layout == "torch_dist" and full.layout == "tensor_parallel"
+    assert sharded.model.keys() == full.model.keys()
+    assert all(torch.equal(sharded.model[k], v) for k, v in full.model.items())
+    for name, entry in full.optimizer["params"].items():
+        assert all(torch.equal(sharded.optimizer["params"][name][m], entry[m]) for m in ("exp_avg", "exp_avg_sq"))
+        assert sharded.optimizer["params"][name]["step"] == entry["step"]
 
 
 def test_a_tp2_fsdp2_run_resumes_bit_for_bit(fp8_runs):
     root, _, straight, resumed = fp8_runs
     assert losses(resumed) == losses(straight)[ITERS // 2:]
     assert_same_checkpoint(root / "resumed", root / "straight", ITERS)
+
+
+def test_its_sharded_checkpoint_loads_at_data_parallel_1_bitwise(fp8_runs, tmp_path):
+    root, _, _, _ = fp8_runs
+    log = _train(tmp_path / "dp1", *TP2, *FSDP2, *FP8, *SHARDED, nproc=2, load=root / "straight")
+    assert f"loaded checkpoint {ckpt.iteration_dir(root / 'straight', ITERS)}" in log
+    assert_same_checkpoint(tmp_path / "dp1", root / "straight", ITERS)
 
 
 def test_its_checkpoint_reshards_to_tp1_as_the_torch_engine_reshards_it(fp8_runs, tmp_path):

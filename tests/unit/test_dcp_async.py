@@ -46,7 +46,7 @@ def test_the_snapshot_is_taken_before_start_returns(saver, tmp_path, monkeypatch
         tensor.add_(100.0)
     changed.set()
     assert saver.poll(wait=True) == 10
-    saved = dcp_io.full_model(ckpt.iteration_dir(tmp_path, 10))
+    saved = dcp_io.nested_state(dcp_io.read_full(ckpt.iteration_dir(tmp_path, 10), dcp_io.MODEL))[0]
     assert torch.equal(saved["w"], torch.full((4, 3), 1.0)) and torch.equal(saved["b"], torch.arange(3.0) + 1)
     assert ckpt.read_tracker(tmp_path) == 10
     assert dcp_io.read_extras(ckpt.iteration_dir(tmp_path, 10))["rng"].tolist() == [7]

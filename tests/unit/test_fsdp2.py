@@ -12,8 +12,6 @@ from tests.support.config import tiny_argv
 
 REFUSED = {
     "deepspeed": (["--deepspeed"], 1, "--use-torch-fsdp2 and --deepspeed are two engines"),
-    "tensor-parallel-sharded-checkpoints": (["--tensor-model-parallel-size", "2", "--ckpt-format", "torch_dist"], 4,
-                                            "with --ckpt-format torch_dist and --tensor-model-parallel-size > 1"),
     "pipeline": (["--pipeline-model-parallel-size", "2"], 2, "with --pipeline-model-parallel-size > 1"),
     "fp8adam": (["--optimizer", "fp8adam"], 1, "with --optimizer fp8adam is not built yet"),
     "main-params": (["--bf16", "--params-dtype", "bf16"], 1, "with --params-dtype bf16"),
