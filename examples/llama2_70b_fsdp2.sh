@@ -3,14 +3,16 @@
 #
 #   bash examples/llama2_70b_fsdp2.sh        (on every node, NODE_RANK set; or RDZV_ID for a c10d rendezvous)
 #
-# FSDP2 (--use-torch-fsdp2) shards every parameter, gradient and Adam moment over the 64 data-parallel ranks; each
-# transformer block is gathered for its forward and again for its backward (docs/distributed.md): the FP8 layers'
-# weights as FP8 bytes cast on the shards (--fp8-param-gather; fc2, whose columns Smooth-SwiGLU scales per call, and
-# the norms in BF16). FP8 = delayed hybrid scaling (E4M3 forward, E5M2 gradients, power-of-two scales) +
-# Smooth-SwiGLU, with AdamW's FP32 moments (Fp8AdamW is not built for FSDP2 yet). Checkpoints: each rank writes its
-# shards (--ckpt-format torch_dist) in the background (--async-save), instead of gathering the whole model (about
-# 280 GB in FP32 for 70B) into rank 0's CPU memory. Not built yet under FSDP2, and so not used here: tensor
-# parallelism (a 2-D mesh), compiled blocks together with FP8 gathers.
+# Tensor parallelism 2 with sequence parallelism (--tensor-model-parallel-size 2 --sequence-parallel, within a node)
+# and FSDP2 (--use-torch-fsdp2) on a 2-D layout: FSDP2 shards each TP rank's pieces of every parameter, gradient and
+# Adam moment over its 32 data-parallel ranks; each transformer block is gathered for its forward and again for its
+# backward (docs/distributed.md): the FP8 layers' weights as FP8 bytes cast on the shards (--fp8-param-gather; fc2,
+# whose columns Smooth-SwiGLU scales per call, and the norms in BF16). FP8 = delayed hybrid scaling (E4M3 forward,
+# E5M2 gradients, power-of-two scales) + Smooth-SwiGLU, with AdamW's FP32 moments (Fp8AdamW is not built for FSDP2
+# yet). Checkpoints: each rank writes its shards (--ckpt-format torch_dist) in the background (--async-save), instead
+# of gathering the whole model (about 280 GB in FP32 for 70B) into one rank's CPU memory; they load at another
+# data-parallel size as they are, and at another TP size through the full state. Not built yet under FSDP2, and so
+# not used here: compiled blocks together with FP8 gathers.
 # DRY_RUN=1 resolves and validates the configuration for the 64 ranks without launching anything (synthetic
 # data), and prints the memory estimate per device and the projected step time (PROJECT_ON=h200 by default):
 # tests/e2e/test_examples.py runs it. PRINT_LAUNCH=1 prints the launch command instead of running it.
@@ -41,11 +43,12 @@ TRAIN_ARGS=(
   --hidden-dropout 0 --attention-dropout 0 --init-method-std 0.02
   --lr 1.5e-4 --min-lr 1.5e-5 --lr-decay-style cosine --lr-warmup-iters 2000
   --adam-beta1 0.9 --adam-beta2 0.95 --adam-eps 1e-8 --weight-decay 0.1 --clip-grad 1.0
-  --bf16 --micro-batch-size 4 --global-batch-size "$GLOBAL_BATCH" --train-iters "$TRAIN_ITERS"
+  --bf16 --micro-batch-size 8 --global-batch-size "$GLOBAL_BATCH" --train-iters "$TRAIN_ITERS"
   --lr-decay-iters "$TRAIN_ITERS"
-  # a block's input is all it keeps for backward: 80 layers of full activations would not fit. Micro-batches of 4:
-  # the sharded weights are gathered for every micro-batch, so 4 per step gather them a quarter as often as 16.
+  # a block's input is all it keeps for backward: 80 layers of full activations would not fit. Micro-batches of 8
+  # (each TP rank keeps half of its tokens' inputs): the sharded weights are gathered for every micro-batch, 4 per step.
   --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
+  --tensor-model-parallel-size 2 --sequence-parallel
   --use-torch-fsdp2 --fp8-param-gather
   --fp8-format hybrid --fp8-recipe delayed --fp8-amax-history-len 16 --fp8-amax-compute-algo max
   --fp8-power-of-two-scales --smooth-swiglu --smooth-swiglu-granularity channel --fp8-backend scaled_mm

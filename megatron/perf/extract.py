@@ -258,14 +258,18 @@ def _capturing_backend(graphs: list[tuple[str, list[Kernel]]]) -> Callable:
 def _fresh_compiler():
     """No compiled code cached before or after; the backward lowered with the forward; BF16 autocast as torch
     has it on a GPU (not this CPU's FP32 emulation of BF16 GEMMs, megatron/cpu_bf16.py, which would trace other
-    ops: attention as matmuls)."""
+    ops: attention as matmuls). The FP8 weight cache keys on the storage pointer, which a fake tensor has not: torch
+    warns of it, and nothing here reads the key (the weights are made once per trace)."""
+    import warnings
+
     import torch._dynamo
     import torch._functorch.config as functorch_config
 
     torch._dynamo.reset()
     try:
         with functorch_config.patch(force_non_lazy_backward_lowering=True, enable_autograd_cache=False), \
-                cpu_bf16.use_mode("native"):
+                cpu_bf16.use_mode("native"), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
             yield
     finally:
         torch._dynamo.reset()

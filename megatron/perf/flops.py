@@ -98,7 +98,8 @@ def memory_estimate_bytes(cfg: MegatronConfig) -> dict[str, float]:
     s, b, h, a = m.seq_length, t.micro_batch_size, m.hidden_size, m.num_attention_heads
     layers = m.num_layers / p.pipeline_model_parallel_size
     if m.recompute_granularity is RecomputeGranularity.FULL:
-        act = s * b * h * 2.0 * layers  # only the layer inputs are kept
+        # only the layer inputs are kept: each TP rank its share of the tokens under sequence parallelism
+        act = s * b * h * 2.0 * layers / (p.tensor_model_parallel_size if p.sequence_parallel else 1)
     elif m.recompute_granularity is RecomputeGranularity.SELECTIVE:
         act = s * b * h * 34.0 * layers / p.tensor_model_parallel_size
     else:

@@ -4,13 +4,15 @@ time per kernel class. Every line says "projected" and names the model's calibra
 
 The blocks are extracted once per variant (seconds each at 7B shapes) and timed on every device asked for. The
 projection is of compiled blocks (what `--torch-compile auto` runs on CUDA); a run whose blocks stay eager
-(pipeline parallelism or ZeRO-3 on our engines) is told so, as a line of the output.
+(`compile.unsupported_reason`: pipeline parallelism, ZeRO-3, FP8 weight gathers) is told so, as a line of the output.
+Under tensor parallelism the block is one device's (`device_block_model`).
 """
 from __future__ import annotations
 
 import dataclasses
 
-from megatron.config import MegatronConfig
+from megatron.config import MegatronConfig, ModelConfig
+from megatron.model.compile import unsupported_reason
 from megatron.perf.calibration import CALIBRATION_SUMMARY
 from megatron.perf.extract import extract_block
 from megatron.perf.flops import sharding_stage
@@ -38,19 +40,32 @@ def _classes(p: Projection) -> str:
     return ", ".join(f"{k.value} {1e3 * v:,.0f}" for k, v in p.by_class.items() if v > 0)
 
 
+def device_block_model(model: ModelConfig, tp: int) -> ModelConfig:
+    """The block one device runs under tensor parallelism `tp`: 1/tp of the heads, key-value heads and FFN channels at
+    the full hidden size (its GEMMs and attention are the device's; its norms and residual adds see every token, as
+    without --sequence-parallel: with it, those pointwise kernels are overestimated tp times)."""
+    if tp == 1:
+        return model
+    return dataclasses.replace(model, num_attention_heads=model.num_attention_heads // tp,
+                               num_key_value_heads=model.num_key_value_heads // tp,
+                               ffn_hidden_size=model.ffn_hidden_size // tp, kv_channels=model.kv_channels)
+
+
 def projection_lines(config: MegatronConfig) -> list[str]:
     t = config.training
     twin = bf16_twin(config)
     mb = t.micro_batch_size
-    bf16_block = extract_block(twin.model, None, mb, bf16=t.bf16)
-    fp8_block = extract_block(config.model, config.fp8, mb, bf16=t.bf16) if config.fp8 is not None else None
+    tp = config.parallel.tensor_model_parallel_size
+    bf16_block = extract_block(device_block_model(twin.model, tp), None, mb, bf16=t.bf16)
+    fp8_block = extract_block(device_block_model(config.model, tp), config.fp8, mb, bf16=t.bf16) \
+        if config.fp8 is not None else None
     recipe = "BF16" if config.fp8 is None else f"FP8 {config.fp8.format.value} {config.fp8.scaling.value}" + (
         " + Smooth-SwiGLU" if config.model.smooth_swiglu is not None else "")
     lines = ["", f"projected (megatron/perf roofline of the compiled blocks; {CALIBRATION_SUMMARY}):"]
-    p = config.parallel
-    if p.pipeline_model_parallel_size > 1 or (p.deepspeed and p.zero_stage == 3) or p.use_torch_fsdp2:
-        lines.append("  note: this layout keeps the transformer blocks eager on our engines (megatron/model/compile.py); "
-                     "the projection is of compiled blocks, so it is optimistic for this run")
+    eager = unsupported_reason(config)
+    if eager is not None:
+        lines.append(f"  note: the transformer blocks stay eager with {eager} (megatron/model/compile.py); the "
+                     "projection is of compiled blocks, so it is optimistic for this run")
     for name in t.project_on:
         dev = device(name)
         run = project(config, dev, fp8_block, bf16_block, t.project_devices)

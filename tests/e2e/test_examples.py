@@ -106,8 +106,8 @@ def test_llama2_70b_fsdp2_resolves_for_64_devices_and_fits_an_h200():
                          timeout=300)
     assert out.returncode == 0, out.stderr
     assert "parameters: 68,976,648,192" in out.stdout
-    assert "gradient accumulation steps: 4" in out.stdout  # 1024 / (4 x 64 data-parallel ranks)
-    # FSDP2 shards the FP32 weights, gradients and both moments 64 ways: 16 / 64 bytes per parameter
-    assert "persistent state per device: 0.250 bytes/param (--params-dtype fp32, FSDP2, data parallel 64)" in out.stdout
+    assert "gradient accumulation steps: 4" in out.stdout  # 1024 / (8 x 32 data-parallel ranks)
+    # FSDP2 shards each TP rank's FP32 weights, gradients and both moments 32 ways: 16 / 32 bytes per parameter held
+    assert "persistent state per device: 0.500 bytes/param (--params-dtype fp32, FSDP2, data parallel 32)" in out.stdout
     estimate = out.stdout[out.stdout.index("memory estimate per device (GiB):"):].splitlines()[0]
     assert float(estimate.rsplit("total ", 1)[1]) < 141  # an H200's memory

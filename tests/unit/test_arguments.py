@@ -102,6 +102,11 @@ def test_memory_estimate_counts_fp8_saved_activations():
     bf16_full = memory_estimate_bytes(parse_config(tiny_argv("--bf16", **full)))
     assert fp8_full.pop("fp8_weights_in_step_GiB") > 0 and bf16_full.pop("fp8_weights_in_step_GiB") == 0
     assert fp8_full == bf16_full  # only BF16 layer inputs are kept
+    tp = dict(full, tensor_model_parallel_size=2)
+    kept = memory_estimate_bytes(parse_config(tiny_argv("--bf16", **tp), world_size=2))["activations_GiB"]
+    split = memory_estimate_bytes(parse_config(tiny_argv("--bf16", "--sequence-parallel", **tp),
+                                               world_size=2))["activations_GiB"]
+    assert kept == bf16_full["activations_GiB"] and split * 2 == kept  # sequence parallel: half the tokens each
 
 
 def test_distributed_timeout_minutes_reaches_the_process_group(monkeypatch):

@@ -183,3 +183,20 @@ def test_the_dry_run_prints_the_projection_of_the_run_and_its_bf16_twin():
 def test_the_calibration_summary_printed_with_projections_is_the_tables():
     rows = calibration.calibration_rows(parse_config)
     assert calibration.summary(rows) == calibration.CALIBRATION_SUMMARY
+
+
+def test_under_tensor_parallelism_a_device_runs_a_tp_th_of_the_blocks_gemms_and_attention():
+    """Each device's block has 1/tp of the heads and FFN channels: its GEMM and attention FLOPs are exactly 1/tp of
+    the whole block's (integers in float64)."""
+    from megatron.perf.planner import device_block_model
+
+    cfg = _config()
+    whole = extract_block(cfg.model, None, 2)
+    piece = extract_block(device_block_model(cfg.model, 2), None, 2)
+
+    def flops(block, kind):
+        return sum(k.flops for k in block.kernels if k.kind is kind)
+
+    for kind in (KernelClass.GEMM, KernelClass.ATTENTION):
+        assert flops(piece, kind) * 2 == flops(whole, kind), kind
+    assert device_block_model(cfg.model, 1) is cfg.model
