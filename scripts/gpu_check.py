@@ -16,6 +16,9 @@ stage, the block-stack bench's rows after every variant: a stage cut short keeps
   train_1gpu   pretrain_gpt.py under torchrun on one GPU: FP8 + Smooth-SwiGLU + Fp8AdamW, NCCL process group
                with the collective path forced on at world size 1 (MEGATRON_FORCE_COLLECTIVES=1)
   train_tp2    the same at tensor-parallel size 2 (only with 2+ GPUs, within what the deadline leaves)
+  train_fsdp2  FSDP2 with FP8 weight gathers (--use-torch-fsdp2 --fp8-param-gather, AdamW) on 2 GPUs over NCCL,
+               every collective counted: fsdp2_counts.rank<r>.json holds the bytes gathered per iteration (only with
+               2+ GPUs, within what the deadline leaves)
   model        bench/project.py --against block_stack.json: each measured block-stack row next to the performance
                model's projection of the same stack on this GPU, with the residuals (CPU work, last, in what the
                deadline leaves; `python bench/project.py --against OUT/block_stack.json` makes the same table
@@ -58,6 +61,16 @@ def _torchrun(nproc: int, extra: str) -> list[str]:
             str(REPO / "pretrain_gpt.py"), *TINY_MODEL.split(), *FP8_RECIPE.split(), *extra.split()]
 
 
+def fsdp2_command() -> list[str]:
+    """FSDP2 with FP8 weight gathers over NCCL on 2 GPUs (AdamW: Fp8AdamW is not built for FSDP2), every collective
+    counted by tests/support/count_collectives.py: {out}/fsdp2_counts.rank<r>.json holds, per iteration, the bytes each
+    rank gathered."""
+    flags = [*TINY_MODEL.split(), *FP8_RECIPE.split()[:FP8_RECIPE.split().index("--optimizer")]]
+    return [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+            str(REPO / "tests" / "support" / "count_collectives.py"), "{out}/fsdp2_counts", "--", *flags,
+            "--use-torch-fsdp2", "--fp8-param-gather"]
+
+
 def plan(gpus: int) -> list[dict]:
     """The stages: name, command, environment additions and time limit (seconds)."""
     stages = [
@@ -73,6 +86,7 @@ def plan(gpus: int) -> list[dict]:
     if gpus >= 2:
         stages.append({"name": "train_tp2", "limit": 45, "env": {},
                        "cmd": _torchrun(2, "--tensor-model-parallel-size 2 --sequence-parallel")})
+        stages.append({"name": "train_fsdp2", "limit": 45, "env": {}, "cmd": fsdp2_command()})
     stages.append({"name": "model", "limit": 90, "env": {}, "leftover": True,
                    "cmd": [PY, str(REPO / "bench" / "project.py"), "--against", "{out}/block_stack.json", "--json",
                            "{out}/model_vs_measured.json"]})
@@ -107,6 +121,7 @@ def _summary_line(name: str, output: str) -> str:
     """The one line of a stage's output worth putting in the summary."""
     patterns = {"gpu_tests": r"^\d+ (passed|failed).*$|^=+ .*(passed|failed).* =+$",
                 "train_1gpu": r"iteration +\d+/ +\d+ \|.*$", "train_tp2": r"iteration +\d+/ +\d+ \|.*$",
+                "train_fsdp2": r"iteration +\d+/ +\d+ \|.*$",
                 "block_stack": r"^(fp8-delayed|fp8-tensorwise|torchao) .*$",
                 "model": r"^(bf16|fp8-delayed|fp8-tensorwise|torchao) \| .*$"}
     lines = [ln for ln in output.splitlines() if re.search(patterns.get(name, r"$^"), ln)]
@@ -196,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         for stage in plan(gpus=2):
             env = " ".join(f"{k}={v}" for k, v in stage["env"].items())
             cmd = " ".join(c.replace("{out}", str(out)) for c in stage["cmd"])
-            when = " (only with 2+ GPUs)" if stage["name"] == "train_tp2" else ""
+            when = " (only with 2+ GPUs)" if stage["name"] in ("train_tp2", "train_fsdp2") else ""
             print(f"  {stage['name']}{when}: limit {stage['limit']} s: {env + ' ' if env else ''}{cmd}")
         return 0
     info = _probe()
