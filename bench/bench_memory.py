@@ -11,8 +11,12 @@ Each configuration is a real training run through `Trainer` (the model built on 
   keeps (DeepSpeed's communication buckets, allocator slack);
 - the dry-run estimate of the persistent state (weights + grads + master + optimizer of
   `flops.memory_estimate_bytes`; activations excluded), and both per parameter.
+- peak growth: the process's high-water resident memory (ru_maxrss) at the end of training minus the RSS before
+  the Trainer was built: persistent state plus the largest transient (gathered blocks, activations, buckets).
 Configurations: today's layout and --params-dtype bf16 under DeepSpeed ZeRO-1 at DP=2 (the 7B recipe's
-engine), and AdamW vs Fp8AdamW at ZeRO 0 (torch engine, one process) for the moments' share.
+engine), AdamW vs Fp8AdamW at ZeRO 0 (torch engine, one process) for the moments' share, and the two engines that
+shard the parameters themselves at DP=2, PyTorch FSDP2 and DeepSpeed ZeRO-3 (AdamW: `--only` them, e.g. at 1B:
+`--num-layers 16 --hidden-size 2048 --ffn-hidden-size 5632 --num-attention-heads 16`).
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import argparse
 import ctypes
 import json
 import os
+import resource
 import subprocess
 import sys
 
@@ -40,6 +45,8 @@ CONFIGS = {  # name: (processes, flags)
     "ZeRO 0 DP=1 Fp8AdamW, fp32 weights": (1, FP8ADAM),
     "ZeRO 0 DP=1 AdamW, --params-dtype bf16": (1, ["--params-dtype", "bf16"]),
     "ZeRO 0 DP=1 Fp8AdamW, --params-dtype bf16": (1, FP8ADAM + ["--params-dtype", "bf16"]),
+    "FSDP2 DP=2 AdamW": (2, ["--use-torch-fsdp2"]),
+    "ZeRO-3 DP=2 AdamW": (2, ["--deepspeed", "--zero-stage", "3"]),
 }
 
 
@@ -75,11 +82,12 @@ def _worker(argv: list[str]) -> None:
     trainer.engine.step = step
     trainer.train()
     after = seen[-1]  # iteration 2: the optimizer state exists since step 1
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before  # Linux: KiB
     mem = memory_estimate_bytes(config)
     estimate = sum(mem[k] for k in ("weights_GiB", "grads_GiB", "master_GiB", "optimizer_GiB")) * 2.0**30
     rank = int(os.environ.get("RANK", "0"))
     print("RESULT " + json.dumps({"rank": rank, "params": count_parameters(config.model), "rss_growth": after - before,
-                                  "estimate": estimate}), flush=True)
+                                  "peak_growth": peak, "estimate": estimate}), flush=True)
     from megatron.parallel_state import finish_distributed_run
     finish_distributed_run(0)
 
@@ -97,7 +105,8 @@ def main() -> None:
     if a.worker is not None:
         _worker(a.worker)
         return
-    print(f"{'configuration':44s} {'params':>8s} {'RSS growth GiB/rank':>20s} {'B/param':>8s} {'estimate B/param':>17s}")
+    print(f"{'configuration':44s} {'params':>8s} {'RSS growth GiB/rank':>20s} {'B/param':>8s} {'estimate B/param':>17s} "
+          f"{'peak growth GiB/rank':>21s}")
     for name, (nproc, flags) in CONFIGS.items():
         if a.only is not None and name not in a.only:
             continue
@@ -113,8 +122,9 @@ def main() -> None:
             continue
         n = rows[0]["params"]
         rss = max(r["rss_growth"] for r in rows)
-        print(f"{name:44s} {n / 1e6:7.0f}M {rss / 2**30:20.2f} {rss / n:8.2f} {rows[0]['estimate'] / n:17.2f}",
-              flush=True)
+        peak = max(r["peak_growth"] for r in rows)
+        print(f"{name:44s} {n / 1e6:7.0f}M {rss / 2**30:20.2f} {rss / n:8.2f} {rows[0]['estimate'] / n:17.2f} "
+              f"{peak / 2**30:21.2f}", flush=True)
 
 
 if __name__ == "__main__":
