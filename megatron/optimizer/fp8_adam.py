@@ -67,8 +67,10 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
+from megatron import comm
 from megatron.fp8.formats import format_backend_of
 from megatron.fp8.fused import CompiledOrEager
+from megatron.optimizer import fp8_adam_shards as shards
 from megatron.partitioned import full_numel, full_shape
 from megatron.optimizer.fp8_state_quant import (
     MomentDtype, MomentFormat, block_layout, counter_uniform, dequantize, dequantize_with_floor, moment_format,
@@ -209,6 +211,10 @@ class Fp8AdamW(torch.optim.Optimizer):
                     raise ValueError(f"Fp8AdamW updates FP32 master weights; got a {p.dtype} parameter of "
                                      f"shape {tuple(p.shape)} (keep master weights in FP32, e.g. --bf16 "
                                      "with an FP32 master copy)")
+                if self.uses_fp8_states(p, group):
+                    shards.check_blocks(p, block_size)
+        # FSDP2: the group over which the shards' per-tensor amaxes are max-reduced (fp8_adam_shards.py)
+        self.shard_group: Any = None
         # Shapes are static for the first chunk length and become dynamic on the second (torch's automatic
         # dynamic shapes): full chunks and every tensor's tail then share two graphs per variant (pass 1 /
         # pass 2 / blockwise) instead of one graph per distinct tail length.
@@ -294,26 +300,29 @@ class Fp8AdamW(torch.optim.Optimizer):
                 if p.grad.is_sparse:
                     raise RuntimeError("Fp8AdamW does not support sparse gradients")
                 state = self.state[p]
+                values, grad = shards.local(p), shards.local(p.grad)  # FSDP2: this rank's rows
                 if not state:
-                    state.update(self._init_state(p, group))
+                    state.update(self._init_state(values, group))
                 state["step"] += 1
                 step = float(state["step"])
                 m_fmt, v_fmt = self._formats(p, group)
                 if m_fmt is _FP32 and v_fmt is _FP32:
-                    for key, value in (("params", p), ("grads", p.grad), ("m", state["exp_avg"]),
+                    for key, value in (("params", values), ("grads", grad), ("m", state["exp_avg"]),
                                        ("v", state["exp_avg_sq"]), ("step", step)):
                         batch[key].append(value)
                     continue
-                self._step_stored(p, state, group, step, m_fmt, v_fmt, ordinal)
+                self._step_stored(values, grad, state, group, step, (m_fmt, v_fmt), ordinal, shards.flat_offset(p))
             if batch:
                 self._step_fp32_foreach(batch, lr, beta1, beta2, eps, wd)
         return loss
 
-    def _step_stored(self, p: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any], step: float,
-                     m_fmt: MomentFormat, v_fmt: MomentFormat, ordinal: int) -> None:
-        """Update one parameter chunk by chunk. Per-tensor FP8 scaling needs the amax of the *new*
-        moments before any chunk can be quantized, so it takes two passes: pass 1 updates the parameter
-        and collects the amaxes, pass 2 recomputes m and v from the old states and quantizes them."""
+    def _step_stored(self, p: torch.Tensor, grad: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any],
+                     step: float, fmts: Tuple[MomentFormat, MomentFormat], ordinal: int, offset: int) -> None:
+        """Update one parameter (`p`, `grad`: this rank's elements, the first at `offset` of the whole tensor)
+        chunk by chunk. Per-tensor FP8 scaling needs the amax of the *new* moments before any chunk can be
+        quantized, so it takes two passes: pass 1 updates the parameter and collects the amaxes (max-reduced over
+        `shard_group` under FSDP2), pass 2 recomputes m and v from the old states and quantizes them."""
+        m_fmt, v_fmt = fmts
         beta1, beta2 = group["betas"]
         lr = group["lr"]
         # Device scalars by fills (torch.full): torch.tensor(x, device=cuda) would copy from the host and
@@ -321,15 +330,14 @@ class Fp8AdamW(torch.optim.Optimizer):
         scalars = [torch.full((), x, dtype=torch.float32, device=p.device) for x in (
             1.0 - lr * group["weight_decay"], lr / (1.0 - beta1**step), math.sqrt(1.0 - beta2**step))]
         fixed = (beta1, beta2, group["eps"], m_fmt, v_fmt, self.stochastic_rounding)
-        fmts = (m_fmt, v_fmt)
         old = [(state[name], state.get(name + "_scale_inv")) for name in _MOMENTS]
-        flat_p, flat_g = p.view(-1), p.grad.reshape(-1)
+        flat_p, flat_g = p.view(-1), grad.reshape(-1)
         n = p.numel()
         chunk = _chunk_elements(p.device, self.block_size)
         per_tensor = any(f.is_fp8 and f.block_size == 0 for f in fmts)
         amaxes: List[Optional[torch.Tensor]] = [None, None]
         noise_key = self._noise_key(p, ordinal, step) if v_fmt.dtype is not MomentDtype.FP32 else None
-        starts = [u32_halves(a, p.device) for a in range(0, n, chunk)]
+        starts = [u32_halves(offset + a, p.device) for a in range(0, n, chunk)]
         if per_tensor:  # pass 1
             amaxes = [torch.zeros((), device=p.device), torch.zeros((), device=p.device)]
             for a in range(0, n, chunk):
@@ -338,6 +346,10 @@ class Fp8AdamW(torch.optim.Optimizer):
                 out = self._call(flat_p[a:a + length], flat_g[a:a + length], *ins, *scalars, *fixed, False,
                                  None, None, starts[a // chunk], None)
                 amaxes = [torch.maximum(x, y) for x, y in zip(amaxes, out)]
+            if self.shard_group is not None:  # the whole tensor's amax (FSDP2: every rank holds some rows)
+                both = torch.stack(amaxes)
+                comm.all_reduce(both, self.shard_group, comm.ReduceOp.MAX)
+                amaxes = list(both.unbind())
             amaxes = [am if f.is_fp8 and f.block_size == 0 else None for am, f in zip(amaxes, fmts)]
         new = [self._new_moment(p, f, zero=False) for f in fmts]  # every element is written
         for a in range(0, n, chunk):
@@ -433,11 +445,13 @@ class Fp8AdamW(torch.optim.Optimizer):
                         "used: the noise is now a function of (parameter, step, element)")
 
     def _convert_state(self, p: torch.Tensor, group: Dict[str, Any], saved: Dict[str, Any]) -> Dict[str, Any]:
+        formats = self._formats(p, group)
+        p = shards.local(p)  # FSDP2: `saved` holds this rank's rows (fp8_adam_shards.local_state_dict)
         if "max_exp_avg_sq" in saved:
             raise ValueError("cannot load an AMSGrad state (max_exp_avg_sq) into Fp8AdamW")
         step = saved.get("step", 0)
         out: Dict[str, Any] = {"step": torch.as_tensor(float(step), dtype=torch.float32).clone()}
-        for name, fmt in zip(_MOMENTS, self._formats(p, group)):
+        for name, fmt in zip(_MOMENTS, formats):
             data, scale_inv = saved[name], saved.get(name + "_scale_inv")
             if self._layout_matches(p, fmt, data, scale_inv):  # same format: copy bits (exact resume)
                 new_data = data.to(p.device, copy=True)

@@ -114,6 +114,14 @@ class Fsdp2Engine(TorchEngine):
     async_saver = None  # --async-save: checkpoint/dcp_async.py's AsyncSaver
     tp_shards = None  # under tensor parallelism, the (tp, dp) mesh of sharded checkpoints (made at the first use)
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if _is_fp8_adam(self.optimizer):  # per-tensor scales of the whole tensor (optimizer/fp8_adam_shards.py)
+            self.optimizer.shard_group = self._data_parallel_group()
+
+    def _data_parallel_group(self) -> Any:
+        return self.parallel.data_parallel_group if self.parallel.data_parallel_group is not None else dist.group.WORLD
+
     def start_async_saves(self) -> None:
         """--async-save: sharded saves written in the background (a collective: every rank makes a process group)."""
         from megatron.checkpoint.dcp_async import AsyncSaver
@@ -162,6 +170,11 @@ class Fsdp2Engine(TorchEngine):
         model_state = full_model_state(self.model, keep)
         if not self.save_optimizer:
             return model_state, None
+        if _is_fp8_adam(self.optimizer):  # the whole-tensor optimizer's own state dict: FP8 codes and scales
+            from megatron.optimizer.fp8_adam_shards import unsharded_state_dict
+
+            state = unsharded_state_dict(self.optimizer, self._data_parallel_group())
+            return model_state, state if keep else None
         optim_state = full_tensors(get_optimizer_state_dict(self.model, self.optimizer), keep)
         return model_state, _numbered(optim_state) if keep else None
 
@@ -235,7 +248,9 @@ class Fsdp2Engine(TorchEngine):
                     folder, model=self.model, full_name=lambda n: n, model_config=self.model.config,
                     tp_rank=p.tensor_parallel_rank, tp_size=p.tensor_parallel_size, optimizer=self.optimizer,
                     load_optimizer=load_optimizer, module_only=module_only,
-                    describe=f"FSDP2, tensor parallel {p.tensor_parallel_size}", load_pieces=self._set_full_states)
+                    describe=f"FSDP2, tensor parallel {p.tensor_parallel_size}" + (
+                        f", optimizer {saved['optimizer']} -> {reshard.optimizer_name(self.optimizer)}"
+                        if switched else ""), load_pieces=self._set_full_states)
                 self._forget_gather_scales()
                 return loaded
         loaded = ckpt.load_checkpoint_files(load_dir, mp_rank=p.tensor_parallel_rank, iteration=iteration)
@@ -263,9 +278,19 @@ class Fsdp2Engine(TorchEngine):
         options = StateDictOptions(full_state_dict=True, strict=False)
         set_model_state_dict(self.model, model_state, options=options)
         self._forget_gather_scales()
-        if optimizer_state is not None:
+        if optimizer_state is not None and _is_fp8_adam(self.optimizer):
+            from megatron.optimizer.fp8_adam_shards import local_state_dict
+
+            self.optimizer.load_state_dict(local_state_dict(self.optimizer, optimizer_state))
+        elif optimizer_state is not None:
             named = _named(optimizer_state, self.optimizer, self.model)
             set_optimizer_state_dict(self.model, self.optimizer, named, options=options)
+
+
+def _is_fp8_adam(optimizer: torch.optim.Optimizer) -> bool:
+    from megatron.optimizer.fp8_adam import Fp8AdamW
+
+    return isinstance(optimizer, Fp8AdamW)
 
 
 def _forget_gather_scales_of(model: nn.Module) -> None:

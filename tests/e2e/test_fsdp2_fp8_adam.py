@@ -1,0 +1,54 @@
+"""`--optimizer fp8adam` under `--use-torch-fsdp2` (gloo, 2 and 4 processes): Fp8AdamW steps each rank's rows of
+every parameter (megatron/optimizer/fp8_adam_shards.py) and ends where the same optimizer on whole tensors ends.
+
+- FP32 without clipping, FSDP2 with Fp8AdamW equals DDP with Fp8AdamW bit for bit, weights and the FP8 moments'
+  codes and scales (the checkpoint holds the unsharded optimizer's state): per-tensor scales (the shards' amaxes
+  max-reduced), blocks of 64 (no block straddles a shard), stochastic rounding keyed on the whole tensor's positions.
+- TP=2 x FSDP2=2 with FP8 linears (FP32 weights: FSDP2's BF16 gathers under --bf16 round the weight before its FP8
+  cast, where DDP casts the FP32 weight), Smooth-SwiGLU and blocks of 128 equals TP=2 x DDP=2 bit for bit,
+  and resumes bit for bit.
+- A checkpoint of AdamW's FP32 moments loads into FSDP2 with Fp8AdamW (converted, rank by rank) and trains on.
+"""
+from __future__ import annotations
+
+import pytest
+
+from tests.support.logs import losses
+from tests.support.training import assert_same_checkpoint, launched_run, straight_and_resumed
+
+ITERS = 6
+RUN = dict(train_iters=ITERS, micro_batch_size=2, global_batch_size=8, eval_iters=1, eval_interval=ITERS,
+           log_interval=1, save_interval=ITERS // 2)
+FP8_ADAM = ("--optimizer", "fp8adam", "--no-fp8-optimizer-compile")
+FSDP2 = ("--use-torch-fsdp2",)
+
+
+def _train(folder, *switches, nproc: int = 2, **overrides) -> str:
+    return launched_run(folder, switches, RUN, nproc, **overrides)
+
+
+@pytest.mark.parametrize("blocks", [(), ("--fp8-optimizer-block-size", "64")], ids=["per-tensor", "blocks-of-64"])
+def test_fsdp2_with_fp8_adam_equals_ddp_with_fp8_adam_bit_for_bit(tmp_path, blocks):
+    fsdp2 = _train(tmp_path / "fsdp2", *FSDP2, *FP8_ADAM, *blocks, clip_grad=0)
+    ddp = _train(tmp_path / "ddp", *FP8_ADAM, *blocks, clip_grad=0)
+    assert losses(fsdp2) == losses(ddp)
+    assert_same_checkpoint(tmp_path / "fsdp2", tmp_path / "ddp", ITERS)
+
+
+def test_tp2_fsdp2_with_fp8_adam_and_fp8_linears_equals_tp2_ddp_and_resumes_bitwise(tmp_path):
+    switches = ("--tensor-model-parallel-size", "2", "--sequence-parallel", "--fp8-format", "hybrid",
+                "--smooth-swiglu", *FP8_ADAM, "--fp8-optimizer-block-size", "128")
+    unclipped = dict(RUN, clip_grad=0)  # clipping sums the norm in another order under FSDP2: its last bits differ
+    straight, resumed = straight_and_resumed(tmp_path, (*FSDP2, *switches), unclipped, nproc=4)
+    ddp = launched_run(tmp_path / "ddp", switches, unclipped, 4)
+    assert losses(straight) == losses(ddp)
+    assert losses(resumed) == losses(straight)[ITERS // 2:]
+    assert_same_checkpoint(tmp_path / "straight", tmp_path / "ddp", ITERS)
+    assert_same_checkpoint(tmp_path / "resumed", tmp_path / "straight", ITERS)
+
+
+def test_an_adamw_checkpoint_loads_into_fsdp2_with_fp8_adam(tmp_path):
+    adamw = _train(tmp_path / "adamw", *FSDP2)
+    log = _train(tmp_path / "fp8", *FSDP2, *FP8_ADAM, load=tmp_path / "adamw", train_iters=ITERS + 2)
+    assert "optimizer adam -> fp8adam" in log
+    assert len(losses(log)) == 2 and all(abs(loss - losses(adamw)[-1]) < 0.5 for loss in losses(log))
