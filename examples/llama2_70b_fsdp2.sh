@@ -8,8 +8,8 @@
 # Adam moment over its 32 data-parallel ranks; each transformer block is gathered for its forward and again for its
 # backward (docs/distributed.md): the FP8 layers' weights as FP8 bytes cast on the shards (--fp8-param-gather; fc2,
 # whose columns Smooth-SwiGLU scales per call, and the norms in BF16). FP8 = delayed hybrid scaling (E4M3 forward,
-# E5M2 gradients, power-of-two scales) + Smooth-SwiGLU, with AdamW's FP32 moments (Fp8AdamW runs under FSDP2 with
-# full checkpoints only: sharded ones with FP8 moments are not built yet). Checkpoints: each rank writes its shards (--ckpt-format torch_dist) in the background (--async-save), instead
+# E5M2 gradients, power-of-two scales) + Smooth-SwiGLU, with AdamW's FP32 moments (Fp8AdamW runs under FSDP2, but
+# its sharded checkpoints are not built with tensor parallelism yet). Checkpoints: each rank writes its shards (--ckpt-format torch_dist) in the background (--async-save), instead
 # of gathering the whole model (about 280 GB in FP32 for 70B) into one rank's CPU memory; they load at another
 # data-parallel size as they are, and at another TP size through the full state. Not built yet under FSDP2, and so
 # not used here: compiled blocks together with FP8 gathers.

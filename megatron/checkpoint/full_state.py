@@ -261,7 +261,9 @@ def _read_torch_dist(folder: Path, model_config: ModelConfig) -> tuple[Optional[
     saved = dcp_io.full_optimizer(folder, model_config)
     if saved is None:
         return None, extras
-    params = {name: {m: entry[m].float() for m in MOMENTS} | {"step": _step(entry)}
+    from megatron.optimizer.fp8_adam_shards import moment_values  # Fp8AdamW's codes and scales: their values
+
+    params = {name: {m: moment_values(entry, m) for m in MOMENTS} | {"step": _step(entry)}
               for name, entry in saved["state"].items()}
     return {"params": params, **_optimizer_meta(saved)}, extras
 

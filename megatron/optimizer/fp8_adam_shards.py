@@ -174,3 +174,71 @@ def _local_moment(saved: dict, name: str, fmt: Any, start: int, n: int, p: torch
     blocks = -(-n // saved_block)
     return {name: data.reshape(-1)[start:start + blocks * saved_block].clone(),
             name + "_scale_inv": scale.reshape(-1)[start // saved_block:start // saved_block + blocks].clone()}
+
+
+def check_sharded_checkpoints(optimizer: Any) -> None:
+    """Sharded checkpoints (`--ckpt-format torch_dist`) store a blockwise moment's scales as a (rows, row length /
+    block) tensor sharded like its parameter: the block size must divide every FP8-moment parameter's row length."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if not (is_sharded(p) and optimizer.uses_fp8_states(p, group) and optimizer.block_size > 0):
+                continue
+            row_numel = math.prod(tuple(p.shape)[1:])
+            if row_numel % optimizer.block_size:
+                raise ValueError(f"--fp8-optimizer-block-size {optimizer.block_size} with --ckpt-format torch_dist: a "
+                                 f"parameter of shape {tuple(p.shape)} has rows of {row_numel} elements, which the "
+                                 "block size must divide (the scales are saved row by row); use a block size dividing "
+                                 "every matrix's row length (e.g. 128 for Llama shapes), or --ckpt-format torch")
+
+
+def sharded_state(optimizer: Any, names: dict[int, str]) -> dict:
+    """The optimizer's state as DCP saves and loads it in place (keyed by parameter name, `names` by id): each moment
+    (FP8 codes or FP32 values) a DTensor sharded like its parameter, a blockwise moment's scales one of shape
+    (rows, row length / block), a per-tensor scale and the step as they are (equal on every rank). States are made
+    (zeros) where the optimizer has none yet, so that a load has tensors to read into."""
+    from torch.distributed.tensor import DTensor
+
+    state: dict[str, dict] = {}
+    groups = []
+    for group in optimizer.param_groups:
+        groups.append({**{k: v for k, v in group.items() if k != "params"},
+                       "params": [names[id(p)] for p in group["params"]]})
+        for p in group["params"]:
+            if not optimizer.state[p]:
+                optimizer.state[p].update(optimizer._init_state(local(p), group))
+            entry = optimizer.state[p]
+            rows = tuple(local(p).shape)  # this rank's rows of the parameter
+            out: dict[str, Any] = {"step": entry["step"]}
+            for name in MOMENTS:
+                data, scale = entry[name], entry.get(name + "_scale_inv")
+                n = local(p).numel()
+                out[name] = DTensor.from_local(data.reshape(-1)[:n].view(rows), p.device_mesh, p.placements,
+                                               run_check=False, shape=p.shape, stride=p.stride())
+                if scale is not None and optimizer.block_size > 0:
+                    width = math.prod(tuple(p.shape)[1:]) // optimizer.block_size
+                    shape = (p.shape[0], width)
+                    out[name + "_scale_inv"] = DTensor.from_local(
+                        scale.reshape(-1)[:rows[0] * width].view(rows[0], width), p.device_mesh, p.placements,
+                        run_check=False, shape=torch.Size(shape), stride=(width, 1))
+                elif scale is not None:
+                    out[name + "_scale_inv"] = scale
+            state[names[id(p)]] = out
+    return {"state": state, "param_groups": groups}
+
+
+def restore_groups(optimizer: Any, groups: list[dict]) -> None:
+    """The saved groups' hyper-parameters (as `Fp8AdamW.load_state_dict` takes them), after a sharded load."""
+    from megatron.optimizer.fp8_adam import _FOREIGN_GROUP_KEYS
+
+    for group, saved in zip(optimizer.param_groups, groups):
+        group.update({k: v for k, v in saved.items() if k != "params" and k not in _FOREIGN_GROUP_KEYS})
+        group["betas"] = tuple(group["betas"])
+
+
+def moment_values(entry: dict, name: str) -> torch.Tensor:
+    """FP32 values of a moment read whole from a sharded checkpoint (`sharded_state`'s layout: FP8 codes shaped as the
+    parameter with a per-tensor scale, or (rows, row length / block) scales; or FP32 values)."""
+    data, scale = entry[name], entry.get(name + "_scale_inv")
+    if scale is None:
+        return data.float()
+    return dequantize(data.reshape(-1), scale.reshape(-1).float(), data.numel()).view(data.shape)

@@ -29,6 +29,8 @@ def build_engine(config, model: nn.Module, optimizer: torch.optim.Optimizer, sch
                              save_optimizer=not config.checkpoint.no_save_optim,
                              verify_checkpoints=config.checkpoint.verify)
         engine.sharded_checkpoints = config.checkpoint.ckpt_format == "torch_dist"
+        if engine.sharded_checkpoints:
+            engine.check_sharded_checkpoints()
         if config.checkpoint.async_save:
             engine.start_async_saves()
         return engine

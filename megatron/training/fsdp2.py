@@ -192,8 +192,21 @@ class Fsdp2Engine(TorchEngine):
         from megatron.training.fp8_gather import plain_dtensor
 
         model_state = {name: plain_dtensor(value) for name, value in get_model_state_dict(self.model).items()}
-        optim_state = get_optimizer_state_dict(self.model, self.optimizer) if with_optimizer else None
+        optim_state = None
+        if with_optimizer and _is_fp8_adam(self.optimizer):  # its FP8 codes and scales, sharded as the parameters
+            from megatron.optimizer.fp8_adam_shards import sharded_state
+
+            optim_state = sharded_state(self.optimizer, {id(p): n for n, p in self.model.named_parameters()})
+        elif with_optimizer:
+            optim_state = get_optimizer_state_dict(self.model, self.optimizer)
         return dcp_io.flat_state(model_state, optim_state)
+
+    def check_sharded_checkpoints(self) -> None:
+        """--ckpt-format torch_dist: what the optimizer's sharded state needs, checked before training."""
+        if _is_fp8_adam(self.optimizer):
+            from megatron.optimizer.fp8_adam_shards import check_sharded_checkpoints
+
+            check_sharded_checkpoints(self.optimizer)
 
     def _global_state(self, flat: dict[str, Any]) -> dict[str, Any]:
         """Under tensor parallelism, the shards as pieces of the global tensors (training/fsdp2_mesh.py)."""
@@ -222,7 +235,11 @@ class Fsdp2Engine(TorchEngine):
         flat.update({key: value for key, value in target.items() if not isinstance(value, torch.Tensor)})
         model_state, optim_state = dcp_io.nested_state(flat)
         set_model_state_dict(self.model, model_state)
-        if optim_state is not None:
+        if optim_state is not None and _is_fp8_adam(self.optimizer):  # its states were read in place
+            from megatron.optimizer.fp8_adam_shards import restore_groups
+
+            restore_groups(self.optimizer, optim_state["param_groups"])
+        elif optim_state is not None:
             set_optimizer_state_dict(self.model, self.optimizer, optim_state)
         return {"payload": dcp_io.read_extras(folder), "train_state": ckpt.read_json(folder / "train_state.json"),
                 "config": ckpt.read_json(folder / "config.json"), "path": folder}

@@ -7,12 +7,18 @@ every parameter (megatron/optimizer/fp8_adam_shards.py) and ends where the same 
 - TP=2 x FSDP2=2 with FP8 linears (FP32 weights: FSDP2's BF16 gathers under --bf16 round the weight before its FP8
   cast, where DDP casts the FP32 weight), Smooth-SwiGLU and blocks of 128 equals TP=2 x DDP=2 bit for bit,
   and resumes bit for bit.
+- Sharded checkpoints (--ckpt-format torch_dist: codes shaped and sharded as their parameter, scales by rows): read
+  whole they hold the values of the full checkpoint of the same run, a run resumed from them ends bitwise where the
+  straight run ends, and they load at data parallel 1 bitwise.
 - A checkpoint of AdamW's FP32 moments loads into FSDP2 with Fp8AdamW (converted, rank by rank) and trains on.
 """
 from __future__ import annotations
 
 import pytest
+import torch
 
+from megatron.checkpoint import store as ckpt
+from megatron.checkpoint.full_state import read_full_state
 from tests.support.logs import losses
 from tests.support.training import assert_same_checkpoint, launched_run, straight_and_resumed
 
@@ -45,6 +51,22 @@ def test_tp2_fsdp2_with_fp8_adam_and_fp8_linears_equals_tp2_ddp_and_resumes_bitw
     assert losses(resumed) == losses(straight)[ITERS // 2:]
     assert_same_checkpoint(tmp_path / "straight", tmp_path / "ddp", ITERS)
     assert_same_checkpoint(tmp_path / "resumed", tmp_path / "straight", ITERS)
+
+
+@pytest.mark.parametrize("blocks", [(), ("--fp8-optimizer-block-size", "64")], ids=["per-tensor", "blocks-of-64"])
+def test_sharded_checkpoints_of_fp8_adam_resume_and_reshard_bitwise(tmp_path, blocks):
+    switches = (*FSDP2, *FP8_ADAM, *blocks)
+    full = _train(tmp_path / "full", *switches)
+    straight, resumed = straight_and_resumed(tmp_path, (*switches, "--ckpt-format", "torch_dist"), RUN)
+    assert losses(straight) == losses(full) and losses(resumed) == losses(straight)[ITERS // 2:]
+    assert_same_checkpoint(tmp_path / "resumed", tmp_path / "straight", ITERS)
+    sharded = read_full_state(ckpt.iteration_dir(tmp_path / "straight", ITERS))
+    whole = read_full_state(ckpt.iteration_dir(tmp_path / "full", ITERS))
+    assert all(torch.equal(sharded.model[k], v) for k, v in whole.model.items())
+    for name, entry in whole.optimizer["params"].items():
+        assert all(torch.equal(sharded.optimizer["params"][name][m], entry[m]) for m in ("exp_avg", "exp_avg_sq"))
+    _train(tmp_path / "one", *switches, "--ckpt-format", "torch_dist", nproc=1, load=tmp_path / "straight")
+    assert_same_checkpoint(tmp_path / "one", tmp_path / "straight", ITERS)
 
 
 def test_an_adamw_checkpoint_loads_into_fsdp2_with_fp8_adam(tmp_path):

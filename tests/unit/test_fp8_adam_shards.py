@@ -35,3 +35,16 @@ def test_a_block_size_that_would_straddle_a_shard_is_refused_naming_the_fix():
     check_blocks(_shard((1, 64), 4, 0), 96)  # one rank holds every row: no boundary inside the tensor
     with pytest.raises(ValueError, match="--fp8-optimizer-block-size 96: .* use a block size that divides 4096"):
         check_blocks(_shard((128, 64), 2, 0), 96)
+
+
+def test_sharded_checkpoints_need_blocks_that_divide_the_rows():
+    from megatron.optimizer.fp8_adam_shards import check_sharded_checkpoints
+
+    def optimizer(block_size):
+        return SimpleNamespace(block_size=block_size, uses_fp8_states=lambda p, g: True,
+                               param_groups=[{"params": [_shard((128, 96), 2, 0)]}])
+
+    check_sharded_checkpoints(optimizer(0))  # one scale per tensor
+    check_sharded_checkpoints(optimizer(32))
+    with pytest.raises(ValueError, match="has rows of 96 elements, which the block size must divide"):
+        check_sharded_checkpoints(optimizer(64))  # shards of 64 x 96 elements fit blocks of 64; rows do not
