@@ -11,6 +11,7 @@ rank's pieces over its data-parallel group (a 2-D layout: dp x tp).
 - Resharding: the sharded TP=2 checkpoint loads at data parallel 1 (DCP reads the overlapping pieces) bitwise, and
   into FSDP2 at TP=1 through the full state; a TP=1 DDP checkpoint loads into TP=2 x FSDP2. Loaded and saved at
   once, each holds the bits the torch engine holds after the same load.
+- `--async-save` under tensor parallelism writes bitwise what the synchronous save writes.
 """
 from __future__ import annotations
 
@@ -93,3 +94,11 @@ def test_a_tp1_ddp_checkpoint_reshards_into_tp2_fsdp2_as_into_tp2_ddp(tmp_path):
     assert "into this run's layout (FSDP2, tensor parallel 2)" in log
     _train(tmp_path / "tp2_ddp", *TP2, *FP8, load=tmp_path / "ddp")
     assert_same_checkpoint(tmp_path / "fsdp2", tmp_path / "tp2_ddp", ITERS)
+
+
+def test_an_async_save_under_tensor_parallelism_writes_what_the_synchronous_one_writes(fp8_runs, tmp_path):
+    root, _, straight, _ = fp8_runs
+    log = _train(tmp_path / "async", *TP2, *FSDP2, *FP8, *SHARDED, "--async-save")
+    assert "written in the background (--async-save)" in log and losses(log) == losses(straight)
+    for iteration in (ITERS // 2, ITERS):
+        assert_same_checkpoint(tmp_path / "async", root / "straight", iteration)
