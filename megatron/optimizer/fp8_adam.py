@@ -429,9 +429,7 @@ class Fp8AdamW(torch.optim.Optimizer):
                 raise ValueError("optimizer state has a param group of a different size than this optimizer's")
             if saved.get("amsgrad") or saved.get("maximize"):
                 raise ValueError("cannot load an AdamW state with amsgrad=True or maximize=True into Fp8AdamW")
-            # The saved hyper-parameters win (as in torch); the FP8 rule stays this optimizer's.
-            group.update({k: v for k, v in saved.items() if k != "params" and k not in _FOREIGN_GROUP_KEYS})
-            group["betas"] = tuple(group["betas"])
+            self._take_settings(group, saved)
             id_map.update({pid: (p, group) for pid, p in zip(saved["params"], group["params"])})
         new_state: Dict[torch.Tensor, Dict[str, Any]] = defaultdict(dict)
         for pid, saved_state in state_dict["state"].items():
@@ -443,6 +441,17 @@ class Fp8AdamW(torch.optim.Optimizer):
         if state_dict.get("fp8_adam", {}).get("rng_states"):
             logger.info("Fp8AdamW: the checkpoint's stochastic-rounding generator states (format 1) are not "
                         "used: the noise is now a function of (parameter, step, element)")
+
+    @staticmethod
+    def _take_settings(group: Dict[str, Any], saved: Dict[str, Any]) -> None:
+        """The saved hyper-parameters win (as in torch); the FP8 rule stays this optimizer's."""
+        group.update({k: v for k, v in saved.items() if k != "params" and k not in _FOREIGN_GROUP_KEYS})
+        group["betas"] = tuple(group["betas"])
+
+    def load_param_groups(self, groups: List[Dict[str, Any]]) -> None:
+        """The saved groups' hyper-parameters alone (a sharded load reads the states in place)."""
+        for group, saved in zip(self.param_groups, groups):
+            self._take_settings(group, saved)
 
     def _convert_state(self, p: torch.Tensor, group: Dict[str, Any], saved: Dict[str, Any]) -> Dict[str, Any]:
         formats = self._formats(p, group)

@@ -226,15 +226,6 @@ def sharded_state(optimizer: Any, names: dict[int, str]) -> dict:
     return {"state": state, "param_groups": groups}
 
 
-def restore_groups(optimizer: Any, groups: list[dict]) -> None:
-    """The saved groups' hyper-parameters (as `Fp8AdamW.load_state_dict` takes them), after a sharded load."""
-    from megatron.optimizer.fp8_adam import _FOREIGN_GROUP_KEYS
-
-    for group, saved in zip(optimizer.param_groups, groups):
-        group.update({k: v for k, v in saved.items() if k != "params" and k not in _FOREIGN_GROUP_KEYS})
-        group["betas"] = tuple(group["betas"])
-
-
 def moment_values(entry: dict, name: str) -> torch.Tensor:
     """FP32 values of a moment read whole from a sharded checkpoint (`sharded_state`'s layout: FP8 codes shaped as the
     parameter with a per-tensor scale, or (rows, row length / block) scales; or FP32 values)."""

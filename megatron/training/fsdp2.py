@@ -236,9 +236,7 @@ class Fsdp2Engine(TorchEngine):
         model_state, optim_state = dcp_io.nested_state(flat)
         set_model_state_dict(self.model, model_state)
         if optim_state is not None and _is_fp8_adam(self.optimizer):  # its states were read in place
-            from megatron.optimizer.fp8_adam_shards import restore_groups
-
-            restore_groups(self.optimizer, optim_state["param_groups"])
+            self.optimizer.load_param_groups(optim_state["param_groups"])
         elif optim_state is not None:
             set_optimizer_state_dict(self.model, self.optimizer, optim_state)
         return {"payload": dcp_io.read_extras(folder), "train_state": ckpt.read_json(folder / "train_state.json"),
