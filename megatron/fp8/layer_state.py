@@ -464,6 +464,13 @@ class Fp8LayerState:
         if self.step_weight is not None and cache is not None and cache.key[:2] == weight_storage_key(weight):
             return  # made this step (the key's backend follows the device, which `bind` would have reset)
         backend = self.backend(weight.device)
+        traced = self.takes_traced_path() and backend.name in STATELESS_BACKENDS
+        if isinstance(weight, Fp8GatheredWeight) and traced:
+            # FSDP2 gathered it in FP8 for this call (--fp8-param-gather): the graph takes its bytes as they are,
+            # a view of FSDP2's gather buffer, which FSDP2 refills with the same bytes before backward. No copy is
+            # made (dgrad's W^T is transposed in the backward graph), so nothing outlives the gather.
+            self.step_weight = (weight._data, weight._scale, weight._amax, None)
+            return
         if not self.uses_step_weight(backend):
             self.step_weight = None
             return
