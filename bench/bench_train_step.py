@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron import cpu_bf16  # noqa: E402
 from megatron.arguments import parse_config  # noqa: E402
-from megatron.fp8 import set_fp8_tracing  # noqa: E402
+from megatron.fp8 import cpu_gemm, set_fp8_tracing  # noqa: E402
 from megatron.training.loop import Trainer  # noqa: E402
 
 DEMO = ("--num-layers 4 --hidden-size 256 --num-attention-heads 8 --num-key-value-heads 4 --ffn-hidden-size 704 "
@@ -61,17 +61,29 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+@contextlib.contextmanager
+def _gemm_modes(bf16_gemm: Optional[str], fp8_gemm: Optional[str]):
+    with contextlib.ExitStack() as stack:
+        if bf16_gemm:
+            stack.enter_context(cpu_bf16.use_mode(bf16_gemm))
+        if fp8_gemm:
+            stack.enter_context(cpu_gemm.use_mode(fp8_gemm))
+        yield
+
+
 MODE_LABELS = {"off": "eager", "on": "compiled", "auto": "auto", "on-break": "compiled, FP8 graph breaks"}
 
 
 class Variant:
     def __init__(self, name: str, argv: list[str], device: torch.device, mode: str,
-                 bf16_gemm: Optional[str] = None) -> None:
-        self.name = f"{name} ({MODE_LABELS[mode]})" + (f" [CPU BF16 GEMM {bf16_gemm}]" if bf16_gemm else "")
+                 bf16_gemm: Optional[str] = None, fp8_gemm: Optional[str] = None) -> None:
+        self.name = f"{name} ({MODE_LABELS[mode]})" + (f" [CPU BF16 GEMM {bf16_gemm}]" if bf16_gemm else "") + (
+            f" [FP8 GEMM {fp8_gemm}]" if fp8_gemm else "")
         self.device = device
-        # megatron/cpu_bf16.py: how the BF16 autocast GEMMs run on CPU (torch's kernels or FP32 on rounded operands)
+        # megatron/cpu_bf16.py: how the BF16 autocast GEMMs run on CPU (torch's kernels or FP32 on rounded operands);
+        # megatron/fp8/cpu_gemm.py: how the emulated FP8 GEMMs run (FP32, or BF16 GEMMs)
         self.bf16_gemm_mode = bf16_gemm
-        self.bf16_gemm = (lambda: cpu_bf16.use_mode(bf16_gemm)) if bf16_gemm else contextlib.nullcontext
+        self.bf16_gemm = lambda: _gemm_modes(bf16_gemm, fp8_gemm)
         config = parse_config(argv + ["--torch-compile", mode.replace("-break", ""), "--device", device.type])
         start = time.perf_counter()
         with self.bf16_gemm():
@@ -145,6 +157,10 @@ def main() -> None:
                    help="CPU only: how BF16 autocast GEMMs run (megatron/cpu_bf16.py): default (this CPU's choice), "
                         "native (torch's BF16 kernels), fp32 (FP32 GEMMs on BF16-rounded operands), or both "
                         "(every variant once with each, side by side)")
+    p.add_argument("--cpu-fp8-gemm", default="default",
+                   help="CPU only: how the emulated FP8 GEMMs run (megatron/fp8/cpu_gemm.py): default (this CPU's "
+                        "choice), exact (FP32 GEMMs, one rounding), bf16 (BF16 GEMMs), or both (every FP8 variant "
+                        "once with each, side by side)")
     p.add_argument("--extra", default="", help="extra pretrain_gpt.py flags for every variant, e.g. a model shape")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     p.add_argument("--profile", type=int, default=0, metavar="N",
@@ -169,8 +185,12 @@ def main() -> None:
     if args.cpu_bf16_gemm not in gemm_modes or (args.cpu_bf16_gemm != "default" and device.type != "cpu"):
         p.error(f"--cpu-bf16-gemm takes default, native, fp32 or both, and only with --device cpu; got "
                 f"{args.cpu_bf16_gemm!r}")
-    variants = [Variant(name, base + VARIANTS[name], device, m, g) for g in gemm_modes[args.cpu_bf16_gemm]
-                for name in names for m in modes
+    fp8_modes = {"default": [None], "exact": ["exact"], "bf16": ["bf16"], "both": ["exact", "bf16"]}
+    if args.cpu_fp8_gemm not in fp8_modes or (args.cpu_fp8_gemm != "default" and device.type != "cpu"):
+        p.error(f"--cpu-fp8-gemm takes default, exact, bf16 or both, and only with --device cpu; got "
+                f"{args.cpu_fp8_gemm!r}")
+    variants = [Variant(name, base + VARIANTS[name], device, m, g, f) for g in gemm_modes[args.cpu_bf16_gemm]
+                for name in names for m in modes for f in (fp8_modes[args.cpu_fp8_gemm] if name != "bf16" else [None])
                 if not (name == "bf16" and m == "auto" and device.type == "cpu" and "off" in modes)
                 and not (name == "bf16" and m == "on-break")]
     logging.getLogger("megatron").setLevel(logging.INFO)
@@ -183,7 +203,8 @@ def main() -> None:
     tokens_per_step = args.micro_batch_size * args.micro_batches * m.seq_length
     print(f"torch {torch.__version__} device={device} threads={torch.get_num_threads()} params={params:,} "
           f"tokens/step={tokens_per_step} cpu_capability={torch.backends.cpu.get_cpu_capability()} "
-          f"cpu_bf16_gemm_default={cpu_bf16.cpu_bf16_gemm_mode() if device.type == 'cpu' else '-'}")
+          f"cpu_bf16_gemm_default={cpu_bf16.cpu_bf16_gemm_mode() if device.type == 'cpu' else '-'} "
+          f"cpu_fp8_gemm_default={cpu_gemm.mode() if device.type == 'cpu' else '-'}")
     for v in variants:
         for _ in range(args.warmup):
             v.step(rows)

@@ -11,8 +11,8 @@
 # E5M2 gradients, power-of-two scales) + Smooth-SwiGLU, with AdamW's FP32 moments (Fp8AdamW runs under FSDP2, but
 # its sharded checkpoints are not built with tensor parallelism yet). Checkpoints: each rank writes its shards (--ckpt-format torch_dist) in the background (--async-save), instead
 # of gathering the whole model (about 280 GB in FP32 for 70B) into one rank's CPU memory; they load at another
-# data-parallel size as they are, and at another TP size through the full state. Not built yet under FSDP2, and so
-# not used here: compiled blocks together with FP8 gathers.
+# data-parallel size as they are, and at another TP size through the full state. --torch-compile auto (the default)
+# compiles each transformer block on CUDA, its FP8 layers taking the gathered FP8 weights as they are.
 # DRY_RUN=1 resolves and validates the configuration for the 64 ranks without launching anything (synthetic
 # data), and prints the memory estimate per device and the projected step time (PROJECT_ON=h200 by default):
 # tests/e2e/test_examples.py runs it. PRINT_LAUNCH=1 prints the launch command instead of running it.

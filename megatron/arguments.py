@@ -24,7 +24,9 @@ from megatron.compat import (
     CompatConfig, add_compat_arguments, env_recipe_flags,
     parse_collecting_problems, resolve_compat,
 )
-from megatron.flagspec import COMPAT, DEEPSPEED, GROUPS, PRECISION, Flag, add_flags, changed_from_default, copy_flags
+from megatron.flagspec import (
+    COMPAT, DEEPSPEED, GROUPS, NETWORK, PRECISION, Flag, add_flags, changed_from_default, copy_flags,
+)
 from megatron.fp8.recipe import AUTOHEAL_ACTIONS, DEFAULT_FAST_ACCUM, Fp8Format, Fp8Recipe
 from megatron.model.compile import check_torch_compile_supported
 from megatron.parallel_state import world_size_from_env
@@ -40,7 +42,11 @@ FLAG_CONFIGS = (ModelConfig, OptimizerConfig, SchedulerConfig, TrainingConfig, D
                 Fp8Recipe, Fp8AutohealConfig, CheckpointConfig, LoggingConfig, DataConfig, ParallelConfig)
 # Flags that set no config field: checked, then dropped.
 INPUT_FLAGS = (
-    Flag(("--fp16",), PRECISION, action="store_true", default=False),
+    Flag(("--fp16",), PRECISION, action="store_true", default=False,
+         help="refused: FP16 is not supported (use --bf16: BF16 autocast with FP32 master weights)"),
+    Flag(("--group-query-attention",), NETWORK, action="store_true", default=False,
+         help="Megatron-LM's switch for grouped-query attention: the number of key/value groups is --num-query-groups "
+              "(= --num-key-value-heads), 1 when not given, as in Megatron-LM"),
     Flag(("--local_rank", "--local-rank"), DEEPSPEED, type=int, default=None, dest="local_rank",
          help="passed by the deepspeed launcher; must agree with the LOCAL_RANK environment variable, which is what "
               "is used"),
@@ -134,6 +140,8 @@ def _model_config(a: argparse.Namespace, padded_vocab: int) -> ModelConfig:
     for flag, value in (("--num-layers", a.num_layers), ("--hidden-size", a.hidden_size),
                         ("--num-attention-heads", a.num_attention_heads), ("--seq-length", a.seq_length)):
         _require(value, flag)
+    if a.group_query_attention and a.num_key_value_heads is None:
+        a.num_key_value_heads = 1  # Megatron-LM's --num-query-groups default under --group-query-attention
     kv_heads = a.num_key_value_heads or a.num_attention_heads
     ffn = a.ffn_hidden_size
     if ffn is None:

@@ -48,7 +48,7 @@ class CpuBf16ConfigError(ValueError):
     """`MEGATRON_CPU_BF16_GEMM` holds a value we do not know."""
 
 
-def _onednn_isa_cap() -> str | None:
+def onednn_isa_cap() -> str | None:
     for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
         value = os.environ.get(name, "").strip().upper()
         if value and value not in ("ALL", "DEFAULT"):
@@ -64,16 +64,16 @@ def slow_bf16_gemm_reason() -> str | None:
     path too (measured: 512^3 in ~120 ms vs ~2 ms FP32 on an AVX-512 CPU with the cap set to AVX2).
     """
     if os.uname().machine.lower() in ("aarch64", "arm64"):
-        return None if "bf16" in _cpu_flags() else "an ARM CPU without BF16 instructions"
+        return None if "bf16" in cpu_flags() else "an ARM CPU without BF16 instructions"
     if not torch.cpu._is_avx512_supported():
         return "an x86 CPU without AVX-512"
-    cap = _onednn_isa_cap()
+    cap = onednn_isa_cap()
     if cap is not None and not cap.startswith(_AVX512_PREFIXES):
         return f"ONEDNN_MAX_CPU_ISA={cap}"
     return None
 
 
-def _cpu_flags() -> set[str]:
+def cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:

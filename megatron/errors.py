@@ -29,6 +29,13 @@ _PEER_FAILURE = re.compile(r"connection (closed|reset) by peer|timed out|broken 
                            r"nccl communicator was aborted|watchdog caught collective operation timeout", re.I)
 
 
+def json_reason(err: Any) -> str:
+    """A `json.JSONDecodeError` as a clause that names the column: "Expecting value at column 5", "Unterminated
+    string starting at column 9" (whose own message ends in "at")."""
+    msg = err.msg if err.msg.endswith(" at") else f"{err.msg} at"
+    return f"{msg} column {err.colno}"
+
+
 def peer_failure(exc: BaseException) -> bool:
     """Whether `exc` is a collective failing because another rank died or stopped answering."""
     return isinstance(exc, RuntimeError) and bool(_PEER_FAILURE.search(str(exc)))

@@ -61,6 +61,10 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: Path, dtype: torch.
 
     save_file({k: v.detach().to(dtype).contiguous() for k, v in tensors.items()}, str(path),
               metadata={"format": "pt"})
+    # safetensors writes its file readable by its owner only (0600); the folder's other files follow the umask.
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 def write_json(path: Path, data: Any) -> None:

@@ -19,6 +19,8 @@ import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from megatron.errors import json_reason
+
 SPLIT_KEYS = ("train", "valid", "test")
 
 
@@ -98,7 +100,7 @@ def read_per_split_file(path: str, flag: str = "--per-split-data-args-path") -> 
     try:
         data = json.loads(text)
     except json.JSONDecodeError as err:
-        raise ValueError(f"{path}:{err.lineno}:{err.colno}: bad JSON ({err.msg}); {flag} takes "
+        raise ValueError(f"{path}:{err.lineno}: bad JSON ({json_reason(err)}); {flag} takes "
                          '{"train": [...], "valid": [...], "test": [...]}') from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: {flag} takes a JSON object with keys train, valid, test, not a "

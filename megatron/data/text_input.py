@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
 from megatron.data.errors import DataError
+from megatron.errors import json_reason
 
 JSON_SUFFIXES = (".jsonl", ".json")
 TEXT_SUFFIXES = (".txt", ".text")
@@ -103,7 +104,7 @@ def parse_line(raw: bytes, json_keys: Sequence[str], as_json: bool) -> dict[str,
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as err:
-        raise ValueError(f"bad JSON ({err.msg} at column {err.colno})") from None
+        raise ValueError(f"bad JSON ({json_reason(err)})") from None
     if not isinstance(obj, dict):
         raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
     out = {}

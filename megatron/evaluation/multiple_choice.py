@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
 
+from megatron.errors import json_reason
+
 
 @dataclass(frozen=True)
 class MultipleChoiceItem:
@@ -44,7 +46,7 @@ def load_task(path: str, limit: Optional[int] = None) -> list[MultipleChoiceItem
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as err:
-                raise ValueError(f"{where}: bad JSON ({err.msg})") from None
+                raise ValueError(f"{where}: bad JSON ({json_reason(err)})") from None
             if not isinstance(obj, dict) or not {"context", "choices", "label"} <= set(obj):
                 raise ValueError(f"{where}: expected an object with keys context, choices, label")
             choices = obj["choices"]

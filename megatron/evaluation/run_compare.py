@@ -15,6 +15,8 @@ statistics): `lm-loss-training/lm loss vs tokens`, `lm-loss-validation/lm loss v
 """
 from __future__ import annotations
 
+import glob
+import logging
 import math
 import os
 from dataclasses import dataclass, field
@@ -33,6 +35,7 @@ MEMORY_TAGS = ("memory/mem-max-allocated-MiB", "memory/mem-max-rss-MiB")
 SKIPPED, NANS = "skipped-iterations", "nan-iterations"
 
 Series = tuple[np.ndarray, np.ndarray]  # (steps or tokens, values), sorted by step
+logger = logging.getLogger(__name__)
 
 
 def read_scalars(run_dir: str) -> dict[str, Series]:
@@ -47,6 +50,9 @@ def read_scalars(run_dir: str) -> dict[str, Series]:
     if not tags:
         raise ValueError(f"{run_dir} holds no TensorBoard scalars: is it a --tensorboard-dir of a run "
                          "that reached its first --log-interval?")
+    several = several_runs(run_dir)
+    if several:
+        logger.warning(several)
     out = {}
     for tag in tags:
         by_step = {int(e.step): float(e.value) for e in acc.Scalars(tag)}
@@ -56,6 +62,31 @@ def read_scalars(run_dir: str) -> dict[str, Series]:
         if old in out and new not in out:
             out[new] = out.pop(old)
     return out
+
+
+def several_runs(run_dir: str) -> Optional[str]:
+    """A warning when more than one run wrote `run_dir`: several event files that each hold the folder's first
+    training step (a resumed run's later files start after a checkpoint instead), else None."""
+    from tensorboard.backend.event_processing import event_accumulator
+
+    files = sorted(glob.glob(os.path.join(run_dir, "events.out.tfevents.*")))
+    if len(files) < 2:
+        return None
+    firsts = []
+    for path in files:
+        acc = event_accumulator.EventAccumulator(path, size_guidance={event_accumulator.SCALARS: 0})
+        acc.Reload()
+        steps = [e.step for tag in acc.Tags().get(event_accumulator.SCALARS, []) for e in acc.Scalars(tag)]
+        if steps:
+            firsts.append(min(steps))
+    if not firsts:
+        return None
+    starts = sum(first == min(firsts) for first in firsts)
+    if starts < 2:
+        return None
+    return (f"{run_dir}: {starts} event files each start at step {min(firsts)}, so more than one run wrote this "
+            "folder and their scalars are merged (a later file's value wins at each step): give each run its own "
+            "--tensorboard-dir")
 
 
 @dataclass

@@ -39,8 +39,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from megatron.cpu_bf16 import emulates_bf16_gemms
-from megatron.fp8 import fused
+from megatron.fp8 import cpu_gemm, fused
 from megatron.fp8.formats import Fp8FormatSpec, format_backend_of, format_spec
 from megatron.fp8.quantize import TiledFp8, dequantize_tiles, div_like_eager, quantize
 from megatron.fp8.recipe import Fp8Backend, Fp8Scaling
@@ -67,7 +66,7 @@ class EmulatedBackend:
 
     def gemm_nt(self, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                 out_dtype: torch.dtype, pow2_scales: bool = False, fused_epilogue: bool = False,
-                fast_accum: bool = False) -> torch.Tensor:
+                fast_accum: bool = False, run_dtype: torch.dtype | None = None) -> torch.Tensor:
         # a and b hold FP8 values (as FP8 tensors, or exactly in bf16/fp32 for the cached weight); bf16 holds
         # every FP8 value exactly and CPU bf16 GEMMs accumulate in fp32 like the tensor cores, but they *round
         # their output to bf16*. The hardware rounds once: fp32 accumulator * dequantization factors -> bf16.
@@ -76,8 +75,10 @@ class EmulatedBackend:
         # GEMM's single rounding is the hardware's; otherwise the GEMM runs in fp32 (exact operands, one fp32
         # rounding per accumulation step as on the tensor cores) and the result is rounded once at the end.
         # CPUs without a fast BF16 GEMM (megatron.cpu_bf16) take the fp32 GEMM always: the same single rounding.
-        if out_dtype == torch.bfloat16 and pow2_scales and not (a.device.type == "cpu" and emulates_bf16_gemms()):
-            out = (a.to(torch.bfloat16) @ b.to(torch.bfloat16).t()).float()
+        # On CPUs with AMX-BF16 the BF16 GEMM is the fast one, and runs every GEMM of a --bf16 run (its output rounded
+        # before the scales are divided out): megatron/fp8/cpu_gemm.py says what differs.
+        if cpu_gemm.bf16_gemm(a, out_dtype, run_dtype, pow2_scales):
+            out = (fused.as_bf16(a) @ fused.as_bf16(b).t()).float()
         else:
             out = a.float() @ b.float().t()
         # The epilogue compiled when the layer fuses its quantization; the real-FP8 backends have none (their
@@ -120,7 +121,7 @@ class CudaScaledMmBackend:
 
     def gemm_nt(self, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                 out_dtype: torch.dtype, pow2_scales: bool = False, fused_epilogue: bool = False,
-                fast_accum: bool = False) -> torch.Tensor:
+                fast_accum: bool = False, run_dtype: torch.dtype | None = None) -> torch.Tensor:
         # The kernel applies both scales to the fp32 accumulator and rounds once: `pow2_scales` is not needed.
         m, k = a.shape
         n = b.shape[0]
@@ -218,7 +219,7 @@ class HpuBackend:
 
     def gemm_nt(self, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                 out_dtype: torch.dtype, pow2_scales: bool = False, fused_epilogue: bool = False,
-                fast_accum: bool = False) -> torch.Tensor:
+                fast_accum: bool = False, run_dtype: torch.dtype | None = None) -> torch.Tensor:
         # The kernel applies both scales to the fp32 accumulator and rounds once: `pow2_scales` is not needed.
         # Express transposed views through the flags instead of copying.
         trans_a = not a.is_contiguous() and a.t().is_contiguous()

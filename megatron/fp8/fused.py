@@ -109,6 +109,13 @@ def failed_functions() -> list[str]:
     return [w.fn.__name__ for w in _ALL if w.failed]
 
 
+def _values(q: torch.Tensor, values_dtype: torch.dtype) -> torch.Tensor:
+    """The FP8 values of `q`, exactly, in `values_dtype` (fp32 or bf16, both hold every FP8 value). Through fp32:
+    inductor's CPU code converts FP8 to fp32 in vector instructions, FP8 to bf16 element by element (measured on
+    4096 x 704 E4M3: 1.2 ms through fp32, 4.4 ms directly)."""
+    return q.float().to(values_dtype)
+
+
 def _quantize_tensor(x: torch.Tensor, previous: torch.Tensor, valid: torch.Tensor, delayed: bool, fp8_max: float,
                      margin: int, pow2: bool, dtype: torch.dtype, values_dtype: torch.dtype | None,
                      known_valid: bool = False):
@@ -123,7 +130,7 @@ def _quantize_tensor(x: torch.Tensor, previous: torch.Tensor, valid: torch.Tenso
         current = compute_scale(amax, fp8_max, margin, pow2, previous=previous)
         scale = torch.where(valid, previous.float(), current) if delayed else current
     q = torch.clamp(x.float() * scale, -fp8_max, fp8_max).to(dtype)
-    return q, (q.to(values_dtype) if values_dtype is not None else None), scale, amax
+    return q, (_values(q, values_dtype) if values_dtype is not None else None), scale, amax
 
 
 def _quantize_known(x: torch.Tensor, scale: torch.Tensor, column_scale: torch.Tensor | None, fp8_max: float,
@@ -131,11 +138,11 @@ def _quantize_known(x: torch.Tensor, scale: torch.Tensor, column_scale: torch.Te
     """Q(x diag(column_scale)) with a given scale (no amax pass)."""
     y = x.float() if column_scale is None else column_scaled(x, column_scale)
     q = torch.clamp(y * scale.float(), -fp8_max, fp8_max).to(dtype)
-    return q, (q.to(values_dtype) if values_dtype is not None else None)
+    return q, (_values(q, values_dtype) if values_dtype is not None else None)
 
 
 def _upcast(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return q.to(dtype)
+    return _values(q, dtype)
 
 
 _quantize_tensor_c = _fused(_quantize_tensor)
@@ -163,7 +170,7 @@ def _eager_empty(x, previous, valid, delayed, fp8_max, margin, pow2, dtype, valu
     current = compute_scale(amax, fp8_max, margin, pow2, previous=previous)
     scale = torch.where(valid, previous.float(), current) if delayed else current
     q = x.float().to(dtype)
-    return q, (q.to(values_dtype) if values_dtype is not None else None), scale, amax
+    return q, (_values(q, values_dtype) if values_dtype is not None else None), scale, amax
 
 
 def quantize_known(x: torch.Tensor, scale: torch.Tensor, fp8_max: float, dtype: torch.dtype,
@@ -194,6 +201,13 @@ def upcast(q: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     if q.numel() == 0 or q.dtype == dtype:
         return q.to(dtype)
     return _upcast_c(q, dtype)
+
+
+def as_bf16(t: torch.Tensor) -> torch.Tensor:
+    """A BF16 GEMM operand holding FP8 values (FP8, or exactly in fp32 / bf16) as bf16, exactly."""
+    if t.dtype in (torch.bfloat16, torch.float32):
+        return t.to(torch.bfloat16)
+    return upcast(t, torch.bfloat16)
 
 
 def _quantize_tiles(x: torch.Tensor, tile: Any, spec: Any, margin: int, pow2: bool):

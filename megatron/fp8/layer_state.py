@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from megatron import comm
-from megatron.fp8 import fused
+from megatron.fp8 import cpu_gemm, fused
 from megatron.fp8 import stats as fp8_stats
 from megatron.fp8.backends import STATELESS_BACKENDS, Backend, backend_format_spec, select_backend
 from megatron.fp8.formats import Fp8FormatSpec
@@ -68,10 +68,11 @@ class QuantizedWeight:
         if backend.name != "emulated":
             return self.data
         # The emulated GEMM upcasts its operands; CPU fp8->float casts are slow, so convert the weight once
-        # per step, not twice per micro-batch, into the dtype its GEMM runs in (bf16 only with power-of-two
-        # scales, see EmulatedBackend.gemm_nt). Both hold every E4M3/E5M2 value exactly.
+        # per step, not twice per micro-batch, into the dtype its GEMM runs in (bf16 with power-of-two scales or
+        # BF16 GEMMs, see EmulatedBackend.gemm_nt). Both hold every E4M3/E5M2 value exactly.
         if self.values is None:
-            self.values = self.data.to(torch.bfloat16 if pow2_scales else torch.float32)
+            bf16 = pow2_scales or cpu_gemm.values_dtype() == torch.bfloat16
+            self.values = self.data.to(torch.bfloat16 if bf16 else torch.float32)
         return self.values
 
     def weight_t(self, backend: Backend, pow2_scales: bool = False) -> torch.Tensor:
@@ -211,16 +212,18 @@ class Fp8LayerState:
     def values_dtype(self, backend: Backend) -> torch.dtype | None | bool:
         """False: quantize eagerly (fusion off, or a backend with its own cast: Gaudi). Else the dtype in which
         the fused kernel also writes the FP8 values for the GEMM: fp32 for the emulated backend (its GEMM runs on
-        them; an eager FP8 -> fp32 cast is a slow pass of its own on CPU), None for real FP8 GEMMs."""
+        them; an eager FP8 -> fp32 cast is a slow pass of its own on CPU; bf16 where its GEMMs are BF16 GEMMs,
+        megatron/fp8/cpu_gemm.py), None for real FP8 GEMMs."""
         if not self.fused_quantization or backend.name not in STATELESS_BACKENDS:
             return False
-        return torch.float32 if backend.name == "emulated" else None
+        return cpu_gemm.values_dtype() if backend.name == "emulated" else None
 
     def weight_values_dtype(self, backend: Backend) -> torch.dtype | None | bool:
         """`values_dtype` for the weight: bf16 for the emulated GEMM with power-of-two scales (the dtype
         `QuantizedWeight.weight` converts to)."""
         values_dtype = self.values_dtype(backend)
-        if values_dtype is not False and values_dtype is not None and self.recipe.power_of_two_scales:
+        if values_dtype is not False and values_dtype is not None and (self.recipe.power_of_two_scales
+                                                                       or values_dtype == torch.bfloat16):
             return torch.bfloat16
         return values_dtype
 
@@ -464,6 +467,13 @@ class Fp8LayerState:
         if self.step_weight is not None and cache is not None and cache.key[:2] == weight_storage_key(weight):
             return  # made this step (the key's backend follows the device, which `bind` would have reset)
         backend = self.backend(weight.device)
+        traced = self.takes_traced_path() and backend.name in STATELESS_BACKENDS
+        if isinstance(weight, Fp8GatheredWeight) and traced:
+            # FSDP2 gathered it in FP8 for this call (--fp8-param-gather): the graph takes its bytes as they are,
+            # a view of FSDP2's gather buffer, which FSDP2 refills with the same bytes before backward. No copy is
+            # made (dgrad's W^T is transposed in the backward graph), so nothing outlives the gather.
+            self.step_weight = (weight._data, weight._scale, weight._amax, None)
+            return
         if not self.uses_step_weight(backend):
             self.step_weight = None
             return

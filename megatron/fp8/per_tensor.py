@@ -132,8 +132,8 @@ class Fp8Gemms(torch.autograd.Function):
         backend = _backend(consts, eager)
         out_dtype, pow2, fast_accum, fused_epilogue = consts[1], consts[4], consts[13][0], consts[15]
         with torch.autocast(x2d.device.type, enabled=False):
-            y = gemm_steps.add_bias(backend.gemm_nt(a, s_a, w, s_w, out_dtype, pow2, fused_epilogue, fast_accum),
-                                    bias, out_dtype)
+            y = gemm_steps.add_bias(backend.gemm_nt(a, s_a, w, s_w, out_dtype, pow2, fused_epilogue, fast_accum,
+                                                    run_dtype=out_dtype), bias, out_dtype)
         keep_w = eager is None or eager.weight_fp8 is not None  # a per-call weight is made again in backward
         if eager is not None:  # the eager layer's buffers are read through its state; other calls may update them
             scale_buf = valid_buf = step_amax_buf = None
@@ -146,7 +146,7 @@ class Fp8Gemms(torch.autograd.Function):
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         saved_x, s_x, w, s_w, w_t, column_scale, scale_buf, valid_buf, step_amax_buf = ctx.saved_tensors
         consts, eager = ctx.consts, ctx.eager
-        (_, _, x_dtype, _, pow2, fp8_wgrad, training, _, _, _, _, _, values_dtype, (_, dgrad_fast, wgrad_fast), _,
+        (_, y_dtype, x_dtype, _, pow2, fp8_wgrad, training, _, _, _, _, _, values_dtype, (_, dgrad_fast, wgrad_fast), _,
          fused_epilogue) = consts
         backend = _backend(consts, eager)
         dx = dw = None
@@ -163,13 +163,14 @@ class Fp8Gemms(torch.autograd.Function):
                 if w_t is None:
                     w_t = _weight_t(w, backend, pow2, eager)
                 # dx = dy W  ==  gemm_nt(dy, W^T)
-                dx = backend.gemm_nt(g_op, s_g, w_t, s_w, x_dtype, pow2, fused_epilogue, dgrad_fast)
+                dx = backend.gemm_nt(g_op, s_g, w_t, s_w, x_dtype, pow2, fused_epilogue, dgrad_fast, run_dtype=y_dtype)
             if ctx.needs_input_grad[1]:
                 if fp8_wgrad:
                     # dW = dy^T x  ==  gemm_nt(dy^T, x^T); the emulated GEMM's operand as exact fp32 values
                     x_op = saved_x if values_dtype is False or values_dtype is None else fused.upcast(saved_x,
                                                                                                       values_dtype)
-                    dw = backend.gemm_nt(g_op.t(), s_g, x_op.t(), s_x, torch.float32, pow2, fused_epilogue, wgrad_fast)
+                    dw = backend.gemm_nt(g_op.t(), s_g, x_op.t(), s_x, torch.float32, pow2, fused_epilogue, wgrad_fast,
+                                         run_dtype=y_dtype)
                 else:
                     dw = gemm_steps.high_precision_wgrad(dy, saved_x)
                 dw = gemm_steps.finish_weight_grad(ctx, dw, column_scale)

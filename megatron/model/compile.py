@@ -26,11 +26,9 @@ What is compiled
 `plan_torch_compile` decides, from the flag, the device and the run:
 
     --torch-compile   blocks                                   FP8 quantization
-    on                compiled (refused with PP, ZeRO-3 or     compiled
-                      --fp8-param-gather)
+    on                compiled (refused with PP or ZeRO-3)     compiled
     off               eager                                    eager (nothing is compiled)
-    auto, CUDA        compiled, or eager with PP / ZeRO-3 /    compiled
-                      --fp8-param-gather
+    auto, CUDA        compiled, or eager with PP / ZeRO-3      compiled
     auto, CPU         eager                                    compiled for runs of >= FUSED_MIN_ITERS iterations
     auto, HPU         eager                                    eager (Gaudi casts in its own kernels)
 
@@ -47,8 +45,9 @@ gradients: one more graph per block) is counted where it happens. Under pipeline
 PipelineModule cannot run a micro-batch alone) and ZeRO-3 (the engine owns the parameters) there is no warm-up:
 the FP8 quantization compiles in the first iteration (said in the log).
 
-Composes with tensor parallelism, activation recompute (selective and full) and the plain and DeepSpeed ZeRO
-0-2 engines. Pipeline parallelism and ZeRO-3 (which swaps parameters in and out around each block's forward)
+Composes with tensor parallelism, activation recompute (selective and full), the plain, DeepSpeed ZeRO 0-2 and
+FSDP2 engines, and FSDP2's FP8 weight gathers (the block's pre-hook hands the graph the gathered FP8 bytes as they
+are, `Fp8LayerState.refresh_step_weight`). Pipeline parallelism and ZeRO-3 (which swaps parameters in and out around each block's forward)
 are refused by parse_config under `on`; under `auto` they keep the blocks eager with a log line saying why.
 """
 from __future__ import annotations
@@ -119,8 +118,6 @@ def unsupported_reason(config: Any) -> Optional[str]:
         return "--pipeline-model-parallel-size > 1 (DeepSpeed's pipeline engine runs the layers itself)"
     if parallel.deepspeed and parallel.zero_stage == 3:
         return "--zero-stage 3 (ZeRO-3 gathers parameters around each block's forward; use 0, 1 or 2)"
-    if parallel.fp8_param_gather:
-        return "--fp8-param-gather (its gathered FP8 weight is not traced into a compiled block yet)"
     return None
 
 

@@ -4,7 +4,7 @@ time per kernel class. Every line says "projected" and names the model's calibra
 
 The blocks are extracted once per variant (seconds each at 7B shapes) and timed on every device asked for. The
 projection is of compiled blocks (what `--torch-compile auto` runs on CUDA); a run whose blocks stay eager
-(`compile.unsupported_reason`: pipeline parallelism, ZeRO-3, FP8 weight gathers) is told so, as a line of the output.
+(`compile.unsupported_reason`: pipeline parallelism, ZeRO-3) is told so, as a line of the output.
 Under tensor parallelism the block is one device's (`device_block_model`).
 """
 from __future__ import annotations

@@ -8,6 +8,7 @@ The `.model`/`.vocab` pair is trained under a temporary prefix and renamed at th
 from __future__ import annotations
 
 import os
+import re
 from typing import Iterable, Iterator
 
 DEFAULT_MAX_SENTENCE_BYTES = 4192  # SentencePiece's own default
@@ -70,8 +71,22 @@ def train_sentencepiece(documents: Iterable[str], model_prefix: str, vocab_size:
             if os.path.exists(tmp_prefix + suffix):
                 os.remove(tmp_prefix + suffix)
         if "Vocabulary size" in str(err):
-            raise ValueError(f"--vocab-size {vocab_size} is too large for this corpus ({err}): lower it") from None
+            raise ValueError(vocab_size_advice(vocab_size, str(err))) from None
         raise
     os.replace(tmp_prefix + ".vocab", model_prefix + ".vocab")
     os.replace(tmp_prefix + ".model", model_prefix + ".model")
     return model_prefix + ".model"
+
+
+def vocab_size_advice(vocab_size: int, reason: str) -> str:
+    """One line for SentencePiece's refusal of `--vocab-size`, with the bound it names and which way to move."""
+    floor = re.search(r"smaller than required_chars\. \d+ vs (\d+)", reason)
+    if floor:
+        return (f"--vocab-size {vocab_size} is too small for this corpus: it needs at least {floor.group(1)} pieces "
+                f"(one per distinct character, plus the special and byte-fallback pieces); raise it to >= "
+                f"{floor.group(1)}")
+    ceiling = re.search(r"value <= (\d+)", reason)
+    if ceiling:
+        return (f"--vocab-size {vocab_size} is too large for this corpus: SentencePiece can make at most "
+                f"{ceiling.group(1)} pieces from it; lower it to <= {ceiling.group(1)}, or train on more text")
+    return f"--vocab-size {vocab_size} does not fit this corpus (SentencePiece: {reason})"

@@ -145,7 +145,8 @@ class Trainer:
             return
         self.state = TrainState.from_dict(loaded["train_state"])
         for diff in self.scheduler.check_state_dict(payload.get("lr_scheduler", {})):
-            logger.warning("learning-rate schedule differs from the checkpoint (flags win): %s", diff)
+            if self.parallel.is_logging_rank:  # the same on every rank: said once
+                logger.warning("learning-rate schedule differs from the checkpoint (flags win): %s", diff)
         if not c.no_load_rng and "rng_state" in payload:
             ckpt.set_rng_state(payload["rng_state"])
         self.fp8.load_state(payload.get("fp8"), loaded["path"])

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from megatron.accelerator import Accelerator
@@ -55,6 +56,7 @@ def parallelize(config: MegatronConfig, parallel: ParallelState, accel: Accelera
     fp8 = Fp8Hooks(model, config.fp8, parallel.amax_group, config.logging.log_fp8_stats, config.fp8_autoheal,
                    parallel.tensor_parallel_group)
     logger.info("> number of parameters: %d", model.num_parameters())
+    log_cpu_fp8_gemms(config, accel.device)
     layers_view = model
     if stage is not None:  # keep this rank's stage only (after the FP8 swap)
         from megatron.training.pipeline_engine import build_pipeline_module, stage_layers_view
@@ -85,3 +87,16 @@ def _prepare_for_deepspeed(config: MegatronConfig, model: nn.Module, parallel: P
     mark_model_parallel_params(model)
     if config.parallel.sequence_parallel and parallel.tensor_parallel_size > 1:
         sum_sequence_parallel_grads_in_backward(model, parallel.tensor_parallel_group)
+
+
+def log_cpu_fp8_gemms(config: MegatronConfig, device: torch.device) -> None:
+    """One start-up line for FP8 runs whose GEMMs the CPU emulates: FP32 or BF16 GEMMs (megatron/fp8/cpu_gemm.py;
+    a bad MEGATRON_CPU_FP8_GEMM is refused here, in one line)."""
+    from megatron.fp8 import cpu_gemm
+    from megatron.fp8.backends import select_backend
+
+    recipe = config.fp8
+    if recipe is None or device.type != "cpu":
+        return
+    if select_backend(recipe.backend.value, device, recipe.scaling.value).name == "emulated":
+        logger.info(cpu_gemm.describe())

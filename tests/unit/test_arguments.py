@@ -238,3 +238,20 @@ def test_help_is_short_at_the_top_and_shows_every_default():
     for flag, default in (("--fp8-margin FP8_MARGIN", "default: 0"), ("--fp8-amax-history-len", "default: 1"),
                           ("--seed SEED", "default: 1234"), ("--lr-decay-style", "default: linear")):
         assert f"{flag}" in flat and default in flat.split(flag, 1)[1][:200], (flag, default)
+
+
+def test_megatron_lms_group_query_attention_spelling_is_accepted():
+    """Megatron-LM: --group-query-attention with --num-query-groups N, or 1 group when N is not given."""
+    def kv_heads(*switches: str) -> int:
+        return parse_config(tiny_argv(*switches, num_key_value_heads=None)).model.num_key_value_heads
+
+    assert kv_heads("--group-query-attention", "--num-query-groups", "2") == 2
+    assert kv_heads("--group-query-attention") == 1
+    assert kv_heads() == 4  # --num-attention-heads: multi-head
+
+
+def test_fp16s_help_says_it_is_refused():
+    from megatron.arguments import build_parser
+
+    action = next(a for a in build_parser()._actions if "--fp16" in a.option_strings)
+    assert action.help.startswith("refused")

@@ -67,3 +67,29 @@ def test_errors_name_the_problem(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="no TensorBoard scalars"):
         compare([str(tmp_path / "empty")])
+
+
+def test_a_folder_several_runs_wrote_is_warned_about_and_a_resumed_run_is_not(tmp_path, caplog):
+    import logging
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    from megatron.evaluation.run_compare import read_scalars
+
+    def write(folder, steps, suffix):
+        w = SummaryWriter(str(folder), filename_suffix=suffix)
+        for step in steps:
+            w.add_scalar("lm-loss-training/lm loss vs tokens", 1.0 / step, step)
+        w.close()
+
+    write(tmp_path / "resumed", range(1, 11), ".a")
+    write(tmp_path / "resumed", range(9, 21), ".b")  # from the checkpoint at step 8
+    write(tmp_path / "two", range(1, 11), ".a")
+    write(tmp_path / "two", range(1, 11), ".b")  # a second run from scratch
+    with caplog.at_level(logging.WARNING):
+        read_scalars(str(tmp_path / "resumed"))
+        assert not caplog.records
+        read_scalars(str(tmp_path / "two"))
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{tmp_path / 'two'}: 2 event files each start at step 1, so more than one run wrote this folder and their "
+        "scalars are merged (a later file's value wins at each step): give each run its own --tensorboard-dir"]

@@ -82,7 +82,7 @@ def test_malformed_data_args_file_is_named_with_its_line(shards, tmp_path, text,
 
 
 @pytest.mark.parametrize("text, message", [
-    ('{"train": ["{a}",\n  "{b}"\n  "{a}"]}', r"splits.json:3:3: bad JSON"),
+    ('{"train": ["{a}",\n  "{b}"\n  "{a}"]}', r"splits.json:3: bad JSON \(Expecting ',' delimiter at column 3\)"),
     ('{"train": ["{a}"],\n "validation": ["{a}"]}', r"splits.json:2: unknown key 'validation'"),
     ('{"train": {"x": 1}}', r"splits.json:1: 'train' must be a list"),
     ('{"train": ["{a}",\n "{a}_typo"]}', r"splits.json:2: .*shard_0000_typo.bin not found"),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron.errors import PEER_FAILURE_EXIT_CODE, USER_ERROR_EXIT_CODE, run_cli
+from megatron.errors import PEER_FAILURE_EXIT_CODE, USER_ERROR_EXIT_CODE, json_reason, run_cli
 
 
 def _raising(exc: BaseException):
@@ -38,3 +38,14 @@ def test_tracebacks_on_request(monkeypatch):
     monkeypatch.setenv("MEGATRON_TRACEBACK", "1")
     with pytest.raises(RuntimeError, match="Connection closed by peer"):
         run_cli(_raising(RuntimeError("Connection closed by peer")))
+
+
+@pytest.mark.parametrize("text,want", [('{"a": ', "Expecting value at column 7"),
+                                       ('{"a": "b', "Unterminated string starting at column 7")])
+def test_a_json_error_names_its_column_once(text, want):
+    import json
+
+    with pytest.raises(json.JSONDecodeError) as err:
+        json.loads(text)
+    assert json_reason(err.value) == want
+    assert " at at " not in json_reason(err.value)

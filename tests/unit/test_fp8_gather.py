@@ -47,7 +47,7 @@ def _shard(model: nn.Module, group, fp8_gather: bool) -> GatherScales | None:
     from megatron.training.deepspeed_fp8 import fp8_weights_per_call
 
     fp8_weights_per_call(model)
-    layers = [m for m in model if isinstance(m, Fp8Linear)]
+    layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
     if fp8_gather:
         wrap_weights(layers)
     mesh = DeviceMesh.from_group(group, "cpu")
@@ -117,6 +117,33 @@ def test_scales_are_made_once_per_optimizer_step(one_rank):
     assert scales.collectives == 2
 
 
+@pytest.mark.isa_sensitive  # compiled graphs, compared bit for bit: CI reruns it with AVX2 kernels
+def test_a_compiled_block_takes_the_gathered_fp8_weight_as_it_is(one_rank):
+    """`--torch-compile` with `--fp8-param-gather`: the compiled graph multiplies the FP8 bytes FSDP2 gathered (the
+    block's pre-hook hands them over, no cast in the graph), so outputs and gradients equal those of the same block
+    compiled with high-precision gathers (which casts W in the graph) bit for bit. A cast of the gathered weight
+    again, with its own amax, would round twice."""
+    from megatron.fp8 import set_fused_quantization
+    from megatron.model.compile import compile_block
+
+    # The block compiled inside the FSDP2 root, as compile_blocks compiles the transformer blocks: the root's
+    # pre-hooks (FSDP2's gather, the gather scales) run eagerly before it.
+    gathered, plain = nn.Sequential(_model(Fp8Scaling.DELAYED)), nn.Sequential(_model(Fp8Scaling.DELAYED))
+    _shard(gathered, one_rank, True)
+    _shard(plain, one_rank, False)
+    for model in (gathered, plain):
+        set_fused_quantization(model, True)
+        compile_block(model[0])
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1)).bfloat16()
+    for step in range(3):
+        (y_g, grads_g), (y_p, grads_p) = _step(gathered, x), _step(plain, x)
+        assert torch.equal(y_g, y_p), step
+        assert all(torch.equal(a, b) for a, b in zip(grads_g, grads_p)), step
+    layers = [m for m in gathered.modules() if isinstance(m, Fp8Linear)]
+    assert all(m.weight.to_local()._slot.gathers >= 3 for m in layers)
+    assert all(m.fp8.weight_quantizations == 0 for m in layers)  # never cast again after the gather
+
+
 def test_an_uneven_shard_is_padded_to_fsdp2s_shard_size():
     """3 rows over 2 ranks: FSDP2 gathers ceil(3 / 2) = 2 rows from each, the last rank's padded with zeros."""
     layer = Fp8Linear(4, 3, bias=False, recipe=Fp8Recipe(scaling=Fp8Scaling.TENSORWISE))
@@ -158,8 +185,6 @@ REFUSED = {
     "without-fp8": (["--use-torch-fsdp2", "--fp8-param-gather"], "add --fp8-format hybrid"),
     "tile-recipe": (["--use-torch-fsdp2", "--fp8-format", "hybrid", "--fp8-recipe", "rowwise", "--fp8-param-gather"],
                     "is not built for the tile recipes"),
-    "compile-on": (["--use-torch-fsdp2", "--fp8-format", "hybrid", "--fp8-param-gather", "--torch-compile", "on"],
-                   "--torch-compile on is not supported with --fp8-param-gather"),
 }
 
 

@@ -199,3 +199,19 @@ def test_null_tokenizer_checkpoint_exports_the_model_alone(tmp_path, caplog):
         out = export_to_hf(save_dir, tmp_path / "hf")
     assert (out / "config.json").exists() and not (out / "tokenizer_config.json").exists()
     assert "exporting the model alone" in caplog.text and "not found" not in caplog.text
+
+
+def test_the_safetensors_file_follows_the_umask_like_its_folder(tmp_path):
+    import os
+    import stat
+
+    from megatron.checkpoint_conversion.hf_folder import save_safetensors
+
+    umask = os.umask(0o022)
+    try:
+        save_safetensors({"w": torch.ones(2, 2)}, tmp_path / "model.safetensors", torch.bfloat16)
+        (tmp_path / "config.json").write_text("{}")
+    finally:
+        os.umask(umask)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in tmp_path.iterdir()}
+    assert modes == {"model.safetensors": 0o644, "config.json": 0o644}

@@ -160,3 +160,17 @@ def test_a_tokenizer_file_of_the_wrong_kind_is_one_line_naming_the_kinds(sp_mode
             build_tokenizer(DataConfig(tokenizer_type=kind, tokenizer_model=path))
         message = str(err.value)
         assert "\n" not in message and f"--tokenizer-model {path!r} is not a" in message and hint in message, message
+
+
+@pytest.mark.parametrize("vocab_size,needle", [(40, r"is too small for this corpus: it needs at least (\d+) pieces"),
+                                               (50000, r"is too large for this corpus: SentencePiece can make at "
+                                                       r"most (\d+) pieces")])
+def test_a_vocab_size_the_corpus_cannot_fill_names_the_bound_and_the_way_to_move(tmp_path, vocab_size, needle):
+    """Each refusal names SentencePiece's own bound, on the side the value must move to."""
+    import re
+
+    docs = corpus(50)
+    with pytest.raises(ValueError, match=f"^--vocab-size {vocab_size} {needle}[^\n]*$") as err:
+        train_sentencepiece(docs, str(tmp_path / "bad"), vocab_size=vocab_size)
+    bound = int(re.search(needle, str(err.value)).group(1))
+    assert (bound > vocab_size) == (vocab_size == 40)

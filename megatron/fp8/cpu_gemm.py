@@ -1,0 +1,120 @@
+"""How the emulated FP8 backend multiplies on CPU: FP32 GEMMs that round once, or BF16 GEMMs where they are faster.
+
+The emulated GEMMs take FP8 values, which BF16 holds exactly; products of two BF16 values are exact in FP32, and a
+CPU BF16 GEMM (oneDNN) accumulates them in FP32, as the tensor cores do, but rounds its output to BF16 before the
+dequantization factors 1 / (s_a s_b) are applied, where the hardware rounds once after them. Two modes:
+
+- `exact`: every GEMM gives the hardware's single rounding. FP32 GEMMs, whose output is scaled and rounded once;
+  a BF16 GEMM only where it gives the same number: a BF16 output with power-of-two scales (dividing by a power of
+  two is exact), on a CPU with fast BF16 GEMMs (`megatron.cpu_bf16`).
+- `bf16`: in `--bf16` runs every FP8 GEMM is a BF16 GEMM, and the FP8 values are kept in BF16 (half the bytes of
+  FP32). Forward and dgrad (BF16 outputs) are the single rounding with power-of-two scales
+  (`--fp8-power-of-two-scales`); with other scales the output is rounded to BF16, divided by the scales and
+  rounded again, and about a quarter of the outputs land one BF16 unit in the last place away from the single
+  rounding (tests/unit/test_cpu_fp8_gemm.py bounds it). Wgrad's FP32 output keeps 8 significant bits instead of 24:
+  the accumulator rounded to BF16, then divided by the scales in FP32, which is the precision of the BF16 run's own
+  wgrad (autocast's BF16 GEMM returns BF16 too). Runs without `--bf16` keep FP32 GEMMs.
+
+`auto` (the default) is `bf16` on CPUs with AMX-BF16 (the `amx_bf16` CPU flag, oneDNN not capped below its AMX
+kernels by `ONEDNN_MAX_CPU_ISA`): a BF16 GEMM runs there 5-10x faster than FP32 (4096 x 256 x 704: 0.53 vs 4.98 ms
+on 2 cores of an Intel Xeon with AMX, torch 2.13), and the FP32 GEMMs made the FP8 step slower than BF16's. On
+other CPUs, `exact`. `MEGATRON_CPU_FP8_GEMM` = auto | exact | bf16 overrides it (`bf16` on a CPU without fast BF16
+GEMMs runs torch's slow BF16 kernels). Decided once, at import: a module constant, which compiled graphs read
+without a graph break. `describe()` is the start-up log line.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator
+
+import torch
+
+from megatron.cpu_bf16 import cpu_flags, onednn_isa_cap, emulates_bf16_gemms
+
+ENV_VAR = "MEGATRON_CPU_FP8_GEMM"
+CHOICES = ("auto", "exact", "bf16")
+
+
+class CpuFp8GemmConfigError(ValueError):
+    """`MEGATRON_CPU_FP8_GEMM` holds a value we do not know."""
+
+
+def amx_bf16_reason() -> str | None:
+    """Why this CPU's BF16 GEMMs are not its fastest (no AMX-BF16 in use), or None where they are."""
+    if "amx_bf16" not in cpu_flags():
+        return "no AMX-BF16 on this CPU"
+    cap = onednn_isa_cap()
+    if cap is not None and "AMX" not in cap:
+        return f"ONEDNN_MAX_CPU_ISA={cap} keeps oneDNN off AMX"
+    return None
+
+
+def decide_mode() -> str:
+    """"exact" or "bf16" from `MEGATRON_CPU_FP8_GEMM` and the CPU; raises on a value we do not know."""
+    choice = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
+    if choice not in CHOICES:
+        raise CpuFp8GemmConfigError(f"{ENV_VAR}={os.environ[ENV_VAR]!r} is not one of {', '.join(CHOICES)}: unset "
+                                    "it (auto: chosen by the CPU), or set exact (FP32 GEMMs, one rounding) or bf16 "
+                                    "(BF16 GEMMs, docs/performance.md)")
+    if choice != "auto":
+        return choice
+    return "bf16" if amx_bf16_reason() is None else "exact"
+
+
+def _decide_at_import() -> str | None:
+    try:
+        return decide_mode()
+    except CpuFp8GemmConfigError:
+        return None  # reported by mode(), where an entry point turns it into one clear line
+
+
+_MODE = _decide_at_import()
+_forced: str | None = None  # use_mode()
+
+
+def mode() -> str:
+    """"exact" or "bf16": how the emulated FP8 GEMMs run on CPU in this process."""
+    if _forced is not None:
+        return _forced
+    return _MODE if _MODE is not None else decide_mode()
+
+
+@contextlib.contextmanager
+def use_mode(forced: str) -> Iterator[None]:
+    """Run the emulated FP8 GEMMs as `forced` inside the block, whatever this CPU's default: how a benchmark times
+    both modes side by side and a test checks both on any CPU."""
+    global _forced
+    if forced not in ("exact", "bf16"):
+        raise ValueError(f"mode must be exact or bf16, got {forced!r}")
+    previous, _forced = _forced, forced
+    try:
+        yield
+    finally:
+        _forced = previous
+
+
+def bf16_gemm(a: torch.Tensor, out_dtype: torch.dtype, run_dtype: torch.dtype | None, pow2: bool) -> bool:
+    """Whether an emulated FP8 GEMM of operand `a` with output `out_dtype` in a run computing in `run_dtype` (the
+    layer's input dtype; None: unknown, taken as `out_dtype`) is a BF16 GEMM (module docstring)."""
+    if a.device.type == "cpu" and mode() == "bf16":
+        return (run_dtype or out_dtype) == torch.bfloat16
+    return out_dtype == torch.bfloat16 and pow2 and not (a.device.type == "cpu" and emulates_bf16_gemms())
+
+
+def values_dtype() -> torch.dtype:
+    """The dtype the emulated backend keeps FP8 values in for its GEMMs (both hold every FP8 value exactly)."""
+    return torch.bfloat16 if mode() == "bf16" else torch.float32
+
+
+def describe() -> str:
+    """The start-up line: the mode and why."""
+    chosen = mode()
+    forced = os.environ.get(ENV_VAR, "").strip()
+    why = f"{ENV_VAR}={forced}" if forced and forced.lower() != "auto" else (
+        "this CPU has AMX-BF16" if chosen == "bf16" else amx_bf16_reason())
+    if chosen == "bf16":
+        return (f"FP8 GEMMs (emulated on CPU): BF16 GEMMs in --bf16 runs ({why}; outputs rounded to BF16 before the "
+                f"scales are divided out, docs/performance.md; {ENV_VAR}=exact rounds once)")
+    return (f"FP8 GEMMs (emulated on CPU): FP32 GEMMs rounded once ({why}; {ENV_VAR}=bf16 runs BF16 GEMMs, "
+            "docs/performance.md)")

@@ -1,0 +1,155 @@
+"""The emulated FP8 GEMMs' two CPU modes (megatron/fp8/cpu_gemm.py): `exact` rounds once, `bf16` runs BF16 GEMMs
+in --bf16 runs and rounds their output to BF16 before the scales are divided out.
+
+The operands are FP8 values that are small integers times a power of two, and K is small, so every partial sum is
+exact in FP32 whatever the summation order: the accumulator is the same number in a BF16 and an FP32 GEMM on any
+CPU, and each mode's output is a function of it that the test computes in float64."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron.fp8 import Fp8Linear, cpu_gemm, set_fused_quantization
+from megatron.fp8.backends import EmulatedBackend
+from megatron.fp8.recipe import Fp8Recipe, Fp8Scaling
+
+BF16 = torch.bfloat16
+
+
+def _operands(m: int = 16, k: int = 32, n: int = 24) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 E4M3 values in [-15, 15] (integers: exact in E4M3 and BF16); |accumulator| <= 32 * 225 < 2^24."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randint(-15, 16, (m, k), generator=g).float().to(torch.float8_e4m3fn)
+    b = torch.randint(-15, 16, (n, k), generator=g).float().to(torch.float8_e4m3fn)
+    return a, b
+
+
+def _acc(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a.double() @ b.double().t()
+
+
+def _gemm(mode: str, a, b, s_a: float, s_b: float, out_dtype, run_dtype, pow2: bool) -> torch.Tensor:
+    with cpu_gemm.use_mode(mode):
+        return EmulatedBackend().gemm_nt(a, torch.tensor(s_a), b, torch.tensor(s_b), out_dtype, pow2,
+                                         run_dtype=run_dtype)
+
+
+def test_exact_mode_rounds_once():
+    a, b = _operands()
+    want = (_acc(a, b) / (3.0 * 5.0)).to(BF16)  # one rounding of the exact result (float64 holds it)
+    assert torch.equal(_gemm("exact", a, b, 3.0, 5.0, BF16, BF16, False), want)
+    assert torch.equal(_gemm("exact", a, b, 3.0, 5.0, torch.float32, BF16, False),
+                       (_acc(a, b).float() / torch.tensor(15.0)))
+
+
+def test_bf16_mode_with_power_of_two_scales_is_the_single_rounding():
+    a, b = _operands()
+    want = (_acc(a, b) / (4.0 * 8.0)).to(BF16)
+    assert torch.equal(_gemm("bf16", a, b, 4.0, 8.0, BF16, BF16, True), want)
+
+
+def test_bf16_mode_with_other_scales_rounds_twice_within_one_unit():
+    """bf16(bf16(acc) / (s_a s_b)): what the mode says it computes; at most one BF16 unit in the last place from the
+    single rounding, and not always equal to it (these operands hit cases where the two differ)."""
+    a, b = _operands(64, 32, 64)
+    acc = _acc(a, b)
+    got = _gemm("bf16", a, b, 3.0, 5.0, BF16, BF16, False)
+    assert torch.equal(got, (acc.to(BF16).double() / 15.0).to(BF16))
+    single = (acc / 15.0).to(BF16)
+    ulp = torch.finfo(BF16).eps * single.double().abs().clamp_min(torch.finfo(BF16).tiny)
+    assert ((got.double() - single.double()).abs() <= ulp).all()
+    assert not torch.equal(got, single)
+
+
+def test_bf16_mode_rounds_wgrads_accumulator_to_bf16():
+    """Wgrad (FP32 output) in a --bf16 run: the accumulator rounded to BF16, then divided in FP32."""
+    a, b = _operands()
+    acc = _acc(a, b)
+    got = _gemm("bf16", a, b, 3.0, 5.0, torch.float32, BF16, False)
+    assert torch.equal(got, acc.to(BF16).float() / (torch.tensor(3.0) * torch.tensor(5.0)))
+    assert not torch.equal(got, acc.float() / 15.0)  # the accumulator needs more than 8 significant bits here
+
+
+def test_runs_without_bf16_keep_fp32_gemms_in_bf16_mode():
+    a, b = _operands()
+    for out_dtype in (torch.float32, BF16):
+        assert torch.equal(_gemm("bf16", a, b, 3.0, 5.0, out_dtype, torch.float32, False),
+                           _gemm("exact", a, b, 3.0, 5.0, out_dtype, torch.float32, False))
+
+
+def test_a_bf16_runs_fp8_layer_takes_the_bf16_gemms():
+    """An Fp8Linear with fused quantization under BF16 autocast: in bf16 mode its FP8 values are kept in BF16 and
+    its wgrad is a BF16-rounded accumulator times 1 / (s_dy s_x) (power-of-two scales: exact), so dW times the
+    scales is a BF16 number; forward and dgrad are single roundings either way (within summation order)."""
+    torch.manual_seed(0)
+    recipe = Fp8Recipe(scaling=Fp8Scaling.TENSORWISE, power_of_two_scales=True)
+    layer = Fp8Linear(64, 48, bias=False, recipe=recipe)
+    set_fused_quantization(layer, True)
+    x = torch.randn(32, 64).bfloat16()  # what a --bf16 model hands its FP8 layers
+    outputs = {}
+    for mode in ("exact", "bf16"):
+        layer.weight.grad = None
+        xi = x.clone().requires_grad_()
+        with cpu_gemm.use_mode(mode), torch.autocast("cpu", dtype=BF16):
+            y = layer(xi)
+            y.float().square().sum().backward()
+        outputs[mode] = y.detach(), xi.grad, layer.weight.grad.clone()
+        assert layer.fp8.values_dtype(layer.fp8.backend(x.device)) == cpu_gemm.values_dtype()
+    (y_e, dx_e, dw_e), (y_b, dx_b, dw_b) = outputs["exact"], outputs["bf16"]
+    assert y_b.dtype == dx_b.dtype == BF16
+    eps = torch.finfo(BF16).eps  # one unit in the last place of a BF16 number v is at most eps * |v|
+    for got, want in ((y_b, y_e), (dx_b, dx_e)):
+        assert ((got.double() - want.double()).abs() <= eps * want.double().abs()).all()
+    # Power-of-two scales: dW = bf16(accumulator) / 2^k, a BF16 number; the exact mode's FP32 dW is not.
+    assert torch.equal(dw_b.bfloat16().float(), dw_b)
+    assert not torch.equal(dw_e.bfloat16().float(), dw_e)
+    assert ((dw_b.double() - dw_e.double()).abs() <= 2.0 ** -8 * dw_e.double().abs()).all()
+
+
+@pytest.mark.parametrize("flags,cap,want", [({"amx_bf16", "avx512f"}, None, "bf16"),
+                                            ({"avx512f", "avx512_bf16"}, None, "exact"),
+                                            ({"amx_bf16", "avx512f"}, "AVX512_CORE", "exact"),
+                                            ({"amx_bf16", "avx512f"}, "AVX512_CORE_AMX", "bf16")])
+def test_auto_takes_bf16_gemms_where_the_cpu_has_amx(monkeypatch, flags, cap, want):
+    monkeypatch.setattr(cpu_gemm, "cpu_flags", lambda: flags)
+    monkeypatch.delenv(cpu_gemm.ENV_VAR, raising=False)
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    if cap is None:
+        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    else:
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+    assert cpu_gemm.decide_mode() == want
+
+
+def test_the_environment_overrides_and_a_bad_value_is_one_clear_error(monkeypatch):
+    monkeypatch.setattr(cpu_gemm, "cpu_flags", lambda: {"amx_bf16"})
+    monkeypatch.setenv(cpu_gemm.ENV_VAR, "exact")
+    assert cpu_gemm.decide_mode() == "exact"
+    monkeypatch.setenv(cpu_gemm.ENV_VAR, "fp16")
+    with pytest.raises(ValueError, match=r"^MEGATRON_CPU_FP8_GEMM='fp16' is not one of auto, exact, bf16: [^\n]*$"):
+        cpu_gemm.decide_mode()
+
+
+def test_the_startup_line_says_the_mode_and_how_to_change_it(monkeypatch):
+    monkeypatch.delenv(cpu_gemm.ENV_VAR, raising=False)
+    monkeypatch.setattr(cpu_gemm, "cpu_flags", lambda: {"amx_bf16"})
+    with cpu_gemm.use_mode("bf16"):
+        line = cpu_gemm.describe()
+    assert "BF16 GEMMs" in line and "this CPU has AMX-BF16" in line and "MEGATRON_CPU_FP8_GEMM=exact" in line
+    monkeypatch.setattr(cpu_gemm, "cpu_flags", lambda: {"avx2"})
+    with cpu_gemm.use_mode("exact"):
+        line = cpu_gemm.describe()
+    assert "FP32 GEMMs rounded once" in line and "no AMX-BF16" in line and "MEGATRON_CPU_FP8_GEMM=bf16" in line
+
+
+def test_an_fp8_run_on_cpu_logs_the_mode_at_start_up(caplog):
+    import logging
+
+    from megatron.arguments import parse_config
+    from megatron.training.parallelize import log_cpu_fp8_gemms
+    from tests.support.config import tiny_argv
+
+    with caplog.at_level(logging.INFO, logger="megatron"):
+        log_cpu_fp8_gemms(parse_config(tiny_argv("--fp8-format", "hybrid")), torch.device("cpu"))
+        log_cpu_fp8_gemms(parse_config(tiny_argv()), torch.device("cpu"))  # no FP8: no line
+    assert [r.getMessage() for r in caplog.records] == [cpu_gemm.describe()]
