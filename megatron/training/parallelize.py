@@ -93,10 +93,14 @@ def log_cpu_fp8_gemms(config: MegatronConfig, device: torch.device) -> None:
     """One start-up line for FP8 runs whose GEMMs the CPU emulates: FP32 or BF16 GEMMs (megatron/fp8/cpu_gemm.py;
     a bad MEGATRON_CPU_FP8_GEMM is refused here, in one line)."""
     from megatron.fp8 import cpu_gemm
-    from megatron.fp8.backends import select_backend
+    from megatron.fp8.backends import scaled_mm_supports
 
     recipe = config.fp8
     if recipe is None or device.type != "cpu":
         return
-    if select_backend(recipe.backend.value, device, recipe.scaling.value).name == "emulated":
+    # On a CPU, auto runs emulated, and so does scaled_mm for scalings it cannot take; hpu is refused where the
+    # model is built, so nothing is selected here.
+    choice = recipe.backend.value
+    if choice in ("auto", "emulated") or (choice in ("scaled_mm", "cuda")
+                                          and not scaled_mm_supports(recipe.scaling, device)):
         logger.info(cpu_gemm.describe())

@@ -294,9 +294,10 @@ def test_cli_resume_is_exact(tmp_path, scaling):
 
 def test_each_recipe_trains_and_tracks_bf16():
     """20 iterations through the CLI. FP8's distance from BF16 is bounded as in test_fp8_training: by
-    2 x 32 x BF16's distance from FP32 (E5M2 rounds with 2^5 times BF16's unit); every recipe learns, and each
-    fine-grained one stays within 2x tensorwise's own gap (finer scales do not add error). Smooth-SwiGLU
-    composes with each: it trains as close."""
+    2 x 32 x BF16's distance from FP32 (E5M2 rounds with 2^5 times BF16's unit); every recipe learns, and
+    Smooth-SwiGLU composes with each: it trains as close. Twenty iterations amplify each rounding
+    chaotically (the gaps differ between CPUs whose BF16 GEMMs accumulate differently), so that finer scales
+    add no error is asserted per GEMM, in float64, by test_sqnr_per_recipe."""
     def run(*switches):
         return pretrain(parse_config(tiny_argv(*switches, train_iters=20)))
 
@@ -313,7 +314,6 @@ def test_each_recipe_trains_and_tracks_bf16():
         assert gaps[scaling] < bound, (scaling, gaps, bound)
         assert fp8.losses[-1] < fp8.losses[0] - 1.5
     for scaling in FINE:
-        assert gaps[scaling] < 2 * gaps["tensorwise"] + noise, gaps
         smooth = run("--bf16", "--fp8-format", "hybrid", "--fp8-recipe", scaling, "--smooth-swiglu")
         assert distance(smooth, bf16) < bound, (scaling, distance(smooth, bf16), bound)
 
