@@ -434,7 +434,9 @@ def _resolve(a: argparse.Namespace, world_size: Optional[int], recipe: list) -> 
     config = MegatronConfig(
         model=model, optimizer=optimizer, scheduler=scheduler,
         training=TrainingConfig(**copy_flags(TrainingConfig, a), global_batch_size=gbs, data_parallel_size=dp,
-                                train_iters=train_iters, project_on=_project_on(a), torch_compile=torch_compile),
+                                train_iters=train_iters, project_on=_project_on(a), torch_compile=torch_compile,
+                                eval_iters=100 if a.eval_iters is None else a.eval_iters,
+                                eval_iters_capped=a.eval_iters is None),
         checkpoint=CheckpointConfig(**copy_flags(CheckpointConfig, a), verify=a.verify_checkpoint),
         logging=LoggingConfig(**copy_flags(LoggingConfig, a)),
         data=files.data,

@@ -207,7 +207,10 @@ class TrainingConfig:
                             more=[Flag(("--train-samples",), TRAINING, type=int, default=None)])
     seed: int = flag("--seed", group=TRAINING, default=1234)
     eval_interval: int = flag("--eval-interval", group=TRAINING, default=1000)
-    eval_iters: int = flag("--eval-iters", group=TRAINING, default=100)
+    eval_iters: int = flag(
+        "--eval-iters", group=TRAINING, default=100, cli_default=None, type=int, derived=True,
+        help="global batches each validation and test evaluation reads (the first ones of the split, the same each "
+             "time). Default 100, capped to one pass over the split (a warning says so); given, it is read as given")
     exit_interval: Optional[int] = flag("--exit-interval", group=TRAINING, default=None, type=int)
     exit_duration_in_mins: Optional[float] = flag("--exit-duration-in-mins", group=TRAINING, default=None, type=float)
     # no iteration finished for this long ends the process
@@ -244,6 +247,8 @@ class TrainingConfig:
         help="torch.compile each transformer block (FP8 layers traced into it) and the FP8 quantization; auto = both "
              "on CUDA (blocks eager with PP or ZeRO-3), on CPU the FP8 quantization only for runs of >= 100 "
              "iterations, nothing on Gaudi (docs/performance.md)")
+    # --eval-iters was left at its default: each evaluation reads at most one pass (megatron/training/run_plan.py)
+    eval_iters_capped: bool = False
 
     def __post_init__(self) -> None:
         for flag_name, value in (("--eval-interval", self.eval_interval),):

@@ -25,12 +25,6 @@ def _single_process_env(monkeypatch):
     for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(var, raising=False)
     yield
-    # An in-process run that raised after joining a one-rank group leaves it behind; the next test would fail
-    # to start its own ("initialize the default process group twice"), hiding where the failure was.
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="session")

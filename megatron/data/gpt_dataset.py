@@ -56,6 +56,7 @@ class GPTDataset:
         self.indexed_dataset = indexed_dataset
         self.seq_length = seq_length
         start, end = documents
+        self.documents = (start, end)
         if not 0 <= start < end <= len(indexed_dataset):
             raise DataError(f"document range [{start}, {end}) is empty or outside the "
                             f"{len(indexed_dataset)} documents of {indexed_dataset.path_prefix}")

@@ -86,7 +86,10 @@ class Engine(abc.ABC):
     def train_batch(self, iteration: int, batches: Sequence[Batch], loss_fn: LossFn) -> StepResult: ...
 
     @abc.abstractmethod
-    def evaluate(self, batches: Sequence[Batch], loss_fn: LossFn) -> float: ...
+    def evaluate(self, batches: Sequence[Batch], loss_fn: LossFn,
+                 progress: Optional[Callable[[int], None]] = None) -> float:
+        """Token-weighted mean loss over `batches` and the data-parallel replicas; `progress(done)` after each
+        micro-batch (or pipeline batch) evaluated."""
 
     @abc.abstractmethod
     def save_checkpoint(self, save_dir: str, iteration: int, extras: dict, train_state: dict,
@@ -149,7 +152,8 @@ class MicroBatchEngine(Engine):
         return loss_avg, grad_norm, stepped
 
     @torch.no_grad()
-    def evaluate(self, batches: Sequence[Batch], loss_fn: LossFn) -> float:
+    def evaluate(self, batches: Sequence[Batch], loss_fn: LossFn,
+                 progress: Optional[Callable[[int], None]] = None) -> float:
         """Token-weighted mean loss over `batches` and the data-parallel replicas (one host read)."""
         self.module.eval()
         sums = []  # (masked loss sum, token count) per micro-batch, kept on the device: one read at the end
@@ -157,6 +161,8 @@ class MicroBatchEngine(Engine):
             masked, count = loss_fn(self.model, batch.to(self.accel.device))
             self.accel.mark_step()
             sums.append(torch.stack([masked.float(), count.float()]))
+            if progress is not None:
+                progress(len(sums))
         # Added in float64 on the host (Gaudi has no float64 arithmetic), in micro-batch order.
         total = torch.zeros(2, dtype=torch.float64)
         for row in torch.stack(sums).cpu().double() if sums else []:

@@ -35,6 +35,7 @@ from megatron.data.provider import Batch, build_loader, make_batch
 from megatron.optimizer import build_optimizer
 from megatron.optimizer.lr_scheduler import LrScheduler
 from megatron.parallel_state import ParallelState, initialize_parallel_state
+from megatron.training import run_plan
 from megatron.training.datasets import build_datasets
 from megatron.training.divergence import DivergenceGuard, max_abs_weight
 from megatron.training.engines import build_engine
@@ -124,6 +125,9 @@ class Trainer:
             self._load()
         check_save_folder(config.checkpoint.save, config.checkpoint.load, self.state.iteration)
         self.train_ds, self.valid_ds, self.test_ds, self.eod = build_datasets(config, tokenizer, self.parallel)
+        # global batches each evaluation reads, per split: --eval-iters, capped to one pass unless given
+        self.eval_iters = run_plan.report(config, self.parallel,
+                                          {"train": self.train_ds, "valid": self.valid_ds, "test": self.test_ds})
         self.flops_per_iter = flops_per_iteration(config.model, t.global_batch_size)
         self.tlog = TrainingLogger(config.logging.log_interval, t.train_iters, config.logging.tensorboard_dir,
                                    enabled=self.parallel.is_logging_rank, log_batch_size=config.logging.log_batch_size,
@@ -231,14 +235,16 @@ class Trainer:
         return loss, grad_norm, stepped
 
     # ------------------------------------------------------------------------------- evaluation
-    def evaluate(self, dataset) -> float:
+    def evaluate(self, dataset, split: str = "valid") -> float:
         """Token-weighted mean loss over the first `--eval-iters` global batches of `dataset` (the same samples
-        each time, so curves of different runs are comparable)."""
+        each time, so curves of different runs are comparable; at most one pass over the split unless --eval-iters
+        was given: megatron/training/run_plan.py). A long one logs its progress."""
         t = self.config.training
         loader = build_loader(dataset, 0, t.micro_batch_size, self.parallel.data_parallel_rank,
                               self.parallel.data_parallel_size, self.config.data.num_workers)
-        return self.engine.evaluate(self._batches(iter(loader), t.eval_iters * t.num_micro_batches),
-                                    self._forward_loss)
+        count = self.eval_iters.get(split, t.eval_iters) * t.num_micro_batches
+        progress = run_plan.EvalProgress(run_plan.SPLIT_TITLES[split], count, self.parallel.is_logging_rank)
+        return self.engine.evaluate(self._batches(iter(loader), count), self._forward_loss, progress)
 
     # ------------------------------------------------------------------------------ divergence
     def _read_pending(self, pending: list) -> list[float]:
@@ -405,8 +411,16 @@ class Trainer:
             self._judge(pending, result)
             self.save()
         self._poll_checkpoint(wait=True)  # a checkpoint still written in the background is committed before the end
-        if self.test_ds is not None and result.exit_reason == "train-iters":
-            result.test_loss = self.evaluate(self.test_ds)
+        if result.exit_reason != "train-iters":
+            return
+        s = self.state
+        if self.valid_ds is not None and (not result.valid or result.valid[-1][0] != s.iteration):
+            # validation at the end of training, where the last --eval-interval did not fall on it
+            result.valid.append((s.iteration, self.evaluate(self.valid_ds)))
+            self.tlog.validation("validation", result.valid[-1][1], s.iteration, s.consumed_train_tokens,
+                                 s.consumed_train_samples)
+        if self.test_ds is not None:
+            result.test_loss = self.evaluate(self.test_ds, "test")
             self.tlog.validation("test", result.test_loss, self.state.iteration, self.state.consumed_train_tokens,
                                  self.state.consumed_train_samples)
 

@@ -298,7 +298,7 @@ class PipelineEngine(DeepSpeedBase, Engine):
         return loss, grad_norm, stepped
 
     @torch.no_grad()
-    def evaluate(self, batches: Sequence[Batch], loss_fn=None) -> float:
+    def evaluate(self, batches: Sequence[Batch], loss_fn=None, progress=None) -> float:
         """Token-weighted mean loss over `batches` and the data-parallel replicas, the statistic of every engine.
         `batches` holds whole global batches of this rank's micro-batches, in order. Each micro-batch's loss is its
         masked sum weighted by n x DP / (all the tokens counted, on every replica), so that DeepSpeed's average of
@@ -312,4 +312,6 @@ class PipelineEngine(DeepSpeedBase, Engine):
         for i in range(0, len(batches), n):
             inputs = iter([(b.tokens, (b.labels, b.loss_mask, weight)) for b in batches[i:i + n]])
             loss += float(self.engine.eval_batch(inputs))
+            if progress is not None:
+                progress(i + n)
         return loss

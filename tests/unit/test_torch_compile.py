@@ -20,35 +20,11 @@ from megatron.model.compile import (FUSED_MIN_ITERS, check_torch_compile_support
 from megatron.training.loop import pretrain
 from tests.support.config import tiny_argv
 from tests.support.flags import COMPILE_RUN, FP8_HYBRID as FP8
+from tests.support.logs import LogLines
 
 # Llama2-7B's 32 blocks.
 COMMON = {**COMPILE_RUN, "num_layers": 32}
 from tests.support.run_noise import assert_losses_within_noise
-
-
-class _Lines(logging.Handler):
-    """The megatron logger's messages from INFO up while attached (`with _Lines() as handler:`), whatever level
-    an earlier test left the logger at."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lines: list[str] = []
-        self._level = logging.NOTSET
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-    def __enter__(self) -> "_Lines":
-        logger = logging.getLogger("megatron")
-        self._level = logger.level
-        logger.setLevel(logging.INFO)
-        logger.addHandler(self)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        logger = logging.getLogger("megatron")
-        logger.removeHandler(self)
-        logger.setLevel(self._level)
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +37,7 @@ def compiled_run(tmp_path_factory):
 
     graphs_before = BLOCK_BACKEND.graphs
     save = tmp_path_factory.mktemp("compiled") / "ckpt"
-    with _Lines() as handler:
+    with LogLines() as handler:
         with dynamo_config.patch(fail_on_recompile_limit_hit=True):
             result = pretrain(parse_config(tiny_argv(*FP8, "--torch-compile", "on", save=save, save_interval=12,
                                                      **COMMON)))
@@ -185,7 +161,7 @@ def test_a_failed_quantization_compile_is_reported_not_claimed(monkeypatch, capl
     config = parse_config(tiny_argv(*FP8, "--torch-compile", "auto", **{**COMMON, "train_iters": 100}))
     model = GPTModel(config.model)
     convert_to_fp8(model, config.fp8)
-    with _Lines() as handler:
+    with LogLines() as handler:
         plan = apply_torch_compile(config, model, torch.device("cpu"))
     assert plan.fp8_quantization and not plan.blocks
     assert fp8_fused.failed_functions()
@@ -235,7 +211,7 @@ def test_a_failed_fp8_trace_falls_back_to_graph_breaks(monkeypatch) -> None:
     model = GPTModel(config.model)
     convert_to_fp8(model, config.fp8)
     before = {n: b.clone() for n, b in model.named_buffers()}
-    with _Lines() as handler:
+    with LogLines() as handler:
         plan = compile_mod.apply_torch_compile(config, model, torch.device("cpu"))
     assert plan.blocks and calls == [True, False]
     assert not any(m.fp8.trace_in_compiled_graph for m in model.modules() if isinstance(m, Fp8Linear))

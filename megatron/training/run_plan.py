@@ -1,0 +1,163 @@
+"""What a run is, said at start-up: its layout, the size of each split, and how many batches each evaluation reads.
+
+A validation or test evaluation reads the first `--eval-iters` global batches of its split. On a small split that
+can be the split many times over (100 x 32 samples over a split of two documents), which costs minutes and adds
+nothing: without an explicit `--eval-iters`, each evaluation reads at most one pass over its split; with one, the
+run warns. Long evaluations report their progress every `PROGRESS_SECONDS`.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from megatron.config import MegatronConfig
+
+logger = logging.getLogger(__name__)
+
+PROGRESS_SECONDS = 10.0
+SPLIT_TITLES = {"train": "training", "valid": "validation", "test": "test"}
+
+
+@dataclass(frozen=True)
+class SplitSize:
+    """The data behind one split. `documents`/`tokens`/`one_pass` are None for --mock-data (fresh samples forever)."""
+
+    samples: int  # samples the split's index holds (what the run can read)
+    documents: Optional[int] = None
+    tokens: Optional[int] = None
+    one_pass: Optional[int] = None  # distinct samples before any token of the split is read again
+
+    def passes(self, samples: int) -> Optional[float]:
+        if self.one_pass is None:
+            return None
+        return float("inf") if self.one_pass == 0 else samples / self.one_pass
+
+
+def _gpt_size(ds, seq_length: int) -> SplitSize:
+    start, end = ds.documents
+    tokens = int(ds.indexed_dataset.sizes[start:end].sum(dtype=np.int64))
+    # e passes over T tokens give (e * T - 1) // L samples of L + 1 tokens (megatron/data/gpt_index.py)
+    return SplitSize(len(ds), end - start, tokens, max(0, (tokens - 1) // seq_length))
+
+
+def split_size(ds, seq_length: int, scan: int = 0) -> SplitSize:
+    """The size of a GPTDataset, of a blend of them, or of mock data.
+
+    A blend's pass ends where its first part starts its second pass: exactly, where that happens within the first
+    `scan` samples of the blend (found in its index); otherwise from the parts' shares (a log line's estimate)."""
+    if hasattr(ds, "indexed_dataset"):
+        return _gpt_size(ds, seq_length)
+    if not hasattr(ds, "dataset_index"):
+        return SplitSize(len(ds))
+    from megatron.data.blended_dataset import samples_per_dataset
+
+    counts = samples_per_dataset(ds.dataset_index, len(ds.datasets))
+    sizes = [None if part is None else _gpt_size(part, seq_length) for part in ds.datasets]
+    # Each part's samples come in its shuffle order, epoch by epoch: its sample one_pass is its second pass's first.
+    limits = np.array([0 if size is None else size.one_pass for size in sizes], dtype=np.int64)
+    head = slice(0, min(scan, len(ds)))
+    repeats = np.flatnonzero(np.asarray(ds.dataset_sample_index[head]) >= limits[np.asarray(ds.dataset_index[head])])
+    kept = [(size, int(n)) for size, n in zip(sizes, counts) if size is not None]
+    if len(repeats):
+        one_pass = int(repeats[0])
+    else:
+        one_pass = min((size.one_pass * len(ds) // n for size, n in kept if n), default=0)
+    return SplitSize(len(ds), sum(size.documents for size, _ in kept), sum(size.tokens for size, _ in kept), one_pass)
+
+
+def layout_line(config: MegatronConfig, parallel) -> str:
+    """'layout: world 8 = DP 4 x TP 2 x PP 1, engine DeepSpeed ZeRO-1'."""
+    p = config.parallel
+    if p.pipeline_model_parallel_size > 1:
+        engine = "DeepSpeed pipeline"
+    elif p.deepspeed:
+        engine = f"DeepSpeed ZeRO-{p.zero_stage or 0}"
+    elif p.use_torch_fsdp2:
+        engine = "torch FSDP2"
+    else:
+        engine = "torch DDP" if parallel.data_parallel_size > 1 else "torch (one data-parallel replica)"
+    return (f"layout: world {parallel.world_size} = DP {parallel.data_parallel_size} x "
+            f"TP {parallel.tensor_parallel_size} x PP {parallel.pipeline_parallel_size}, engine {engine}")
+
+
+def _size_text(size: SplitSize, seq_length: int) -> str:
+    if size.one_pass is None:
+        return "mock data"
+    return (f"{size.documents:,} documents, {size.tokens:,} tokens = {size.one_pass:,} samples of {seq_length} tokens "
+            f"per pass")
+
+
+def _iterations(n: int) -> str:
+    return f"{n:,} iteration" + ("" if n == 1 else "s")
+
+
+def _reads_text(samples: int, size: SplitSize) -> str:
+    passes = size.passes(samples)
+    return f"{samples:,} samples" + ("" if passes is None else f" ({passes:.2f} passes)")
+
+
+def eval_iterations(name: str, size: SplitSize, config: MegatronConfig) -> int:
+    """The global batches each evaluation of split `name` reads: --eval-iters, capped to one pass over the split
+    unless it was given; warned about where it repeats the split."""
+    t = config.training
+    gbs, asked = t.global_batch_size, t.eval_iters
+    title = SPLIT_TITLES[name]
+    if size.one_pass is None or asked * gbs <= size.one_pass:
+        return asked
+    full = size.one_pass // gbs
+    times = f"{size.passes(asked * gbs):.1f} times over" if size.one_pass else "many times over"
+    if not t.eval_iters_capped:
+        logger.warning("--eval-iters %d reads the %s split %s (%d samples per pass, %d global batches of %d): its "
+                       "loss repeats samples%s", asked, title, times, size.one_pass, asked, gbs,
+                       f"; --eval-iters {full} reads at most one pass" if full else "")
+        return asked
+    if full == 0:
+        logger.warning("the %s split holds %d samples per pass, fewer than one global batch (%d): each %s evaluation "
+                       "reads 1 iteration, repeating samples; give the split more data (--split)", title,
+                       size.one_pass, gbs, title)
+        return 1
+    logger.warning("--eval-iters %d (the default) would read the %s split %s: each %s evaluation reads %s, at most "
+                   "one pass; pass --eval-iters to choose", asked, title, times, title, _iterations(full))
+    return full
+
+
+def report(config: MegatronConfig, parallel, datasets: dict) -> dict[str, int]:
+    """Log the layout and one line per split; return the global batches each evaluation reads, per split."""
+    t, seq = config.training, config.model.seq_length
+    logger.info(layout_line(config, parallel))
+    iterations = {}
+    for name, ds in datasets.items():
+        if ds is None:
+            continue
+        size = split_size(ds, seq, scan=0 if name == "train" else t.eval_iters * t.global_batch_size)
+        if name == "train":
+            reads = f"{_iterations(t.train_iters)} read {_reads_text(t.train_iters * t.global_batch_size, size)}"
+        else:
+            iterations[name] = eval_iterations(name, size, config)
+            reads = (f"each evaluation reads {_iterations(iterations[name])} = "
+                     f"{_reads_text(iterations[name] * t.global_batch_size, size)}")
+        logger.info("%s split: %s; %s", SPLIT_TITLES[name], _size_text(size, seq), reads)
+    return iterations
+
+
+class EvalProgress:
+    """Called after each evaluated batch: logs batches done / total and the time left every PROGRESS_SECONDS.
+
+    The time is the host's: on an accelerator it runs ahead by the queued kernels, which bounds how early it is."""
+
+    def __init__(self, title: str, total: int, enabled: bool, every: float = PROGRESS_SECONDS) -> None:
+        self.title, self.total, self.enabled, self.every = title, total, enabled, every
+        self.began = self.last = time.monotonic()
+
+    def __call__(self, done: int) -> None:
+        now = time.monotonic()
+        if not self.enabled or now - self.last < self.every or done >= self.total:
+            return
+        self.last = now
+        spent = now - self.began
+        logger.info("%s evaluation: %d/%d batches, %.0f s, about %.0f s left", self.title, done, self.total, spent,
+                    spent * (self.total - done) / max(done, 1))
