@@ -63,7 +63,6 @@ def one_epoch_samples(prefixes: Sequence[str], seq_length: int) -> int:
     return (_tokens_in(prefixes) - 1) // seq_length
 
 
-@torch.no_grad()
 def indexed_perplexity(model: nn.Module, data_path: Sequence[str], data: DataConfig, tokenizer, seq_length: int,
                        seed: int, num_samples: Optional[int] = None, micro_batch_size: int = 4,
                        bf16: bool = False) -> PerplexityResult:
@@ -80,6 +79,43 @@ def indexed_perplexity(model: nn.Module, data_path: Sequence[str], data: DataCon
     cfg = dataclasses.replace(data, data_path=(), train_data_path=(), valid_data_path=tuple(data_path),
                               test_data_path=())
     _, dataset, _ = build_train_valid_test_datasets(cfg, tokenizer, seq_length, seed, (0, num_samples, 0))
+    return dataset_perplexity(model, dataset, num_samples, data, tokenizer, micro_batch_size, bf16)
+
+
+def split_perplexity(model: nn.Module, data: DataConfig, split: str, tokenizer, seq_length: int, seed: int,
+                     num_samples: Optional[int] = None, micro_batch_size: int = 4,
+                     bf16: bool = False) -> PerplexityResult:
+    """Token-weighted loss over the first `num_samples` samples (default: one pass) of the run's `split` ("train",
+    "valid" or "test"), cut from `data` as training cut it (`--split` over `--data-path`, or the per-split paths):
+    the same samples the run's own evaluations read."""
+    from megatron.data.gpt_dataset import SPLIT_NAMES, build_train_valid_test_datasets
+    from megatron.data.split_size import split_size
+
+    k = SPLIT_NAMES.index(split)
+
+    def build(n: int):
+        wanted = [0, 0, 0]
+        wanted[k] = n
+        return build_train_valid_test_datasets(data, tokenizer, seq_length, seed, tuple(wanted))[k]
+
+    if num_samples is None:
+        probe = build(1)
+        if probe is None:
+            raise ValueError(f"the run's {split} split holds no data (--split {data.split}): nothing to evaluate")
+        num_samples = split_size(probe, seq_length).one_pass
+        if num_samples and hasattr(probe, "dataset_index"):  # a blend: its exact pass, found in its index
+            dataset = build(num_samples + 1)
+            num_samples = min(num_samples, split_size(dataset, seq_length, scan=len(dataset)).one_pass)
+    if num_samples < 1:
+        raise ValueError(f"the run's {split} split holds fewer than seq_length + 1 = {seq_length + 1} tokens: nothing "
+                         f"to evaluate (--split {data.split})")
+    return dataset_perplexity(model, build(num_samples), num_samples, data, tokenizer, micro_batch_size, bf16)
+
+
+@torch.no_grad()
+def dataset_perplexity(model: nn.Module, dataset, num_samples: int, data: DataConfig, tokenizer,
+                       micro_batch_size: int = 4, bf16: bool = False) -> PerplexityResult:
+    """Token-weighted loss over the first `num_samples` samples of a built dataset, batched as training batches."""
     device = next(model.parameters()).device
     model.eval()
     total = torch.zeros(2, dtype=torch.float64)

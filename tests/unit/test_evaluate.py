@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from megatron.arguments import parse_config
+from megatron.data.indexed_dataset import MMapIndexedDataset
 from megatron.evaluation.lm_eval_adapter import LM_EVAL_AVAILABLE, MegatronLM
 from megatron.evaluation.multiple_choice import MultipleChoiceItem, accuracy, load_task, score_items
 from megatron.evaluation.scoring import (
@@ -255,3 +256,26 @@ def test_make_demo_tasks(tmp_path):
         assert len(set(item.choices)) == 4 and all(c.startswith(f"verse {book}") for c in item.choices)
     labels = {item.label for item in items}
     assert len(labels) > 1  # the answer's position varies
+
+
+def test_split_scores_the_runs_held_out_documents_as_its_validation_did(tmp_path, capsys):
+    """A run on one prefix cut 80,10,10: `--split valid` rebuilds the run's validation samples (same documents,
+    seed and micro-batches) and equals its last validation loss; by default it reads one pass of the split.
+    Scoring the whole prefix says that it holds the trained-on documents; a --split of weights is refused."""
+    evaluate = load_tool("evaluate")
+    corpus = write_indexed(tmp_path / "corpus", 200, seed=3)
+    argv = [a for a in tiny_argv(train_iters=4, eval_interval=4, eval_iters=2, save=str(tmp_path / "ckpt"),
+                                 data_cache_path=str(tmp_path / "cache")) if a != "--mock-data"]
+    argv += ["--data-path", corpus, "--split", "80,10,10", "--tokenizer-type", "NullTokenizer",
+             "--vocab-size", str(VOCAB)]
+    result = pretrain(parse_config(argv))
+    load = ["--load", str(tmp_path / "ckpt"), "--device", "cpu"]
+    out = evaluate.main(load + ["--split", "valid", "--eval-samples", str(2 * 8)])
+    assert out["split"]["loss"] == result.valid[-1][1] and out["split"]["split"] == "80,10,10"
+    tokens = int(MMapIndexedDataset(corpus).sizes[160:180].sum())  # documents [160, 180) of 200: valid
+    assert evaluate.main(load + ["--split", "valid"])["split"]["samples"] == (tokens - 1) // 32
+    evaluate.main(load + ["--data-path", corpus, "--eval-samples", "8"])
+    assert "--split valid or --split test scores the held-out documents" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        evaluate.main(load + ["--split", "969,30,1"])
+    assert "--split names a split (train, valid or test)" in capsys.readouterr().err

@@ -10,6 +10,7 @@ import pytest
 from megatron.arguments import parse_config
 from megatron.data.gpt_dataset import GPTDataset, build_train_valid_test_datasets
 from megatron.data.indexed_dataset import MMapIndexedDataset
+from megatron.data.split_size import SplitSize, split_size
 from megatron.parallel_state import ParallelState
 from megatron.tokenizer import NullTokenizer
 from megatron.training import run_plan
@@ -36,7 +37,7 @@ def test_one_pass_is_the_samples_whose_tokens_all_lie_in_the_first_epoch(tmp_pat
     The first 4 samples of the shuffle are distinct and come from the first epoch."""
     docs = [list(range(10 * d, 10 * d + 7)) for d in range(5)]
     ds = _gpt(tmp_path, docs, 10)
-    size = run_plan.split_size(ds, SEQ)
+    size = split_size(ds, SEQ)
     assert (size.documents, size.tokens, size.one_pass, size.samples) == (5, 35, 4, len(ds))
     assert len(ds) >= 10 and size.passes(8) == 2.0
     first = [tuple(ds[i]["text"]) for i in range(size.one_pass)]
@@ -52,8 +53,8 @@ def test_a_blends_pass_ends_where_its_first_part_repeats(tmp_path):
     cfg = dataclasses.replace(_config().data, mock_data=False, data_path=(str(tmp_path / "a"), str(tmp_path / "b")),
                               split="100,0,0", tokenizer_type="NullTokenizer", data_cache_path=str(tmp_path / "c"))
     blend, _, _ = build_train_valid_test_datasets(cfg, NullTokenizer(VOCAB), SEQ, 1, (90, 0, 0))
-    exact = run_plan.split_size(blend, SEQ, scan=len(blend))
-    estimate = run_plan.split_size(blend, SEQ)
+    exact = split_size(blend, SEQ, scan=len(blend))
+    estimate = split_size(blend, SEQ)
     assert (exact.documents, exact.tokens) == (6, 240)
     drawn = {0: 0, 1: 0}
     for k in np.asarray(blend.dataset_index[:exact.one_pass]):
@@ -68,7 +69,7 @@ def test_a_blends_pass_ends_where_its_first_part_repeats(tmp_path):
 def test_the_default_eval_iters_reads_one_pass_and_a_given_one_is_warned_about(explicit):
     config = _config(eval_iters=100 if explicit else None, global_batch_size=8)
     assert config.training.eval_iters == 100 and config.training.eval_iters_capped is not explicit
-    size = run_plan.SplitSize(samples=800, documents=3, tokens=250, one_pass=31)  # 3 global batches of 8, and 7
+    size = SplitSize(samples=800, documents=3, tokens=250, one_pass=31)  # 3 global batches of 8, and 7
     with LogLines() as log:
         iterations = run_plan.eval_iterations("valid", size, config)
     assert iterations == (100 if explicit else 3)
@@ -81,15 +82,15 @@ def test_the_default_eval_iters_reads_one_pass_and_a_given_one_is_warned_about(e
 def test_a_split_smaller_than_a_batch_reads_one_iteration_and_says_so():
     config = _config(eval_iters=None, global_batch_size=8)
     with LogLines() as log:
-        assert run_plan.eval_iterations("test", run_plan.SplitSize(800, 1, 30, 3), config) == 1
+        assert run_plan.eval_iterations("test", SplitSize(800, 1, 30, 3), config) == 1
     assert any("fewer than one global batch (8)" in line for line in log.lines)
 
 
 def test_mock_data_and_a_large_split_read_what_was_asked():
     config = _config(eval_iters=None, global_batch_size=8)
     with LogLines() as log:
-        assert run_plan.eval_iterations("valid", run_plan.SplitSize(samples=800), config) == 100
-        assert run_plan.eval_iterations("valid", run_plan.SplitSize(800, 50, 10_000, 800), config) == 100
+        assert run_plan.eval_iterations("valid", SplitSize(samples=800), config) == 100
+        assert run_plan.eval_iterations("valid", SplitSize(800, 50, 10_000, 800), config) == 100
     assert not log.lines
 
 
