@@ -37,17 +37,21 @@ def layout_line(config: MegatronConfig, parallel) -> str:
 def _size_text(size: SplitSize, seq_length: int) -> str:
     if size.one_pass is None:
         return "mock data"
-    return (f"{size.documents:,} documents, {size.tokens:,} tokens = {size.one_pass:,} samples of {seq_length} tokens "
-            f"per pass")
+    return (f"{_count(size.documents, 'document')}, {_count(size.tokens, 'token')} = "
+            f"{_count(size.one_pass, 'sample')} of {seq_length} tokens per pass")
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n:,} {noun}" + ("" if n == 1 else "s")
 
 
 def _iterations(n: int) -> str:
-    return f"{n:,} iteration" + ("" if n == 1 else "s")
+    return _count(n, "iteration")
 
 
 def _reads_text(samples: int, size: SplitSize) -> str:
     passes = size.passes(samples)
-    return f"{samples:,} samples" + ("" if passes is None else f" ({passes:.2f} passes)")
+    return _count(samples, "sample") + ("" if passes is None else f" ({passes:.2f} passes)")
 
 
 def eval_iterations(name: str, size: SplitSize, config: MegatronConfig) -> int:
@@ -61,14 +65,14 @@ def eval_iterations(name: str, size: SplitSize, config: MegatronConfig) -> int:
     full = size.one_pass // gbs
     times = f"{size.passes(asked * gbs):.1f} times over" if size.one_pass else "many times over"
     if not t.eval_iters_capped:
-        logger.warning("--eval-iters %d reads the %s split %s (%d samples per pass, %d global batches of %d): its "
-                       "loss repeats samples%s", asked, title, times, size.one_pass, asked, gbs,
+        logger.warning("--eval-iters %d reads the %s split %s (%s per pass, %d global batches of %d): its "
+                       "loss repeats samples%s", asked, title, times, _count(size.one_pass, "sample"), asked, gbs,
                        f"; --eval-iters {full} reads at most one pass" if full else "")
         return asked
     if full == 0:
-        logger.warning("the %s split holds %d samples per pass, fewer than one global batch (%d): each %s evaluation "
+        logger.warning("the %s split holds %s per pass, fewer than one global batch (%d): each %s evaluation "
                        "reads 1 iteration, repeating samples; give the split more data (--split)", title,
-                       size.one_pass, gbs, title)
+                       _count(size.one_pass, "sample"), gbs, title)
         return 1
     logger.warning("--eval-iters %d (the default) would read the %s split %s: each %s evaluation reads %s, at most "
                    "one pass; pass --eval-iters to choose", asked, title, times, title, _iterations(full))
