@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import math
 import os
 import sys
@@ -378,8 +379,11 @@ def read_files(a: argparse.Namespace) -> FileFacts:
     if a.deepspeed and zero_stage is None:
         zero_stage = _json_zero_stage(a.deepspeed_config)
     for flag, path in (("--save", a.save), ("--tensorboard-dir", a.tensorboard_dir),
-                       ("--data-cache-path", a.data_cache_path)):
+                       ("--data-cache-path", a.data_cache_path), ("--wandb-save-dir", a.wandb_save_dir)):
         _check_writable(flag, path)
+    if a.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise ValueError("--wandb-project needs the wandb package, which is not installed: pip install wandb (or "
+                         "pip install -e .[wandb]), or leave --wandb-project out")
     data = _data_config(a)
     return FileFacts(zero_stage, data, *_padded_vocab_size(a, data))
 

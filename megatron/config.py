@@ -320,10 +320,23 @@ class LoggingConfig:
                                 help="write batch-size/batch-size (and its vs samples / vs tokens twins)")
     log_timers: bool = flag("--log-timers-to-tensorboard", group=LOGGING, default=False,
                             help="write iteration-time/iteration-time (seconds, and its twins)")
+    wandb_project: Optional[str] = flag(
+        "--wandb-project", group=LOGGING, default=None, type=str,
+        help="log the TensorBoard scalars (by iteration, under the same tags) to this Weights & Biases project from "
+             "rank 0; offline (wandb sync uploads later) without WANDB_API_KEY or a wandb login, or with WANDB_MODE")
+    wandb_exp_name: Optional[str] = flag("--wandb-exp-name", group=LOGGING, default=None, type=str,
+                                         help="the Weights & Biases run name (with --wandb-project)")
+    wandb_save_dir: Optional[str] = flag(
+        "--wandb-save-dir", group=LOGGING, default=None, type=str,
+        help="folder for the Weights & Biases files (with --wandb-project); default: --save/wandb, else ./wandb")
 
     def __post_init__(self) -> None:
         if self.log_interval < 1:
             raise ValueError(f"--log-interval must be >= 1, got {self.log_interval}")
+        for flag_name, value in (("--wandb-exp-name", self.wandb_exp_name), ("--wandb-save-dir", self.wandb_save_dir)):
+            if value is not None and not self.wandb_project:
+                raise ValueError(f"{flag_name} is given without --wandb-project: name the Weights & Biases project "
+                                 f"(--wandb-project NAME), or leave {flag_name} out")
 
 
 _DATA_PATHS = [Flag(("--data-args-path",), DATA, type=str, default=None,

@@ -36,13 +36,15 @@ class TrainingLogger:
     """Accumulates per-iteration values between log lines and writes them out every `--log-interval`."""
 
     def __init__(self, log_interval: int, train_iters: int, tensorboard_dir: Optional[str], enabled: bool,
-                 log_batch_size: bool = False, log_timers: bool = False) -> None:
+                 log_batch_size: bool = False, log_timers: bool = False, wandb=None) -> None:
+        """`wandb`: a writer (megatron/training/wandb_log.py) that gets every scalar by iteration, on this rank."""
         self.log_interval = log_interval
         self.log_batch_size = log_batch_size
         self.log_timers = log_timers
         self.train_iters = train_iters
         self.enabled = enabled
         self.writer = None
+        self.wandb = wandb if enabled else None
         if enabled and tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -55,6 +57,8 @@ class TrainingLogger:
     def scalar(self, tag: str, value: float, iteration: int, tokens: Optional[int] = None,
                samples: Optional[int] = None) -> None:
         """`tag` by iteration, and its "<tag> vs samples" / "<tag> vs tokens" twins when those are given."""
+        if self.wandb is not None:
+            self.wandb.add_scalar(tag, value, iteration)
         if self.writer is None:
             return
         self.writer.add_scalar(tag, value, iteration)
@@ -64,12 +68,11 @@ class TrainingLogger:
             self.writer.add_scalar(f"{tag} vs tokens", value, tokens)
 
     def _megatron_scalars(self, iteration: int, samples: int, tokens: int, values: dict) -> None:
-        if self.writer is None:
-            return
-        self.writer.add_scalar("steps-vs-samples/y=steps,x=samples", iteration, samples)
-        self.writer.add_scalar("steps-vs-samples/y=samples,x=steps", samples, iteration)
-        self.writer.add_scalar("steps-vs-tokens/y=steps,x=tokens", iteration, tokens)
-        self.writer.add_scalar("steps-vs-tokens/y=tokens,x=steps", tokens, iteration)
+        if self.writer is not None:
+            self.writer.add_scalar("steps-vs-samples/y=steps,x=samples", iteration, samples)
+            self.writer.add_scalar("steps-vs-samples/y=samples,x=steps", samples, iteration)
+            self.writer.add_scalar("steps-vs-tokens/y=steps,x=tokens", iteration, tokens)
+            self.writer.add_scalar("steps-vs-tokens/y=tokens,x=steps", tokens, iteration)
         for tag, value in values.items():
             self.scalar(tag, value, iteration, tokens, samples)
 
@@ -146,3 +149,6 @@ class TrainingLogger:
         if self.writer is not None:
             self.writer.flush()
             self.writer.close()
+        if self.wandb is not None:
+            self.wandb.close()
+            self.wandb = None

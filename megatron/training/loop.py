@@ -44,6 +44,7 @@ from megatron.perf.flops import flops_per_iteration
 from megatron.training.log import TrainingLogger, host_floats, setup_logging
 from megatron.training.swiglu_hooks import STATE_KEY as SWIGLU_STATE_KEY
 from megatron.training.stall import StallWatchdog
+from megatron.training.wandb_log import build_wandb_writer
 
 logger = logging.getLogger("megatron")
 
@@ -129,9 +130,11 @@ class Trainer:
         self.eval_iters = run_plan.report(config, self.parallel,
                                           {"train": self.train_ds, "valid": self.valid_ds, "test": self.test_ds})
         self.flops_per_iter = flops_per_iteration(config.model, t.global_batch_size)
+        wandb = (build_wandb_writer(config.logging, config.checkpoint.save, config.to_dict())
+                 if self.parallel.is_logging_rank else None)
         self.tlog = TrainingLogger(config.logging.log_interval, t.train_iters, config.logging.tensorboard_dir,
                                    enabled=self.parallel.is_logging_rank, log_batch_size=config.logging.log_batch_size,
-                                   log_timers=config.logging.log_timers)
+                                   log_timers=config.logging.log_timers, wandb=wandb)
 
     # -------------------------------------------------------------------------------- checkpoints
     def _load(self) -> None:
