@@ -52,15 +52,16 @@ class ModelConfig:
     """Shape and regularisation of the GPT (Megatron-Core `TransformerConfig` analogue). Its defaults are the
     command line's (Megatron's GPT-2 architecture); `LLAMA` gives the Llama-style choices."""
 
-    num_layers: int = flag("--num-layers", group=NETWORK)
-    hidden_size: int = flag("--hidden-size", group=NETWORK)
-    num_attention_heads: int = flag("--num-attention-heads", group=NETWORK)
+    num_layers: int = flag("--num-layers", group=NETWORK, help="transformer layers (blocks)")
+    hidden_size: int = flag("--hidden-size", group=NETWORK, help="model width: the hidden size of every block")
+    num_attention_heads: int = flag("--num-attention-heads", group=NETWORK,
+                                    help="query heads per attention layer (--num-key-value-heads for GQA)")
     num_key_value_heads: int = flag("--num-key-value-heads", "--num-query-groups", group=NETWORK, type=int,
                                     derived=True, help="grouped-query attention; default = --num-attention-heads "
                                                        "(multi-head)")
     ffn_hidden_size: int = flag("--ffn-hidden-size", group=NETWORK, type=int, derived=True,
                                 help="default 4*hidden, or int(8*hidden/3 / 64)*64 with --swiglu (Megatron's rule)")
-    seq_length: int = flag("--seq-length", group=NETWORK, type=int)
+    seq_length: int = flag("--seq-length", group=NETWORK, type=int, help="tokens per training sample")
     max_position_embeddings: int = flag("--max-position-embeddings", group=NETWORK, type=int, derived=True,
                                         help="default --seq-length")
     padded_vocab_size: int = dataclasses.field()  # the tokenizer's vocabulary, padded (arguments.py)
@@ -71,10 +72,13 @@ class ModelConfig:
                                         help="also the upstream lowercase spellings layernorm, rmsnorm")
     norm_epsilon: float = flag("--norm-epsilon", "--layernorm-epsilon", group=NETWORK, default=1e-5,
                                dest="norm_epsilon")
-    swiglu: bool = flag("--swiglu", group=NETWORK, default=False)
+    swiglu: bool = flag("--swiglu", group=NETWORK, default=False, help="SwiGLU MLP (Llama's) instead of GELU")
     untie_embeddings_and_output_weights: bool = flag("--untie-embeddings-and-output-weights", group=NETWORK,
-                                                     default=False)
-    add_bias_linear: bool = flag("--disable-bias-linear", group=NETWORK, default=True, negate=True)
+                                                     default=False,
+                                                     help="a separate output layer instead of the input embedding's "
+                                                          "transpose (Llama's layout)")
+    add_bias_linear: bool = flag("--disable-bias-linear", group=NETWORK, default=True, negate=True,
+                                 help="no biases in the linear layers (Llama's layout)")
     position_embedding_type: PositionEmbedding = flag(
         "--position-embedding-type", group=NETWORK, default=PositionEmbedding.LEARNED_ABSOLUTE,
         choices=["learned_absolute", "rope"], derived=True, cli_default="learned_absolute",
@@ -88,7 +92,9 @@ class ModelConfig:
     recompute_granularity: Optional[RecomputeGranularity] = flag(
         "--recompute-granularity", group=TRAINING, default=None, choices=["full", "selective"], derived=True,
         more=[Flag(("--recompute-activations",), TRAINING, action="store_true", default=False,
-                   help="same as --recompute-granularity selective")])
+                   help="same as --recompute-granularity selective")],
+                   help="activation recompute: full (each block's forward again in backward) or selective (the "
+                        "attention core only)")
     recompute_method: str = flag("--recompute-method", group=TRAINING, default="uniform", choices=["uniform", "block"])
     recompute_num_layers: int = flag("--recompute-num-layers", group=TRAINING, default=1)
     smooth_swiglu: Optional[SmoothSwiGLUGranularity] = flag(
@@ -138,7 +144,7 @@ _FP8_MOMENT_FIELDS = ("fp8_m_dtype", "fp8_v_dtype", "fp8_block_size", "fp8_stoch
 class OptimizerConfig:
     """AdamW (or Fp8Adam) hyper-parameters and Megatron's parameter-group rule."""
 
-    lr: float = flag("--lr", group=TRAINING, type=float)
+    lr: float = flag("--lr", group=TRAINING, type=float, help="peak learning rate, reached after the warm-up")
     optimizer: str = flag("--optimizer", group=REGULARIZATION, default="adam", type=optimizer_type,
                           choices=["adam", "fp8adam"], derived=True,
                           help="adam = AdamW (decoupled weight decay, as Megatron; upstream adamw and fusedadamw are "
@@ -188,31 +194,40 @@ class SchedulerConfig:
 
     lr: float
     decay_iters: int = flag("--lr-decay-iters", group=TRAINING, type=int, derived=True, help="default --train-iters",
-                            more=[Flag(("--lr-decay-samples",), TRAINING, type=int, default=None)])
+                            more=[Flag(("--lr-decay-samples",), TRAINING, type=int, default=None,
+                                       help="decay the learning rate over this many samples (instead of "
+                                            "--lr-decay-iters)")])
     min_lr: float = flag("--min-lr", group=TRAINING, default=0.0)
     decay_style: LrDecayStyle = flag("--lr-decay-style", group=TRAINING, default=LrDecayStyle.LINEAR,
                                      choices=["constant", "linear", "cosine"])
     warmup_iters: int = flag("--lr-warmup-iters", group=TRAINING, default=0, derived=True,
                              more=[Flag(("--lr-warmup-samples",), TRAINING, default=0, type=int),
-                                   Flag(("--lr-warmup-fraction",), TRAINING, type=float, default=None)])
+                                   Flag(("--lr-warmup-fraction",), TRAINING, type=float, default=None,
+                                        help="warm up over this fraction of the decay (instead of --lr-warmup-iters)")])
 
 
 @dataclass(frozen=True)
 class TrainingConfig:
-    micro_batch_size: int = flag("--micro-batch-size", group=TRAINING, type=int)
+    micro_batch_size: int = flag("--micro-batch-size", group=TRAINING, type=int,
+                                 help="samples per forward/backward on each data-parallel rank")
     global_batch_size: int = flag("--global-batch-size", group=TRAINING, type=int, derived=True,
                                   help="default micro batch x data-parallel size")
     data_parallel_size: int = dataclasses.field()  # the world size over tensor x pipeline parallelism
     train_iters: int = flag("--train-iters", group=TRAINING, type=int, derived=True,
-                            more=[Flag(("--train-samples",), TRAINING, type=int, default=None)])
+                            more=[Flag(("--train-samples",), TRAINING, type=int, default=None,
+                                       help="samples to train, in place of --train-iters (iterations = samples / "
+                                            "global batch)")], help="optimizer steps to train (or --train-samples)")
     seed: int = flag("--seed", group=TRAINING, default=1234)
     eval_interval: int = flag("--eval-interval", group=TRAINING, default=1000)
     eval_iters: int = flag(
         "--eval-iters", group=TRAINING, default=100, cli_default=None, type=int, derived=True,
         help="global batches each validation and test evaluation reads (the first ones of the split, the same each "
              "time). Default 100, capped to one pass over the split (a warning says so); given, it is read as given")
-    exit_interval: Optional[int] = flag("--exit-interval", group=TRAINING, default=None, type=int)
-    exit_duration_in_mins: Optional[float] = flag("--exit-duration-in-mins", group=TRAINING, default=None, type=float)
+    exit_interval: Optional[int] = flag("--exit-interval", group=TRAINING, default=None, type=int,
+                                        help="save (with --save) and exit when the iteration is a multiple of this")
+    exit_duration_in_mins: Optional[float] = flag("--exit-duration-in-mins", group=TRAINING, default=None, type=float,
+                                                  help="save (with --save) and exit after this many minutes of "
+                                                       "training")
     # no iteration finished for this long ends the process
     exit_on_stall_seconds: Optional[float] = flag(
         "--exit-on-stall-seconds", group=TRAINING, default=None, type=float, metavar="S",
@@ -267,13 +282,23 @@ class TrainingConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    save: Optional[str] = flag("--save", group=CHECKPOINTING, default=None, type=str)
-    load: Optional[str] = flag("--load", group=CHECKPOINTING, default=None, type=str)
-    save_interval: Optional[int] = flag("--save-interval", group=CHECKPOINTING, default=None, type=int)
-    no_save_optim: bool = flag("--no-save-optim", group=CHECKPOINTING, default=False)
-    no_save_rng: bool = flag("--no-save-rng", group=CHECKPOINTING, default=False)
-    no_load_optim: bool = flag("--no-load-optim", group=CHECKPOINTING, default=False)
-    no_load_rng: bool = flag("--no-load-rng", group=CHECKPOINTING, default=False)
+    save: Optional[str] = flag("--save", group=CHECKPOINTING, default=None, type=str,
+                               help="folder the checkpoints are written to (iter_XXXXXXX folders and a tracker file)")
+    load: Optional[str] = flag("--load", group=CHECKPOINTING, default=None, type=str,
+                               help="folder to resume from: its newest complete checkpoint, or a given iter_XXXXXXX "
+                                    "folder")
+    save_interval: Optional[int] = flag("--save-interval", group=CHECKPOINTING, default=None, type=int,
+                                        help="write a checkpoint every this many iterations (and at the end, with "
+                                             "--save)")
+    no_save_optim: bool = flag("--no-save-optim", group=CHECKPOINTING, default=False,
+                               help="leave the optimizer state out of checkpoints (they cannot resume training "
+                                    "exactly)")
+    no_save_rng: bool = flag("--no-save-rng", group=CHECKPOINTING, default=False,
+                             help="leave the random-number generator states out of checkpoints")
+    no_load_optim: bool = flag("--no-load-optim", group=CHECKPOINTING, default=False,
+                               help="resume the weights without the checkpoint's optimizer state")
+    no_load_rng: bool = flag("--no-load-rng", group=CHECKPOINTING, default=False,
+                             help="resume without the checkpoint's random-number generator states")
     finetune: bool = flag("--finetune", group=CHECKPOINTING, default=False,
                           help="load weights only; reset iteration and optimizer")
     ckpt_format: str = flag(
@@ -311,7 +336,8 @@ class CheckpointConfig:
 @dataclass(frozen=True)
 class LoggingConfig:
     log_interval: int = flag("--log-interval", group=LOGGING, default=100)
-    tensorboard_dir: Optional[str] = flag("--tensorboard-dir", group=LOGGING, default=None, type=str)
+    tensorboard_dir: Optional[str] = flag("--tensorboard-dir", group=LOGGING, default=None, type=str,
+                                          help="write TensorBoard scalars here (Megatron's tag names, docs/flags.md)")
     log_fp8_stats: bool = flag("--log-fp8-stats", group=FP8, default=False,
                                help="per-layer FP8 amax/clipping statistics")
     log_swiglu_diagnostics: bool = flag("--no-swiglu-diagnostics", group=FP8, default=True, negate=True,
@@ -353,12 +379,18 @@ class DataConfig:
                                       help="PREFIX or WEIGHT1 PREFIX1 WEIGHT2 PREFIX2 ...")
     split: str = flag("--split", group=DATA, default="969,30,1", type=str)
     train_data_path: Tuple[str, ...] = flag("--train-data-path", group=DATA, default=(), cli_default=None, nargs="*",
-                                            derived=True)
+                                            derived=True,
+                                            help="the training split's own data: PREFIX or W1 P1 W2 P2 ... (instead "
+                                                 "of --data-path)")
     valid_data_path: Tuple[str, ...] = flag("--valid-data-path", group=DATA, default=(), cli_default=None, nargs="*",
-                                            derived=True)
+                                            derived=True,
+                                            help="the validation split's own data: PREFIX or W1 P1 W2 P2 ...")
     test_data_path: Tuple[str, ...] = flag("--test-data-path", group=DATA, default=(), cli_default=None, nargs="*",
-                                           derived=True, more=_DATA_PATHS)
-    data_cache_path: Optional[str] = flag("--data-cache-path", group=DATA, default=None, type=str)
+                                           derived=True, more=_DATA_PATHS,
+                                           help="the test split's own data: PREFIX or W1 P1 W2 P2 ...")
+    data_cache_path: Optional[str] = flag("--data-cache-path", group=DATA, default=None, type=str,
+                                          help="folder for the sample, shuffle and blend indices (default: next to "
+                                               "the data)")
     # The index cache is on a filesystem every node sees: one rank in all builds (else one rank per node).
     data_cache_shared: bool = flag("--data-cache-shared", group=DATA, default=False,
                                    help="the index cache is on a filesystem every node sees: rank 0 alone builds the "
@@ -367,18 +399,27 @@ class DataConfig:
                            help="synthetic learnable tokens (needs --vocab-size)")
     tokenizer_type: Optional[str] = flag("--tokenizer-type", group=DATA, default=None, type=str,
                                          choices=["SentencePieceTokenizer", "GPTSentencePieceTokenizer", "HFTokenizer",
-                                                  "GPT2BPETokenizer", "NullTokenizer"])
-    tokenizer_model: Optional[str] = flag("--tokenizer-model", group=DATA, default=None, type=str)
-    vocab_file: Optional[str] = flag("--vocab-file", group=DATA, default=None, type=str)
-    merge_file: Optional[str] = flag("--merge-file", group=DATA, default=None, type=str)
-    vocab_size: Optional[int] = flag("--vocab-size", group=DATA, default=None, type=int)
+                                                  "GPT2BPETokenizer", "NullTokenizer"],
+                                         help="the tokenizer the data was preprocessed with (docs/data.md)")
+    tokenizer_model: Optional[str] = flag("--tokenizer-model", group=DATA, default=None, type=str,
+                                          help="SentencePiece .model file, or a Hugging Face tokenizer folder / "
+                                               "tokenizer.json")
+    vocab_file: Optional[str] = flag("--vocab-file", group=DATA, default=None, type=str,
+                                     help="GPT-2 BPE vocab.json (GPT2BPETokenizer)")
+    merge_file: Optional[str] = flag("--merge-file", group=DATA, default=None, type=str,
+                                     help="GPT-2 BPE merges.txt (GPT2BPETokenizer)")
+    vocab_size: Optional[int] = flag("--vocab-size", group=DATA, default=None, type=int,
+                                     help="vocabulary size of NullTokenizer and --mock-data (ids 0..N-1)")
     make_vocab_size_divisible_by: int = flag(
         "--make-vocab-size-divisible-by", group=NETWORK, default=128, type=int, cli_default=None, derived=True,
         help="pad the vocabulary to a multiple of this x --tensor-model-parallel-size (default 128; with --load, the "
              "checkpoint's padded vocabulary is kept)")
-    eod_mask_loss: bool = flag("--eod-mask-loss", group=DATA, default=False)
-    reset_position_ids: bool = flag("--reset-position-ids", group=DATA, default=False)
-    reset_attention_mask: bool = flag("--reset-attention-mask", group=DATA, default=False)
+    eod_mask_loss: bool = flag("--eod-mask-loss", group=DATA, default=False, help="no loss on end-of-document tokens")
+    reset_position_ids: bool = flag("--reset-position-ids", group=DATA, default=False,
+                                    help="restart position ids after each end-of-document token")
+    reset_attention_mask: bool = flag("--reset-attention-mask", group=DATA, default=False,
+                                      help="no attention across end-of-document tokens (documents packed in one "
+                                           "sample stay apart)")
     num_workers: int = flag("--num-workers", group=DATA, default=0, help="DataLoader workers (Megatron's default is 2)")
 
 
@@ -387,12 +428,19 @@ class ParallelConfig:
     tensor_model_parallel_size: int = flag("--tensor-model-parallel-size", group=DISTRIBUTED, default=1)
     pipeline_model_parallel_size: int = flag("--pipeline-model-parallel-size", group=DISTRIBUTED, default=1)
     # Megatron's rule: sequence parallelism is meaningless (and off) without tensor parallelism.
-    sequence_parallel: bool = flag("--sequence-parallel", group=DISTRIBUTED, default=False, derived=True)
+    sequence_parallel: bool = flag("--sequence-parallel", group=DISTRIBUTED, default=False, derived=True,
+                                   help="with tensor parallelism: shard the norms' and dropouts' activations along "
+                                        "the sequence")
     distributed_backend: Optional[str] = flag("--distributed-backend", group=DISTRIBUTED, default=None, type=str,
-                                              choices=["nccl", "gloo", "hccl"])
-    deepspeed: bool = flag("--deepspeed", group=DEEPSPEED, default=False)
+                                              choices=["nccl", "gloo", "hccl"],
+                                              help="nccl, gloo or hccl (default: the device's: nccl on CUDA, hccl on "
+                                                   "Gaudi, gloo on CPU)")
+    deepspeed: bool = flag("--deepspeed", group=DEEPSPEED, default=False,
+                           help="train under DeepSpeed (ZeRO stage from --zero-stage or the --deepspeed_config JSON)")
     deepspeed_config: Optional[str] = flag("--deepspeed_config", "--deepspeed-config", group=DEEPSPEED, default=None,
-                                           type=str, dest="deepspeed_config")
+                                           type=str, dest="deepspeed_config",
+                                           help="DeepSpeed JSON config (its ZeRO section; batch sizes and precision "
+                                                "come from the flags)")
     zero_stage: Optional[int] = flag("--zero-stage", group=DEEPSPEED, default=None, type=int, derived=True,
                                      help="ZeRO stage 0-3 (default 0, or the JSON's)")
     use_torch_fsdp2: bool = flag(

@@ -105,7 +105,8 @@ class Fp8Recipe:
     amax_compute_algo: AmaxComputeAlgo = flag("--fp8-amax-compute-algo", group=FP8,
                                               default=AmaxComputeAlgo.MOST_RECENT, choices=["max", "most_recent"])
     margin: int = flag("--fp8-margin", group=FP8, default=0)
-    power_of_two_scales: bool = flag("--fp8-power-of-two-scales", group=FP8, default=False)
+    power_of_two_scales: bool = flag("--fp8-power-of-two-scales", group=FP8, default=False,
+                                     help="round every FP8 scale down to a power of two (exact rescaling)")
     fp8_wgrad: bool = flag("--no-fp8-wgrad", group=FP8, default=True, negate=True,
                            help="run the weight-gradient GEMM in high precision")
     backend: Fp8Backend = flag("--fp8-backend", group=FP8, default=Fp8Backend.AUTO,
@@ -115,7 +116,8 @@ class Fp8Recipe:
                                        help="keep N blocks at each end in BF16")
     mlp_fc2_bf16: bool = flag("--fp8-mlp-fc2-bf16", group=FP8, default=False,
                               help="keep only the fc2 GEMM in BF16 (ablation)")
-    grad_stochastic_rounding: bool = flag("--fp8-grad-stochastic-rounding", group=FP8, default=False)
+    grad_stochastic_rounding: bool = flag("--fp8-grad-stochastic-rounding", group=FP8, default=False,
+                                          help="round gradients to E5M2 stochastically instead of to nearest")
     # the GEMMs (Fp8Gemm) that use fast accumulation
     fast_accum: tuple = flag(
         "--fp8-fast-accum", group=FP8, default=DEFAULT_FAST_ACCUM, cli_default=None, derived=True, metavar="GEMMS",

@@ -255,3 +255,10 @@ def test_fp16s_help_says_it_is_refused():
 
     action = next(a for a in build_parser()._actions if "--fp16" in a.option_strings)
     assert action.help.startswith("refused")
+
+
+def test_every_flag_says_what_it_does_in_help():
+    from megatron.arguments import build_parser
+
+    silent = [a.option_strings[0] for a in build_parser()._actions if a.option_strings and not a.help]
+    assert silent == []
