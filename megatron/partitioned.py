@@ -35,6 +35,20 @@ def local_data(param: torch.Tensor) -> torch.Tensor:
 
 
 @contextlib.contextmanager
+def gathered(param: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The whole parameter, detached, to read inside the block: ZeRO-3 gathers it from its partitions and FSDP2 its
+    DTensor from the shards (both collectives: every rank holding a part calls this); anything else is itself."""
+    if hasattr(param, "ds_tensor"):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+            yield param.detach()
+        return
+    data = param.detach()
+    yield data.full_tensor() if hasattr(data, "full_tensor") else data
+
+
+@contextlib.contextmanager
 def zero3_partitions_in_groups(zero_optimizer: Any) -> Iterator[None]:
     """This rank's flat FP32 partitions in the client optimizer's param groups for the block (ZeRO-3 only)."""
     fill = getattr(zero_optimizer, "_set_fp32_optimizer_param_groups", None)

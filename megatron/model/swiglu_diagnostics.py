@@ -23,13 +23,14 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from megatron.model.smooth_swiglu import swiglu_channel_maxima
+from megatron.partitioned import gathered
 
 ALIGNMENT_THRESHOLD = 0.5
 
@@ -38,13 +39,12 @@ def up_gate_alignment(fc1_weight: torch.Tensor) -> torch.Tensor:
     """|cos| between row i of up (w1) and row i of gate (w2) for every channel: fp32 [F].
 
     `fc1_weight` is `linear_fc1.weight` laid out [gate | up] ([2F, H]). A zero row gives 0. A sharded weight
-    (FSDP2's DTensor) is gathered whole first: a collective, so every rank of its mesh calls this.
+    (FSDP2's DTensor, ZeRO-3's partitions) is gathered whole first: a collective, so every rank holding a part of
+    it calls this.
     """
-    weight = fc1_weight.detach()
-    if hasattr(weight, "full_tensor"):
-        weight = weight.full_tensor()
-    gate, up = weight.float().chunk(2, dim=0)
-    return F.cosine_similarity(up, gate, dim=-1, eps=1e-12).abs()
+    with gathered(fc1_weight) as weight:  # read inside: the gathered storage is released after the block
+        gate, up = weight.float().chunk(2, dim=0)
+        return F.cosine_similarity(up, gate, dim=-1, eps=1e-12).abs()
 
 
 def alignment_summary(cosines: torch.Tensor) -> dict[str, float]:
@@ -167,13 +167,19 @@ class JumpDetector:
         self.history = loaded
 
 
-def layer_diagnostics(model: nn.Module, channel_maxima: Optional[list[Optional[torch.Tensor]]] = None
+def layer_diagnostics(model: nn.Module, channel_maxima: Optional[list[Optional[torch.Tensor]]] = None,
+                      whole: Optional[Callable[[torch.Tensor, bool], torch.Tensor]] = None
                       ) -> dict[int, dict[str, float]]:
-    """{layer index: {align_max, align_p99, align_count_gt_0.5[, act_max, outlier_ratio]}}."""
+    """{layer index: {align_max, align_p99, align_count_gt_0.5[, act_max, outlier_ratio]}}.
+
+    `whole(per_channel, is_activation)` turns this rank's per-channel values into the layer's (under tensor
+    parallelism each rank holds a slice of the channels, under data parallelism a share of the batch); it is a
+    collective, called in the same order on every rank of the groups it spans."""
+    whole = whole or (lambda values, _: values)
     out: dict[int, dict[str, float]] = {}
     for i, mlp in enumerate(_swiglu_mlps(model)):
-        values = alignment_summary(up_gate_alignment(mlp.linear_fc1.weight))
+        values = alignment_summary(whole(up_gate_alignment(mlp.linear_fc1.weight), False))
         if channel_maxima is not None and channel_maxima[i] is not None:
-            values.update(outlier_summary(channel_maxima[i]))
+            values.update(outlier_summary(whole(channel_maxima[i], True)))
         out[i] = values
     return out

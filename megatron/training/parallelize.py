@@ -64,9 +64,12 @@ def parallelize(config: MegatronConfig, parallel: ParallelState, accel: Accelera
         model = build_pipeline_module(model, parallel)
         fp8.set_model(model)
         layers_view = stage_layers_view(model)
-    # The logging rank's diagnostics; under FSDP2 every rank's, as reading a sharded weight whole is a collective.
-    swiglu = SwiGLUHooks(layers_view, config.model, config.logging.log_swiglu_diagnostics
-                         and (parallel.is_logging_rank or config.parallel.use_torch_fsdp2))
+    # The logging rank summarizes; every rank of its pipeline stage records and takes part in the reductions over
+    # the tensor- and data-parallel groups (and in the gather of a sharded weight, under FSDP2).
+    swiglu = SwiGLUHooks(layers_view, config.model,
+                         config.logging.log_swiglu_diagnostics and parallel.pipeline_parallel_rank == 0,
+                         logs=parallel.is_logging_rank, data_parallel_group=parallel.data_parallel_group,
+                         tensor_parallel_group=parallel.tensor_parallel_group)
     if config.parallel.use_torch_fsdp2:  # after every hook holds its modules: fully_shard keeps the objects
         from megatron.training.fsdp2 import apply_fsdp2
 

@@ -18,14 +18,20 @@ Built after `convert_to_fp8` (it must see which fc2 layers became FP8):
   indices are the global ones, so a checkpoint of one TP/PP/DP layout resumes in another: series of layers
   this rank does not watch are dropped at load. A checkpoint without the key (older, or saved with
   `--no-swiglu-diagnostics`) gives an empty history, as before.
+- Under tensor or data parallelism every rank of pipeline stage 0 records: each holds a slice of fc1's channels
+  (TP) and sees a share of the batch (DP), so the per-channel maxima are reduced (max) over the data-parallel group
+  and the per-channel values gathered over the tensor-parallel group before the logging rank summarizes: the
+  statistics of the whole layer and the whole batch, whatever the layout.
 """
 from __future__ import annotations
 
 import logging
 from typing import Optional
 
+import torch
 from torch import nn
 
+from megatron import comm
 from megatron.checkpoint.store import CheckpointError
 from megatron.config import ModelConfig
 from megatron.model.swiglu_diagnostics import ActivationRecorder, JumpDetector, layer_diagnostics
@@ -52,8 +58,13 @@ def disable_smoothing_without_fp8_fc2(model: nn.Module) -> list[int]:
 class SwiGLUHooks:
     """Smooth-SwiGLU placement at build time, diagnostics and jump warnings every log interval (module docstring)."""
 
-    def __init__(self, model: nn.Module, config: ModelConfig, diagnostics: bool) -> None:
+    def __init__(self, model: nn.Module, config: ModelConfig, diagnostics: bool, logs: bool = True,
+                 data_parallel_group=None, tensor_parallel_group=None) -> None:
+        """`logs`: this rank summarizes and warns (the logging rank); the others only take part in the reductions
+        over `data_parallel_group` and `tensor_parallel_group` (module docstring)."""
         self.model = model
+        self.logs = logs
+        self.groups = (data_parallel_group, tensor_parallel_group)
         if config.smooth_swiglu is not None:
             disabled = disable_smoothing_without_fp8_fc2(model)
             if disabled:
@@ -72,11 +83,11 @@ class SwiGLUHooks:
 
     def state(self) -> Optional[dict]:
         """The jump detector's history for the checkpoint (None where diagnostics are off: other ranks, the flag)."""
-        return None if self.recorder is None else self.jumps.state_dict()
+        return None if self.recorder is None or not self.logs else self.jumps.state_dict()
 
     def load_state(self, state: Optional[dict], source) -> None:
         """Restore the history saved by `state()` (absent: start empty). Raises CheckpointError naming `source`."""
-        if self.recorder is None:
+        if self.recorder is None or not self.logs:
             return
         if state is None:
             logger.info("checkpoint %s has no SwiGLU diagnostics history: jump warnings start after %d log points",
@@ -99,7 +110,9 @@ class SwiGLUHooks:
         """TensorBoard scalars and a log-line fragment every log interval; warnings on jumps."""
         if self.recorder is None or iteration % log_interval != 0:
             return {}, ""
-        per_layer = layer_diagnostics(self.model, self.recorder.collect())
+        per_layer = layer_diagnostics(self.model, self.recorder.collect(), self._whole)
+        if not self.logs:
+            return {}, ""
         values: dict[str, float] = {}
         worst: Optional[tuple[int, float]] = None
         for layer, stats in per_layer.items():
@@ -118,6 +131,16 @@ class SwiGLUHooks:
                 worst = (layer, ratio)
         text = f" swiglu max outlier ratio: layer {worst[0]} {worst[1]:.1f} |" if worst else ""
         return values, text
+
+
+    def _whole(self, per_channel: torch.Tensor, is_activation: bool) -> torch.Tensor:
+        """The layer's per-channel values from this rank's: maxima over the data-parallel replicas' batches, the
+        channels of every tensor-parallel rank in rank order (fc1's column-parallel layout)."""
+        dp, tp = self.groups
+        per_channel = per_channel.detach().float().contiguous()
+        if is_activation:
+            per_channel = comm.all_reduce(per_channel.clone(), dp, comm.ReduceOp.MAX)
+        return torch.cat(comm.all_gather(per_channel, tp))
 
 
 def _layer_of(key: str) -> Optional[int]:

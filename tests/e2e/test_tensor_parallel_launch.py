@@ -353,3 +353,34 @@ def test_tp2_fp8_sequence_parallel_resume_is_exact(tmp_path):
     with pytest.raises(ckpt.CheckpointError, match="--make-vocab-size-divisible-by 256"):
         Trainer(parse_config(tiny_argv("--load", str(tmp_path / "c"), "--fp8-format", "hybrid",
                                        "--make-vocab-size-divisible-by", "128"), world_size=1))
+
+
+def test_swiglu_diagnostics_are_the_whole_layers_under_tp_and_dp(tmp_path):
+    """The first logged iteration's SwiGLU statistics (the same initial weights, kept by a zero learning rate, and
+    the same 4 samples in every layout) agree between one process, TP=2 (each rank holds half of fc1's channels) and DP=2 (each replica sees
+    half of the batch): the maxima are reduced over the replicas and the channels gathered over the TP ranks.
+    The alignment statistics read identical weights: equal. The activations go through GEMMs whose sums TP splits
+    differently (row-parallel partial sums): within the rounding bound of the loss test above, twice for the
+    ratio of two maxima. Before the reductions each TP rank saw half the channels, each replica half the batch."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def first_values(name: str, nproc: int, *extra: str) -> dict[str, float]:
+        _pretrain(nproc, "--tensorboard-dir", str(tmp_path / name), "--make-vocab-size-divisible-by", "256",
+                  "--train-iters", "1", "--eval-iters", "0", "--lr", "0", "--min-lr", "0", *extra)
+        acc = EventAccumulator(str(tmp_path / name))
+        acc.Reload()
+        return {tag: acc.Scalars(tag)[0].value for tag in acc.Tags()["scalars"]
+                if tag.startswith("swiglu/") and not tag.endswith(" vs tokens")}
+
+    single = first_values("tp1", 1)
+    tp2 = first_values("tp2", 2, "--tensor-model-parallel-size", "2")
+    dp2 = first_values("dp2", 2)
+    m = parse_config(tiny_argv(), world_size=1).model
+    bound = (6 * m.num_layers + 1) * max(m.hidden_size, m.ffn_hidden_size, m.seq_length) * 2.0 ** -24
+    assert len(single) == 10 and single.keys() == tp2.keys() == dp2.keys()
+    for tag, want in single.items():
+        for got in (tp2[tag], dp2[tag]):
+            if "/align" in tag:
+                assert got == want, (tag, got, want)
+            else:  # act_max, outlier_ratio (TensorBoard keeps float32: one more fp32 rounding)
+                assert abs(got - want) <= (2 * bound + 2.0 ** -23) * abs(want), (tag, got, want)
