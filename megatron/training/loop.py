@@ -33,6 +33,7 @@ from megatron.checkpoint.train_state import TrainState
 from megatron.config import MegatronConfig
 from megatron.data.provider import Batch, build_loader, make_batch
 from megatron.optimizer import build_optimizer
+from megatron.optimizer.fp8_adam_warmup import warm_up_fp8_adam
 from megatron.optimizer.lr_scheduler import LrScheduler
 from megatron.parallel_state import ParallelState, initialize_parallel_state
 from megatron.training import run_plan
@@ -115,6 +116,9 @@ class Trainer:
         built = parallelize(config, self.parallel, self.accel)
         self.model, self.fp8, self.swiglu = built.model, built.fp8, built.swiglu
         self.optimizer = build_optimizer(self.model, config.optimizer)
+        seconds = warm_up_fp8_adam(self.optimizer)  # compiled now, not inside the first iteration
+        if seconds is not None:
+            logger.info("> torch.compile: Fp8AdamW's update compiled in %.1f s, before the first iteration", seconds)
         self.scheduler = LrScheduler(self.optimizer, config.scheduler)
         self.engine = build_engine(config, self.model, self.optimizer, self.scheduler, self.parallel, self.accel)
         self.state = TrainState()
