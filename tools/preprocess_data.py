@@ -5,15 +5,21 @@
 
 writes `data/my_text_document.bin/.idx` and `data/my_text_document.manifest.json`, which the training reader
 checks (sizes, hashes, largest token id). `--input` is a file, a directory (every .jsonl/.json/.txt under it,
-also .gz/.zst) or a quoted glob such as 'redpajama/**/*.jsonl.zst'; files are taken in path order. JSONL when the
-name ends in .jsonl/.json (before .gz/.zst), otherwise plain text with one document per line.
+also .gz/.zst, and every .parquet/.arrow/.feather) or a quoted glob such as 'redpajama/**/*.jsonl.zst'; files are
+taken in path order. JSONL when the name ends in .jsonl/.json (before .gz/.zst), a table when it ends in .parquet
+(Parquet) or .arrow/.feather (Arrow IPC file or stream), otherwise plain text with one document per line.
 
-`--partitions N` cuts the input into N contiguous parts of about equal size, tokenized in parallel by N processes
-(each with `--workers` tokenizer processes) into `data/my_{k}_text_document` (k = 0..N-1, zero-padded), then
-merged into `data/my_text_document` and removed; `--no-merge` keeps the partition pairs instead (blend them with
-`--data-path` or `--data-args-path`). A malformed line stops the run (exit status 1) with its file and line
-number, unless `--skip-bad-lines`; so does an input without documents. Errors print one line, without a
-traceback. Interrupted runs leave no new files under the final names.
+A table's rows are its documents and `--json-keys` names its columns (`--input 'fineweb/data/*.parquet' --json-keys
+text`); it is read in record batches of the named columns (needs pyarrow: pip install pyarrow). A row whose named
+column is null or not a string is a bad line named by file and row number; a named column the file lacks stops the
+run naming the file and its columns.
+
+`--partitions N` cuts the input into N contiguous parts of about equal size (tables between row groups),
+tokenized in parallel by N processes (each with `--workers` tokenizer processes) into `data/my_{k}_text_document`
+(k = 0..N-1, zero-padded), then merged into `data/my_text_document` and removed; `--no-merge` keeps the partition
+pairs instead (blend them with `--data-path` or `--data-args-path`). A malformed line (or table row) stops the
+run (exit status 1) with its file and line (row) number, unless `--skip-bad-lines`; so does an input without
+documents. Errors print one line, without a traceback. Interrupted runs leave no new files under the final names.
 """
 from __future__ import annotations
 
@@ -35,10 +41,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     group = parser.add_argument_group("input data")
     group.add_argument("--input", type=str, required=True,
                        help="a file, a directory or a quoted glob of JSONL (.jsonl/.json) or plain-text files, "
-                            "optionally .gz/.zst compressed; taken in path order")
-    group.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract (default: text)")
+                            "optionally .gz/.zst compressed, or of Parquet (.parquet) or Arrow (.arrow/.feather) "
+                            "tables (these need pyarrow); taken in path order")
+    group.add_argument("--json-keys", nargs="+", default=["text"],
+                       help="JSON keys, or table columns, to extract (default: text)")
     group.add_argument("--skip-bad-lines", action="store_true",
-                       help="skip and count malformed lines instead of stopping at the first")
+                       help="skip and count malformed lines (table rows) instead of stopping at the first")
     add_tokenizer_args(parser).add_argument("--append-eod", action="store_true",
                                             help="append the end-of-document token to every document")
     group = parser.add_argument_group("output data")

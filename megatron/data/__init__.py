@@ -7,7 +7,9 @@
 * `gpt_dataset`: `GPTDataset` and `build_train_valid_test_datasets(cfg.data, tokenizer, ...)`;
 * `gpt_index`: its document / sample / shuffle indices, built in bounded memory straight into the cache;
 * `blended_dataset`: weighted blends; `index_cache`: the cached index arrays;
-* `preprocess`, `text_input`: raw JSONL/text to `.bin/.idx` (tools/preprocess_data.py);
+* `preprocess`, `text_input`, `parquet_input`: raw JSONL/text, Parquet and Arrow to `.bin/.idx`
+  (tools/preprocess_data.py);
+* `split_size`: a split's documents, tokens and samples per pass (the start-up lines, evaluate.py --split);
 * `provider`, `mock`: batches, samplers and the synthetic dataset (separate owners).
 """
 import importlib

@@ -1,23 +1,26 @@
 """Tokenizing a raw corpus into `.bin/.idx` files (the engine of tools/preprocess_data.py).
 
 Input is one file, a directory or a glob of JSONL or plain-text files, compressed or not (see
-`megatron.data.text_input`); each `--json-keys` key becomes its own dataset `{output_prefix}_{key}_document.bin/.idx`,
-one document per input line, in the order of the files and their lines.
+`megatron.data.text_input`), or of Parquet and Arrow tables (`megatron.data.parquet_input`: keys name columns);
+each `--json-keys` key becomes its own dataset `{output_prefix}_{key}_document.bin/.idx`, one document per input
+line (or table row), in the order of the files and their lines.
 
 Parallelism has two levels. `partitions` cuts the inputs into contiguous pieces of about equal bytes
-(`plan_partitions`), each tokenized by its own process into `{output_prefix}_{k}_{key}_document` (Megatron-LM's
-partition names; k zero-padded so that names sort in order), which are then merged by streaming into
-`{output_prefix}_{key}_document` and removed (`merge=False` keeps the partition pairs instead, for a blend).
-Within a partition, `workers` processes parse and tokenize lines in a pool (order preserved) while the
-partition's process reads and writes; with one worker it does all of it itself, which is the fastest per core.
-A progress bar over the whole job counts bytes read, documents and tokens of every partition.
+(`plan_partitions`; tables between row groups), each tokenized by its own process into
+`{output_prefix}_{k}_{key}_document` (Megatron-LM's partition names; k zero-padded so that names sort in order),
+which are then merged by streaming into `{output_prefix}_{key}_document` and removed (`merge=False` keeps the
+partition pairs instead, for a blend). Within a partition, `workers` processes parse and tokenize lines in a pool
+(order preserved) while the partition's process reads and writes; with one worker it does all of it itself, which
+is the fastest per core. A progress bar over the whole job counts bytes read, documents and tokens of every
+partition.
 
-A malformed line (bad JSON or UTF-8, a missing key, text the tokenizer rejects) stops the run with
-`BadLineError` naming file and line, unless `skip_bad_lines`, in which case it is counted and the first few are
-listed in the summary. Outputs are written under temporary names and published only after the last line, with a
-manifest recording their sizes, hashes and token-id range (see `megatron.data.manifest`): an error, Ctrl-C or
-SIGTERM leaves nothing new under the final names (a failing partition stops the others). An input without any
-document is refused (`DataError`, nothing written): a 0-document pair is never what a user means.
+A malformed line (bad JSON or UTF-8, a missing key, text the tokenizer rejects) or table row (a null or
+non-string value) stops the run with `BadLineError` naming file and line (row) number, unless `skip_bad_lines`,
+in which case it is counted and the first few are listed in the summary. Outputs are written under temporary
+names and published only after the last line, with a manifest recording their sizes, hashes and token-id range
+(see `megatron.data.manifest`): an error, Ctrl-C or SIGTERM leaves nothing new under the final names (a failing
+partition stops the others). An input without any document is refused (`DataError`, nothing written): a
+0-document pair is never what a user means.
 """
 from __future__ import annotations
 
@@ -35,10 +38,11 @@ from megatron.config import DataConfig
 from megatron.data.errors import DataError
 from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder, best_fitting_dtype
 from megatron.data.merge import merge_partitions, remove_pairs
+from megatron.data.parquet_input import TablePiece, TableReader, is_table_input
 from megatron.data.text_input import (
     BadLineError,
-    InputPiece,
     LineReader,
+    Piece,
     check_keys,
     is_json_input,
     parse_line,
@@ -93,7 +97,7 @@ def partition_prefix(output_prefix: str, k: int, partitions: int) -> str:
 
 
 class Encoder:
-    """Parses and tokenizes one raw line; returns (line number, arrays per key, error or None)."""
+    """Parses and tokenizes one raw line or table row; returns (line number, arrays per key, error or None)."""
 
     def __init__(self, tokenizer, json_keys: Sequence[str], append_eod: bool) -> None:
         self.tokenizer = tokenizer
@@ -101,10 +105,19 @@ class Encoder:
         self.append_eod = append_eod
         self.dtype = best_fitting_dtype(tokenizer.vocab_size)
 
-    def encode(self, item: tuple[int, bytes, bool]) -> tuple[int, Optional[dict[str, np.ndarray]], Optional[str]]:
+    def fields(self, raw: Union[bytes, dict, str], as_json: bool) -> dict[str, str]:
+        """A raw line parsed; a table row as read (a dict of texts, or the reason it is bad: a str)."""
+        if isinstance(raw, bytes):
+            return parse_line(raw, self.json_keys, as_json)
+        if isinstance(raw, str):
+            raise ValueError(raw)
+        return raw
+
+    def encode(self, item: tuple[int, Union[bytes, dict, str], bool]
+               ) -> tuple[int, Optional[dict[str, np.ndarray]], Optional[str]]:
         line_no, raw, as_json = item
         try:
-            fields = parse_line(raw, self.json_keys, as_json)
+            fields = self.fields(raw, as_json)
             out = {}
             for key, text in fields.items():
                 ids = self.tokenizer.tokenize(text)
@@ -128,7 +141,7 @@ def _init_worker(cfg: DataConfig, json_keys: Sequence[str], append_eod: bool) ->
     _worker_encoder = Encoder(build_tokenizer(cfg), json_keys, append_eod)
 
 
-def _encode_in_worker(item: tuple[int, bytes, bool]):
+def _encode_in_worker(item: tuple[int, Union[bytes, dict, str], bool]):
     return _worker_encoder.encode(item)
 
 
@@ -144,17 +157,20 @@ class Job:
 
 
 class _PieceLines:
-    """The lines of a partition's pieces in order, tagged with their piece (for messages) and format."""
+    """The lines (table rows) of a partition's pieces in order, tagged with their piece (for messages) and
+    format."""
 
-    def __init__(self, pieces: Sequence[InputPiece]) -> None:
+    def __init__(self, pieces: Sequence[Piece], json_keys: Sequence[str]) -> None:
         self.pieces = list(pieces)
-        self.current: Optional[LineReader] = None
+        self.json_keys = list(json_keys)
+        self.current: Optional[Union[LineReader, TableReader]] = None
         self.done_bytes = 0
 
-    def __iter__(self) -> Iterator[tuple[int, bytes, bool]]:
+    def __iter__(self) -> Iterator[tuple[int, Union[bytes, dict, str], bool]]:
         for k, piece in enumerate(self.pieces):
             as_json = is_json_input(piece.path)
-            with LineReader(piece) as reader:
+            opened = TableReader(piece, self.json_keys) if isinstance(piece, TablePiece) else LineReader(piece)
+            with opened as reader:
                 self.current = reader
                 for line_no, raw in reader:
                     # The piece index rides in the line number's high bits: the pool returns it untouched.
@@ -170,10 +186,10 @@ class _PieceLines:
         return piece.path, piece.line_number(tagged_line & ((1 << 40) - 1))
 
 
-def run_partition(pieces: Sequence[InputPiece], output_prefix: str, job: Job, tokenizer, report: Report) -> PreprocessStats:
+def run_partition(pieces: Sequence[Piece], output_prefix: str, job: Job, tokenizer, report: Report) -> PreprocessStats:
     """Tokenize `pieces` into `{output_prefix}_{key}_document` for every key (nothing written without documents)."""
     stats = PreprocessStats(output_prefixes=[output_prefix_for(output_prefix, k) for k in job.json_keys])
-    lines = _PieceLines(pieces)
+    lines = _PieceLines(pieces, job.json_keys)
     builders: dict[str, MMapIndexedDatasetBuilder] = {}
     pool = None
     try:
@@ -212,7 +228,8 @@ def _write_all(results: Iterator, builders: dict[str, MMapIndexedDatasetBuilder]
         if error is not None:
             path, line_no = lines.where(tagged_line)
             if not skip_bad_lines:
-                raise BadLineError(path, line_no, f"{error}. Fix the line or pass --skip-bad-lines")
+                what = "row" if is_table_input(path) else "line"
+                raise BadLineError(path, line_no, f"{error}. Fix the {what} or pass --skip-bad-lines")
             stats.bad_lines += 1
             if len(stats.bad_line_messages) < MAX_LISTED_BAD_LINES:
                 stats.bad_line_messages.append(f"{path}:{line_no}: {error}")
@@ -273,7 +290,7 @@ def preprocess(input_spec: Union[str, Sequence[str]], output_prefix: str, tokeni
     job = Job(tokenizer_cfg, tuple(json_keys), append_eod, workers, skip_bad_lines)
     start = time.perf_counter()
     if len(plan) == 1:
-        bar = _Progress(sum(_bytes(p) for p in plan[0]), 1, progress)
+        bar = _Progress(sum(p.disk_bytes() for p in plan[0]), 1, progress)
         try:
             stats = run_partition(plan[0], output_prefix, job, tokenizer, lambda *r: bar.update(0, *r))
         finally:
@@ -296,14 +313,6 @@ def preprocess(input_spec: Union[str, Sequence[str]], output_prefix: str, tokeni
     return stats
 
 
-def _bytes(piece: InputPiece) -> int:
-    try:
-        size = os.path.getsize(piece.path)
-    except OSError:
-        return 0
-    return (piece.end if piece.end is not None else size) - piece.start
-
-
 def _merge_partitions(parts: list[PreprocessStats], output_prefix: str, json_keys: Sequence[str],
                       merge: bool, progress: bool) -> list[str]:
     if not merge:
@@ -316,7 +325,7 @@ def _merge_partitions(parts: list[PreprocessStats], output_prefix: str, json_key
     return outputs
 
 
-def _partition_main(k: int, pieces: list[InputPiece], prefix: str, job: Job, tokenizer, counters, stop,
+def _partition_main(k: int, pieces: list[Piece], prefix: str, job: Job, tokenizer, counters, stop,
                     writers: list) -> None:
     """A partition process: tokenize, report progress in `counters[3k:3k+3]`, send (status, payload) on
     `writers[k]`. A pipe of its own rather than a shared multiprocessing.Queue: a queue's feeder thread holds a
@@ -352,7 +361,7 @@ def _partition_main(k: int, pieces: list[InputPiece], prefix: str, job: Job, tok
     writers[k].close()
 
 
-def _run_partitions(plan: list[list[InputPiece]], output_prefix: str, job: Job, tokenizer,
+def _run_partitions(plan: list[list[Piece]], output_prefix: str, job: Job, tokenizer,
                     progress: bool) -> list[PreprocessStats]:
     """Each partition in its own process; the first failure stops the others (their temporaries removed)."""
     from multiprocessing.connection import wait
@@ -366,7 +375,7 @@ def _run_partitions(plan: list[list[InputPiece]], output_prefix: str, job: Job, 
     procs = [ctx.Process(target=_partition_main, args=(k, pieces, prefixes[k], job, tokenizer, counters, stop, writers),
                          name=f"preprocess-partition-{k}") for k, pieces in enumerate(plan)]
     outcomes: dict[int, PreprocessStats] = {}
-    bar = _Progress(sum(_bytes(p) for pieces in plan for p in pieces), len(plan), progress)
+    bar = _Progress(sum(p.disk_bytes() for pieces in plan for p in pieces), len(plan), progress)
     try:  # from the first start on: a SIGTERM (SystemExit) anywhere below still stops and cleans every partition
         for proc in procs:
             proc.start()
@@ -385,7 +394,7 @@ def _run_partitions(plan: list[list[InputPiece]], output_prefix: str, job: Job, 
                     raise RuntimeError(f"{procs[k].name} died without a result (exit code {procs[k].exitcode}: "
                                        "killed, or out of memory?)") from None
                 if status != "ok":
-                    where = ", ".join(f"{p.path}[{p.start}:{'' if p.end is None else p.end}]" for p in plan[k])
+                    where = ", ".join(p.span() for p in plan[k])
                     if status == "user":
                         raise DataError(f"{payload} (partition {k}: {where})")
                     if status == "interrupted":

@@ -1,8 +1,11 @@
 """Reading raw corpora: which files an `--input` names, and their lines, whole or in byte ranges.
 
 `--input` is a file (a named pipe too), a directory (every `.jsonl`, `.json`, `.txt` file under it, also
-`.gz`/`.zst` compressed, found recursively and taken in the order of their paths) or a glob (`**` recurses;
-matches taken in sorted order). That order is the order of the documents in the output.
+`.gz`/`.zst` compressed, and every `.parquet`, `.arrow`, `.feather` file, found recursively and taken in the order
+of their paths) or a glob (`**` recurses; matches taken in sorted order). That order is the order of the documents
+in the output. Parquet and Arrow files are tables, read row by row by `megatron.data.parquet_input`;
+`plan_partitions` cuts them between row groups (`TablePiece`) and `iter_documents` reads them too. What follows is
+about the line-based files.
 
 A file is read as JSONL when its name (without `.gz`/`.zst`) ends in `.jsonl` or `.json`; anything else is
 plain text where each line is one document, stored under the first `--json-keys` key. Lines are read as
@@ -30,9 +33,17 @@ import shutil
 import stat
 import subprocess
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, Optional, Sequence, Union
 
 from megatron.data.errors import DataError
+from megatron.data.parquet_input import (
+    TABLE_SUFFIXES,
+    TablePiece,
+    TableReader,
+    check_columns,
+    is_table_input,
+    table_layout,
+)
 from megatron.errors import json_reason
 
 JSON_SUFFIXES = (".jsonl", ".json")
@@ -65,9 +76,12 @@ def is_compressed(path: str) -> bool:
 
 
 def check_keys(path: str, json_keys: Sequence[str]) -> None:
+    """A ValueError unless `json_keys` suits `path` (for a table: every key is one of its columns)."""
     if not json_keys:
         raise ValueError("--json-keys needs at least one key, e.g. --json-keys text")
-    if not is_json_input(path) and len(json_keys) != 1:
+    if is_table_input(path):
+        check_columns(path, json_keys)
+    elif not is_json_input(path) and len(json_keys) != 1:
         raise ValueError(f"--input {path!r} is plain text (one document per line, not .jsonl/.json), which has "
                          f"one field: pass a single --json-keys key, not {list(json_keys)}")
 
@@ -76,12 +90,14 @@ def resolve_inputs(spec: str) -> list[str]:
     """The files `--input` names: a file or pipe, a directory (searched recursively) or a glob; in order."""
     if os.path.isdir(spec):
         wanted = tuple(s + c for s in JSON_SUFFIXES + TEXT_SUFFIXES for c in ("",) + COMPRESSED_SUFFIXES)
+        wanted += TABLE_SUFFIXES
         found = []
         for folder, subfolders, names in os.walk(spec):
             subfolders[:] = [d for d in subfolders if not d.startswith(".")]
             found += [os.path.join(folder, n) for n in names if n.endswith(wanted) and not n.startswith(".")]
         if not found:
-            raise DataError(f"--input {spec} is a directory without .jsonl, .json or .txt files (also .gz/.zst) in it")
+            raise DataError(f"--input {spec} is a directory without input files in it (.jsonl, .json or .txt, also "
+                            ".gz/.zst; .parquet, .arrow or .feather)")
         return sorted(found)
     if os.path.exists(spec):
         return [spec]
@@ -129,6 +145,17 @@ class InputPiece:
         """The number in the whole file of this piece's `relative`-th line (1-based)."""
         return relative if self.start == 0 else _lines_before(self.path, self.start) + relative
 
+    def disk_bytes(self) -> int:
+        """The piece's bytes on disk (0 for a pipe or a missing file)."""
+        try:
+            size = os.path.getsize(self.path)
+        except OSError:
+            return 0
+        return (self.end if self.end is not None else size) - self.start
+
+    def span(self) -> str:
+        return f"{self.path}[{self.start}:{'' if self.end is None else self.end}]"
+
 
 def _lines_before(path: str, start: int) -> int:
     """Lines before a piece starting at byte `start` (for messages only: reads the file up to there).
@@ -161,24 +188,31 @@ def _size(path: str) -> int:
     return st.st_size if stat.S_ISREG(st.st_mode) else 0
 
 
-def plan_partitions(paths: Sequence[str], partitions: int) -> list[list[InputPiece]]:
+Piece = Union[InputPiece, TablePiece]
+
+
+def plan_partitions(paths: Sequence[str], partitions: int) -> list[list[Piece]]:
     """The inputs cut into at most `partitions` contiguous runs of pieces of about equal bytes (on disk).
 
     Cut points fall at k * total / partitions; a plain file is cut there, a compressed file or a pipe goes whole
-    to the partition holding its middle byte. Partitions left without a piece are dropped.
+    to the partition holding its middle byte, and so does each row group of a table. Partitions left without a
+    piece are dropped.
     """
     if partitions < 1:
         raise ValueError(f"--partitions must be >= 1, got {partitions}")
-    sizes = [_size(p) for p in paths]
+    groups = {p: table_layout(p) for p in paths if is_table_input(p)}
+    sizes = [sum(groups[p]) if p in groups else _size(p) for p in paths]
     total = sum(sizes)
     cuts = [k * total // partitions for k in range(1, partitions)]
-    plan: list[list[InputPiece]] = [[] for _ in range(partitions)]
+    plan: list[list[Piece]] = [[] for _ in range(partitions)]
     offset = 0
     for path, size in zip(paths, sizes):
         begin, end = offset, offset + size
-        if not splittable(path) or size == 0:
+        if groups.get(path):
+            _place_groups(plan, cuts, path, begin, groups[path])
+        elif not splittable(path) or size == 0:
             part = sum(1 for c in cuts if c <= begin + size // 2) if total else 0
-            plan[part].append(InputPiece(path))
+            plan[part].append(TablePiece(path) if path in groups else InputPiece(path))
         else:
             inner = [c for c in cuts if begin < c < end]
             bounds = [begin] + inner + [end]
@@ -187,6 +221,21 @@ def plan_partitions(paths: Sequence[str], partitions: int) -> list[list[InputPie
                 plan[first_part + k].append(InputPiece(path, a - begin, None if b == end else b - begin))
         offset = end
     return [pieces for pieces in plan if pieces]
+
+
+def _place_groups(plan: list[list[Piece]], cuts: Sequence[int], path: str, begin: int, sizes: Sequence[int]) -> None:
+    """Each group of a table (`sizes`: its bytes, from global offset `begin`) to the partition holding its middle
+    byte; consecutive groups of one partition make one piece."""
+    parts, offset = [], begin
+    for size in sizes:
+        parts.append(sum(1 for c in cuts if c <= offset + size // 2))
+        offset += size
+    first = 0
+    for g in range(1, len(sizes) + 1):
+        if g == len(sizes) or parts[g] != parts[first]:
+            end = None if g == len(sizes) else g
+            plan[parts[first]].append(TablePiece(path, first, end, sum(sizes[first:g])))
+            first = g
 
 
 class LineReader:
@@ -268,8 +317,15 @@ def iter_raw_lines(path: str) -> Iterator[tuple[int, bytes]]:
 
 
 def iter_documents(path: str, json_keys: Sequence[str]) -> Iterator[dict[str, str]]:
-    """Parsed documents of `path`; the first malformed line raises `BadLineError`."""
+    """Parsed documents of `path`; the first malformed line (or table row) raises `BadLineError`."""
     check_keys(path, json_keys)
+    if is_table_input(path):
+        with TableReader(TablePiece(path), json_keys) as reader:
+            for row_no, row in reader:
+                if isinstance(row, str):
+                    raise BadLineError(path, row_no, row)
+                yield row
+        return
     as_json = is_json_input(path)
     for line_no, raw in iter_raw_lines(path):
         try:
