@@ -39,7 +39,8 @@ from megatron.data.errors import CorruptIndexedDatasetError, DatasetNotFoundErro
 from megatron.data.manifest import TokenRange, mark_publishing, read_manifest, verify_manifest, write_manifest
 
 __all__ = ["CorruptIndexedDatasetError", "DatasetNotFoundError", "MMapIndexedDataset", "MMapIndexedDatasetBuilder",
-           "TemporaryPair", "best_fitting_dtype", "dtype_code", "remove_stale_temporaries", "write_index_header"]
+           "TemporaryPair", "best_fitting_dtype", "dtype_code", "remove_own_temporaries", "remove_stale_temporaries",
+           "write_index_header"]
 
 logger = logging.getLogger(__name__)
 
@@ -300,6 +301,15 @@ def write_index_header(f, dtype: np.dtype, num_sequences: int, num_doc_idx: int)
     f.write(struct.pack("<B", dtype_code(dtype)))
     f.write(struct.pack("<Q", num_sequences))
     f.write(struct.pack("<Q", num_doc_idx))
+
+
+def remove_own_temporaries(out_prefix: str) -> None:
+    """Remove this process's `PREFIX.bin/.idx.tmp-PID`, whatever state its writer reached: a signal may stop a
+    writer between creating its files and its caller holding it (then no `abort` can reach them)."""
+    tag = f".tmp-{os.getpid()}"
+    for path in (data_file_path(out_prefix) + tag, index_file_path(out_prefix) + tag):
+        if os.path.exists(path):
+            os.remove(path)
 
 
 class TemporaryPair:

@@ -36,7 +36,7 @@ import numpy as np
 
 from megatron.config import DataConfig
 from megatron.data.errors import DataError
-from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder, best_fitting_dtype
+from megatron.data.indexed_dataset import MMapIndexedDatasetBuilder, best_fitting_dtype, remove_own_temporaries
 from megatron.data.merge import merge_partitions, remove_pairs
 from megatron.data.parquet_input import TablePiece, TableReader, is_table_input
 from megatron.data.text_input import (
@@ -213,6 +213,8 @@ def run_partition(pieces: Sequence[Piece], output_prefix: str, job: Job, tokeniz
     except BaseException:
         for builder in builders.values():
             builder.abort()
+        for prefix in stats.output_prefixes:  # a builder a signal stopped before `builders` held it
+            remove_own_temporaries(prefix)
         raise
     finally:
         if pool is not None:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from megatron import comm
 from tests.support.config import REPO, tiny_argv
+from tests.support.processes import one_rank_world
 
 COMM_FILE = REPO / "megatron" / "comm.py"
 DIST_MODULES = {"torch.distributed", "torch.distributed.distributed_c10d", "deepspeed.comm"}
@@ -107,12 +108,8 @@ def f(x):
 @pytest.fixture
 def one_rank_group():
     """A real one-process gloo world (no port: a HashStore), torn down afterwards."""
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
+    with one_rank_world() as world:
+        yield world
 
 
 def test_guard_refuses_collectives_from_megatron_but_not_through_comm(one_rank_group, monkeypatch):

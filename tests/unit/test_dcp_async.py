@@ -8,20 +8,17 @@ import concurrent.futures
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from megatron.checkpoint import dcp_io
 from megatron.checkpoint import store as ckpt
 from megatron.checkpoint.dcp_async import AsyncSaver
+from tests.support.processes import one_rank_world
 
 
 @pytest.fixture
 def saver():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
+    with one_rank_world():
         yield AsyncSaver(0, None)
-    finally:
-        dist.destroy_process_group()
 
 
 def _state(value: float) -> dict:

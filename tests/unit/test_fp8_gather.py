@@ -8,7 +8,6 @@ import types
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from megatron import comm
@@ -19,6 +18,7 @@ from megatron.fp8.recipe import Fp8Recipe, Fp8Scaling
 from megatron.fp8.scaling import Fp8Role
 from megatron.training.fp8_gather import Fp8ShardWeight, GatherScales, GatherSlot, eligible_layers, wrap_weights
 from tests.support.config import tiny_argv
+from tests.support.processes import one_rank_world
 
 pytestmark = pytest.mark.filterwarnings("ignore:FSDP2-wrapped module")
 
@@ -26,11 +26,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:FSDP2-wrapped module")
 @pytest.fixture
 def one_rank(monkeypatch):
     monkeypatch.setenv(comm.FORCE_ENV, "1")  # megatron.comm runs its collectives at world size 1 too
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
+    with one_rank_world() as world:
+        yield world
 
 
 def _model(scaling: Fp8Scaling, seed: int = 0) -> nn.Sequential:

@@ -64,3 +64,21 @@ def test_pieces_hold_every_line_once_with_its_line_number(tmp_path):
                     with LineReader(piece) as reader:
                         got += [(piece.line_number(n), raw) for n, raw in reader]
             assert got == expected, (data, partitions)
+
+
+def test_a_signal_between_creating_a_writer_and_holding_it_leaves_no_temporaries(tmp_path, monkeypatch):
+    """A SIGTERM (SystemExit) or Ctrl-C can land after a writer made its temporary files and before the partition
+    holds it, where no abort reaches it: the partition removes its own temporaries by name."""
+    from megatron.data import preprocess as pre
+
+    real = pre.MMapIndexedDatasetBuilder
+
+    def made_then_interrupted(prefix, dtype):
+        real(prefix, dtype)  # its PREFIX.bin.tmp-PID exists now, and nobody holds the builder
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pre, "MMapIndexedDatasetBuilder", made_then_interrupted)
+    (tmp_path / "in.txt").write_text("1 2 3\n4 5\n")
+    with pytest.raises(KeyboardInterrupt):
+        pre.preprocess(str(tmp_path / "in.txt"), str(tmp_path / "out"), NULL, progress=False)
+    assert sorted(os.listdir(tmp_path)) == ["in.txt"]
