@@ -81,10 +81,9 @@ class CompiledOrEager:
 _ALL: list[CompiledOrEager] = []
 
 
-def _fused(fn: Callable[..., Any], dynamic: bool = False) -> CompiledOrEager:
-    """A fused-quantization function: compiled on first use (eager after a compilation failure); `dynamic`: one graph
-    for every shape (element-wise functions), else one per shape."""
-    wrapper = CompiledOrEager(fn, f"the fused FP8 quantization ({fn.__name__})", dynamic=dynamic)
+def _fused(fn: Callable[..., Any]) -> CompiledOrEager:
+    """A fused-quantization function: compiled on first use (eager after a compilation failure)."""
+    wrapper = CompiledOrEager(fn, f"the fused FP8 quantization ({fn.__name__})")
     _ALL.append(wrapper)
     return wrapper
 
@@ -148,9 +147,7 @@ def _upcast(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 _quantize_tensor_c = _fused(_quantize_tensor)
 _quantize_known_c = _fused(_quantize_known)
-# Element-wise: one graph per dtype pair for every shape (compiled at start-up by `warm_up_upcasts`), rather than
-# one per weight and activation shape, compiled one by one inside the first iterations.
-_upcast_c = _fused(_upcast, dynamic=True)
+_upcast_c = _fused(_upcast)
 
 
 def quantize_tensor(x: torch.Tensor, previous: torch.Tensor, valid: torch.Tensor, delayed: bool, fp8_max: float,
@@ -204,20 +201,6 @@ def upcast(q: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     if q.numel() == 0 or q.dtype == dtype:
         return q.to(dtype)
     return _upcast_c(q, dtype)
-
-
-@torch.no_grad()  # as the GEMMs call it (inside autograd functions): grad mode is part of a graph's guards
-def warm_up_upcasts(device: torch.device, dtype: torch.dtype) -> float:
-    """Compile `upcast` to `dtype` now, as the emulated GEMMs call it: both FP8 formats, contiguous operands and
-    transposed ones (a weight's W^T); the seconds it took."""
-    import time
-
-    began = time.perf_counter()
-    for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
-        q = torch.zeros(16, 32, device=device).to(fp8)
-        upcast(q, dtype)
-        upcast(q.t(), dtype)
-    return time.perf_counter() - began
 
 
 def as_bf16(t: torch.Tensor) -> torch.Tensor:

@@ -107,7 +107,3 @@ def log_cpu_fp8_gemms(config: MegatronConfig, device: torch.device) -> None:
     if choice in ("auto", "emulated") or (choice in ("scaled_mm", "cuda")
                                           and not scaled_mm_supports(recipe.scaling, device)):
         logger.info(cpu_gemm.describe())
-        from megatron.fp8.fused import warm_up_upcasts
-
-        logger.info("> torch.compile: the FP8 value conversions of the emulated GEMMs compiled in %.1f s, before the "
-                    "first iteration", warm_up_upcasts(device, cpu_gemm.values_dtype()))
