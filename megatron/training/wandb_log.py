@@ -48,7 +48,11 @@ class WandbWriter:
         self.run.log({tag: value}, step=step)
 
     def close(self) -> None:
+        import wandb
+
         self.run.finish()
+        # finish() can return before wandb's service has written the run's file; teardown waits for it
+        wandb.teardown()
 
 
 def build_wandb_writer(logging_config, save: Optional[str], config: dict) -> Optional[WandbWriter]:
