@@ -25,7 +25,7 @@ import contextlib
 import logging
 import os
 import warnings
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -84,28 +84,36 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+def env_choice(var: str, choices: tuple[str, ...], error: type[ValueError], others: str,
+               auto: Callable[[], str]) -> str:
+    """The mode environment variable `var` names (one of `choices`; unset or "auto": `auto()`, chosen by the CPU);
+    `error` for any other value, its message naming the variable and, in `others`, what else may be set."""
+    choice = os.environ.get(var, "auto").strip().lower() or "auto"
+    if choice not in choices:
+        raise error(f"{var}={os.environ[var]!r} is not one of {', '.join(choices)}: unset it (auto: chosen by the "
+                    f"CPU), or set {others}")
+    return auto() if choice == "auto" else choice
+
+
+def decided_at_import(decide: Callable[[], str], error: type[ValueError]) -> str | None:
+    """`decide()`, or None where the environment holds a bad value: the module's mode function reports it then,
+    where an entry point turns it into one clear line (an import cannot)."""
+    try:
+        return decide()
+    except error:
+        return None
+
+
 def decide_mode() -> str:
     """"native" or "fp32" from `MEGATRON_CPU_BF16_GEMM` and the CPU; raises on a value we do not know."""
-    choice = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
-    if choice not in _CHOICES:
-        raise CpuBf16ConfigError(f"{ENV_VAR}={os.environ[ENV_VAR]!r} is not one of {', '.join(_CHOICES)}: "
-                                 "unset it (auto: chosen by the CPU), or set native (torch's BF16 kernels) or "
-                                 "fp32 (FP32 GEMMs on BF16-rounded operands)")
-    if choice != "auto":
-        return choice
-    return "native" if slow_bf16_gemm_reason() is None else "fp32"
-
-
-def _decide_at_import() -> str | None:
-    try:
-        return decide_mode()
-    except CpuBf16ConfigError:
-        return None  # reported by cpu_bf16_gemm_mode(), where an entry point turns it into one clear line
+    return env_choice(ENV_VAR, _CHOICES, CpuBf16ConfigError,
+                      "native (torch's BF16 kernels) or fp32 (FP32 GEMMs on BF16-rounded operands)",
+                      lambda: "native" if slow_bf16_gemm_reason() is None else "fp32")
 
 
 # Decided once, at import: a plain module constant is what the compiled FP8 GEMMs can read without a graph
 # break (torch.compile guards on it).
-_MODE = _decide_at_import()
+_MODE = decided_at_import(decide_mode, CpuBf16ConfigError)
 
 
 def cpu_bf16_gemm_mode() -> str:

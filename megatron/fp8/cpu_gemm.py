@@ -30,7 +30,7 @@ from typing import Iterator
 
 import torch
 
-from megatron.cpu_bf16 import cpu_flags, onednn_isa_cap, emulates_bf16_gemms
+from megatron.cpu_bf16 import cpu_flags, decided_at_import, emulates_bf16_gemms, env_choice, onednn_isa_cap
 
 ENV_VAR = "MEGATRON_CPU_FP8_GEMM"
 CHOICES = ("auto", "exact", "bf16")
@@ -52,24 +52,12 @@ def amx_bf16_reason() -> str | None:
 
 def decide_mode() -> str:
     """"exact" or "bf16" from `MEGATRON_CPU_FP8_GEMM` and the CPU; raises on a value we do not know."""
-    choice = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
-    if choice not in CHOICES:
-        raise CpuFp8GemmConfigError(f"{ENV_VAR}={os.environ[ENV_VAR]!r} is not one of {', '.join(CHOICES)}: unset "
-                                    "it (auto: chosen by the CPU), or set exact (FP32 GEMMs, one rounding) or bf16 "
-                                    "(BF16 GEMMs, docs/performance.md)")
-    if choice != "auto":
-        return choice
-    return "bf16" if amx_bf16_reason() is None else "exact"
+    return env_choice(ENV_VAR, CHOICES, CpuFp8GemmConfigError,
+                      "exact (FP32 GEMMs, one rounding) or bf16 (BF16 GEMMs, docs/performance.md)",
+                      lambda: "bf16" if amx_bf16_reason() is None else "exact")
 
 
-def _decide_at_import() -> str | None:
-    try:
-        return decide_mode()
-    except CpuFp8GemmConfigError:
-        return None  # reported by mode(), where an entry point turns it into one clear line
-
-
-_MODE = _decide_at_import()
+_MODE = decided_at_import(decide_mode, CpuFp8GemmConfigError)  # reported by mode() where bad
 _forced: str | None = None  # use_mode()
 
 

@@ -157,6 +157,8 @@ def test_mode_choice(monkeypatch, env, isa, fast, expected):
 
 def test_unknown_mode_names_the_variable(monkeypatch):
     monkeypatch.setenv(cpu_bf16.ENV_VAR, "bf16")
-    monkeypatch.setattr(cpu_bf16, "_MODE", cpu_bf16._decide_at_import())
+    decided = cpu_bf16.decided_at_import(cpu_bf16.decide_mode, cpu_bf16.CpuBf16ConfigError)
+    assert decided is None  # a bad value is reported later, by the mode function
+    monkeypatch.setattr(cpu_bf16, "_MODE", decided)
     with pytest.raises(cpu_bf16.CpuBf16ConfigError, match="MEGATRON_CPU_BF16_GEMM='bf16'.*native.*fp32"):
         cpu_bf16.cpu_bf16_gemm_mode()
