@@ -14,7 +14,7 @@ times are sorted window by window (bounded memory at 488M samples), written to t
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -94,15 +94,17 @@ class BlendedDataset:
     """Map-style blend of datasets that each return `{"text": ...}`."""
 
     def __init__(self, datasets: Sequence, weights: Sequence[float], dataset_index: np.ndarray,
-                 dataset_sample_index: np.ndarray) -> None:
+                 dataset_sample_index: np.ndarray, counts: Optional[np.ndarray] = None) -> None:
+        """`counts`: `samples_per_dataset(dataset_index, ...)` where the caller has counted already."""
         if len(datasets) != len(weights):
             raise ValueError(f"{len(datasets)} datasets but {len(weights)} weights")
         self.datasets = list(datasets)
         self.weights = [float(w) for w in weights]
         self.dataset_index = dataset_index
         self.dataset_sample_index = dataset_sample_index
-        counts = samples_per_dataset(dataset_index, len(datasets))
-        for k, (ds, needed) in enumerate(zip(self.datasets, counts)):
+        # the samples the blend draws from each dataset (a pass over the index, made once)
+        self.counts = samples_per_dataset(dataset_index, len(datasets)) if counts is None else counts
+        for k, (ds, needed) in enumerate(zip(self.datasets, self.counts)):
             if needed and (ds is None or len(ds) < needed):
                 raise ValueError(f"blended dataset {k} has {0 if ds is None else len(ds)} samples, "
                                  f"the blend needs {needed}")

@@ -51,8 +51,11 @@ class GPTDataset:
     """Map-style dataset: `ds[i] == {"text": int64 array of seq_length + 1 tokens}`."""
 
     def __init__(self, name: str, indexed_dataset: MMapIndexedDataset, documents: tuple[int, int],
-                 seq_length: int, seed: int, num_samples: int, cache_dir: Optional[str] = None) -> None:
+                 seq_length: int, seed: int, num_samples: int, cache_dir: Optional[str] = None,
+                 tokens: Optional[int] = None) -> None:
+        """`tokens`: the documents' token count where the caller has it already (else counted when first asked)."""
         self.name = name
+        self._tokens = tokens
         self.indexed_dataset = indexed_dataset
         self.seq_length = seq_length
         start, end = documents
@@ -79,6 +82,13 @@ class GPTDataset:
 
     def __len__(self) -> int:
         return len(self.shuffle_idx)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens in one pass over the documents (a pass over the sizes table, at most once)."""
+        if self._tokens is None:
+            self._tokens = _tokens((self.indexed_dataset, self.documents))
+        return self._tokens
 
     def __getitem__(self, idx: int) -> dict[str, np.ndarray]:
         if not 0 <= idx < len(self):
@@ -173,7 +183,7 @@ def _build_split(name: str, parts: list[tuple[MMapIndexedDataset, tuple[int, int
     tokens = [_tokens(part) for part in parts]
     if weights is None:  # unweighted prefixes: blend in proportion to their tokens (plain concatenation)
         weights = [float(t) for t in tokens]
-    kept = [(ds, docs, w) for (ds, docs), w, t in zip(parts, weights, tokens) if t > 0 and w > 0]
+    kept = [(ds, docs, w, t) for (ds, docs), w, t in zip(parts, weights, tokens) if t > 0 and w > 0]
     if len(parts) > 1 and num_samples:
         for (ds, docs), t in zip(parts, tokens):
             if t == 0:
@@ -182,21 +192,22 @@ def _build_split(name: str, parts: list[tuple[MMapIndexedDataset, tuple[int, int
     if not kept or num_samples == 0:
         return None
     if len(kept) == 1:
-        ds, docs, _ = kept[0]
-        return GPTDataset(name, ds, docs, seq_length, seed, num_samples, cache_path)
-    blend_weights = [w for _, _, w in kept]
+        ds, docs, _, t = kept[0]
+        return GPTDataset(name, ds, docs, seq_length, seed, num_samples, cache_path, tokens=t)
+    blend_weights = [w for _, _, w, _ in kept]
     description = {"class": "BlendedDataset", "version": INDEX_FORMAT_VERSION, "size": num_samples,
                    "weights": blend_weights,
                    "parts": [[os.path.abspath(ds.path_prefix), array_digest(ds.sizes), list(docs)]
-                             for ds, docs, _ in kept]}
+                             for ds, docs, _, _ in kept]}
     first = kept[0][0].path_prefix
     arrays = load_or_build(resolve_cache_dir(cache_path, first), f"blend-{name}", description,
                            ("dataset_index", "dataset_sample_index"),
                            lambda sinks: write_blending_indices(blend_weights, num_samples, sinks))
     counts = samples_per_dataset(arrays["dataset_index"], len(kept))
-    datasets = [GPTDataset(name, ds, docs, seq_length, seed, int(n), cache_path) if n else None
-                for (ds, docs, _), n in zip(kept, counts)]
-    return BlendedDataset(datasets, blend_weights, arrays["dataset_index"], arrays["dataset_sample_index"])
+    datasets = [GPTDataset(name, ds, docs, seq_length, seed, int(n), cache_path, tokens=t) if n else None
+                for (ds, docs, _, t), n in zip(kept, counts)]
+    return BlendedDataset(datasets, blend_weights, arrays["dataset_index"], arrays["dataset_sample_index"],
+                          counts=counts)
 
 
 def _split_weight(split: str, k: int) -> float:

@@ -29,7 +29,7 @@ class SplitSize:
 
 def _gpt_size(ds, seq_length: int) -> SplitSize:
     start, end = ds.documents
-    tokens = int(ds.indexed_dataset.sizes[start:end].sum(dtype=np.int64))
+    tokens = ds.tokens
     # e passes over T tokens give (e * T - 1) // L samples of L + 1 tokens (megatron/data/gpt_index.py)
     return SplitSize(len(ds), end - start, tokens, max(0, (tokens - 1) // seq_length))
 
@@ -43,9 +43,7 @@ def split_size(ds, seq_length: int, scan: int = 0) -> SplitSize:
         return _gpt_size(ds, seq_length)
     if not hasattr(ds, "dataset_index"):
         return SplitSize(len(ds))
-    from megatron.data.blended_dataset import samples_per_dataset
-
-    counts = samples_per_dataset(ds.dataset_index, len(ds.datasets))
+    counts = ds.counts
     sizes = [None if part is None else _gpt_size(part, seq_length) for part in ds.datasets]
     # Each part's samples come in its shuffle order, epoch by epoch: its sample one_pass is its second pass's first.
     limits = np.array([0 if size is None else size.one_pass for size in sizes], dtype=np.int64)

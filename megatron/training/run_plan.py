@@ -54,10 +54,11 @@ def _reads_text(samples: int, size: SplitSize) -> str:
     return _count(samples, "sample") + ("" if passes is None else f" ({passes:.2f} passes)")
 
 
-def eval_iterations(name: str, size: SplitSize, config: MegatronConfig) -> int:
+def eval_iterations(name: str, size: SplitSize, config: MegatronConfig, warn: bool = True) -> int:
     """The global batches each evaluation of split `name` reads: --eval-iters, capped to one pass over the split
-    unless it was given; warned about where it repeats the split."""
+    unless it was given; warned about (where `warn`: the logging rank) where it repeats the split."""
     t = config.training
+    log = logger.warning if warn else logger.debug  # every rank decides alike; one says so
     gbs, asked = t.global_batch_size, t.eval_iters
     title = SPLIT_TITLES[name]
     if size.one_pass is None or asked * gbs <= size.one_pass:
@@ -65,17 +66,17 @@ def eval_iterations(name: str, size: SplitSize, config: MegatronConfig) -> int:
     full = size.one_pass // gbs
     times = f"{size.passes(asked * gbs):.1f} times over" if size.one_pass else "many times over"
     if not t.eval_iters_capped:
-        logger.warning("--eval-iters %d reads the %s split %s (%s per pass, %d global batches of %d): its "
-                       "loss repeats samples%s", asked, title, times, _count(size.one_pass, "sample"), asked, gbs,
-                       f"; --eval-iters {full} reads at most one pass" if full else "")
+        log("--eval-iters %d reads the %s split %s (%s per pass, %d global batches of %d): its loss repeats "
+            "samples%s", asked, title, times, _count(size.one_pass, "sample"), asked, gbs,
+            f"; --eval-iters {full} reads at most one pass" if full else "")
         return asked
     if full == 0:
-        logger.warning("the %s split holds %s per pass, fewer than one global batch (%d): each %s evaluation "
-                       "reads 1 iteration, repeating samples; give the split more data (--split)", title,
-                       _count(size.one_pass, "sample"), gbs, title)
+        log("the %s split holds %s per pass, fewer than one global batch (%d): each %s evaluation reads 1 "
+            "iteration, repeating samples; give the split more data (--split)", title, _count(size.one_pass, "sample"),
+            gbs, title)
         return 1
-    logger.warning("--eval-iters %d (the default) would read the %s split %s: each %s evaluation reads %s, at most "
-                   "one pass; pass --eval-iters to choose", asked, title, times, title, _iterations(full))
+    log("--eval-iters %d (the default) would read the %s split %s: each %s evaluation reads %s, at most one pass; "
+        "pass --eval-iters to choose", asked, title, times, title, _iterations(full))
     return full
 
 
@@ -91,7 +92,7 @@ def report(config: MegatronConfig, parallel, datasets: dict) -> dict[str, int]:
         if name == "train":
             reads = f"{_iterations(t.train_iters)} read {_reads_text(t.train_iters * t.global_batch_size, size)}"
         else:
-            iterations[name] = eval_iterations(name, size, config)
+            iterations[name] = eval_iterations(name, size, config, warn=parallel.is_logging_rank)
             reads = (f"each evaluation reads {_iterations(iterations[name])} = "
                      f"{_reads_text(iterations[name] * t.global_batch_size, size)}")
         logger.info("%s split: %s; %s", SPLIT_TITLES[name], _size_text(size, seq), reads)
