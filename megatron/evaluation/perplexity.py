@@ -98,18 +98,20 @@ def split_perplexity(model: nn.Module, data: DataConfig, split: str, tokenizer, 
         wanted[k] = n
         return build_train_valid_test_datasets(data, tokenizer, seq_length, seed, tuple(wanted))[k]
 
+    # A GPT index holds whole epochs: one built for a single sample holds the split's first pass already, and the
+    # first samples of an epoch do not depend on how many were asked for. A blend's index holds what was asked.
+    dataset = build(num_samples or 1)
+    if dataset is None:
+        raise ValueError(f"the run's {split} split holds no data (--split {data.split}): nothing to evaluate")
     if num_samples is None:
-        probe = build(1)
-        if probe is None:
-            raise ValueError(f"the run's {split} split holds no data (--split {data.split}): nothing to evaluate")
-        num_samples = split_size(probe, seq_length).one_pass
-        if num_samples and hasattr(probe, "dataset_index"):  # a blend: its exact pass, found in its index
+        num_samples = split_size(dataset, seq_length).one_pass
+        if num_samples and hasattr(dataset, "dataset_index"):  # a blend: its exact pass, found in its index
             dataset = build(num_samples + 1)
             num_samples = min(num_samples, split_size(dataset, seq_length, scan=len(dataset)).one_pass)
     if num_samples < 1:
         raise ValueError(f"the run's {split} split holds fewer than seq_length + 1 = {seq_length + 1} tokens: nothing "
                          f"to evaluate (--split {data.split})")
-    return dataset_perplexity(model, build(num_samples), num_samples, data, tokenizer, micro_batch_size, bf16)
+    return dataset_perplexity(model, dataset, num_samples, data, tokenizer, micro_batch_size, bf16)
 
 
 @torch.no_grad()
