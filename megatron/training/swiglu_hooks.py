@@ -138,8 +138,8 @@ class SwiGLUHooks:
         channels of every tensor-parallel rank in rank order (fc1's column-parallel layout)."""
         dp, tp = self.groups
         per_channel = per_channel.detach().float().contiguous()
-        if is_activation:
-            per_channel = comm.all_reduce(per_channel.clone(), dp, comm.ReduceOp.MAX)
+        if is_activation:  # the recorder handed its maxima over (collect): reduced in place
+            comm.all_reduce(per_channel, dp, comm.ReduceOp.MAX)
         return torch.cat(comm.all_gather(per_channel, tp))
 
 
