@@ -392,10 +392,15 @@ class Trainer:
         s, t = self.state, self.config.training
         if self.valid_ds is None or not t.eval_interval or s.iteration % t.eval_interval:
             return False
+        self._validate(result)
+        return True
+
+    def _validate(self, result: TrainResult) -> None:
+        """One validation at this iteration: its loss kept in `result` and logged."""
+        s = self.state
         vloss = self.evaluate(self.valid_ds)
         result.valid.append((s.iteration, vloss))
         self.tlog.validation("validation", vloss, s.iteration, s.consumed_train_tokens, s.consumed_train_samples)
-        return True
 
     def _save_if_due(self, pending: list, result: TrainResult) -> tuple[bool, bool]:
         """The save of a --save-interval: (whether one was due, whether it was written). Never during a run of
@@ -420,12 +425,8 @@ class Trainer:
         self._poll_checkpoint(wait=True)  # a checkpoint still written in the background is committed before the end
         if result.exit_reason != "train-iters":
             return
-        s = self.state
-        if self.valid_ds is not None and (not result.valid or result.valid[-1][0] != s.iteration):
-            # validation at the end of training, where the last --eval-interval did not fall on it
-            result.valid.append((s.iteration, self.evaluate(self.valid_ds)))
-            self.tlog.validation("validation", result.valid[-1][1], s.iteration, s.consumed_train_tokens,
-                                 s.consumed_train_samples)
+        if self.valid_ds is not None and (not result.valid or result.valid[-1][0] != self.state.iteration):
+            self._validate(result)  # at the end of training, where the last --eval-interval did not fall on it
         if self.test_ds is not None:
             result.test_loss = self.evaluate(self.test_ds, "test")
             self.tlog.validation("test", result.test_loss, self.state.iteration, self.state.consumed_train_tokens,
