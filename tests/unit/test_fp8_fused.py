@@ -19,6 +19,7 @@ from megatron.fp8.quantize import Tile, compute_scale, quantize, quantize_tiles
 from megatron.training.fp8_hooks import Fp8Hooks
 from megatron.training.loop import pretrain
 from tests.support.config import tiny_argv
+from tests.support.logs import LogLines
 
 E4M3, E5M2 = format_spec(Fp8Dtype.E4M3), format_spec(Fp8Dtype.E5M2)
 
@@ -170,21 +171,9 @@ def test_training_losses_fused_equal_eager_through_the_cli_default() -> None:
                          micro_batch_size=2, global_batch_size=2, train_iters=FUSED_MIN_ITERS, eval_interval=1000,
                          eval_iters=0, log_interval=FUSED_MIN_ITERS)
 
-    class Lines(logging.Handler):  # the training loop configures the "megatron" logger itself
-        def __init__(self) -> None:
-            super().__init__(logging.INFO)
-            self.lines: list[str] = []
-
-        def emit(self, record: logging.LogRecord) -> None:
-            self.lines.append(record.getMessage())
-
     eager = pretrain(parse_config(argv("off"))).losses
-    handler = Lines()
-    logging.getLogger("megatron").addHandler(handler)
-    try:
+    with LogLines() as handler:
         compiled = pretrain(parse_config(argv("auto"))).losses
-    finally:
-        logging.getLogger("megatron").removeHandler(handler)
     assert any("the FP8 quantization compiled in" in line for line in handler.lines), handler.lines[:20]
     assert len(eager) == len(compiled) == FUSED_MIN_ITERS
     worst = max(abs(a - b) / abs(a) for a, b in zip(eager, compiled))
