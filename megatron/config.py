@@ -580,10 +580,6 @@ def _check_fsdp2(config: "MegatronConfig") -> None:
         (config.training.params_dtype == "bf16",
          "with --params-dtype bf16: FSDP2 keeps FP32 shards and gathers them in BF16 under --bf16 already; drop "
          "--params-dtype"),
-        (config.optimizer.optimizer == "fp8adam" and config.checkpoint.ckpt_format == "torch_dist"
-         and config.parallel.tensor_model_parallel_size > 1,
-         "with --optimizer fp8adam, --ckpt-format torch_dist and --tensor-model-parallel-size > 1 is not built yet: "
-         "use --ckpt-format torch (its full checkpoints hold the FP8 moments as the unsharded optimizer does)"),
     ))
     if config.parallel.fp8_param_gather:
         _raise_first("--fp8-param-gather", (

@@ -174,10 +174,26 @@ def full_optimizer(folder: Path, model_config: ModelConfig) -> Optional[dict]:
     tp = saved_tensor_parallel(folder)
     if saved is not None and tp > 1:
         for name, entry in saved["state"].items():
+            _per_piece_values(name, entry, tp, model_config)
             for key, value in entry.items():
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
                     entry[key] = untangled(name, value, tp, model_config)
     return saved
+
+
+def _per_piece_values(name: str, entry: dict, tp: int, model_config: ModelConfig) -> None:
+    """A tensor-parallel parameter's Fp8AdamW moment with one scale per tensor was saved with one scale per TP piece
+    ((tp,): training/fsdp2_mesh.py): its codes become FP32 values piece by piece (the product `dequantize` takes),
+    in place of codes and scales. Blockwise scales ((rows, row length / block)) are pieces of the parameter's
+    layout and stay."""
+    spec = shard_spec(name, model_config)
+    for moment in [key for key in entry if key + "_scale_inv" in entry]:
+        scale = entry[moment + "_scale_inv"]
+        if spec is None or scale.dim() != 1:
+            continue
+        pieces = entry[moment].chunk(tp, dim=spec.dim)
+        entry[moment] = torch.cat([piece.float() * s for piece, s in zip(pieces, scale.float())], dim=spec.dim)
+        del entry[moment + "_scale_inv"]
 
 
 def write_extras(staging: Path, extras: dict, iteration: int) -> None:

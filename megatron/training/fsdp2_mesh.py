@@ -5,7 +5,8 @@ FSDP2 shards each tensor-parallel rank's piece of a parameter over that rank's d
 same key and the same offsets. `TensorParallelShards.globalize` re-describes each local shard (the same storage, no
 copy) as a piece of a DTensor on the 2-D mesh (tp, dp): Shard(TP dimension) over tp, then FSDP2's Shard(0) over dp,
 tp outermost, which is how the pieces nest (the rank layout puts TP ranks innermost: rank = replica * tp + tp rank,
-parallel_state.py). Replicated tensors (norms) are Replicate() over tp: DCP writes them once.
+parallel_state.py). Replicated tensors (norms) are Replicate() over tp: DCP writes them once. Fp8AdamW's per-tensor
+scales are one per TP piece: a (tp,) tensor, Shard(0) over tp.
 
 The global tensor is the TP pieces end to end along their dimension; checkpoint/dcp_io.untangled gives readers the
 full model's layout (SwiGLU's fc1 pieces are [gate_r | up_r]). A load at the same TP size reads the overlapping
@@ -46,8 +47,25 @@ class TensorParallelShards:
         """`flat` (dcp_io.flat_state of this rank's FSDP2 shards) with every DTensor a piece of its global tensor."""
         from torch.distributed.tensor import DTensor
 
-        return {key: self._global(parameter_name(key), value) if isinstance(value, DTensor) else value
-                for key, value in flat.items()}
+        out = {}
+        for key, value in flat.items():
+            if isinstance(value, DTensor):
+                value = self._global(parameter_name(key), value)
+            elif key.endswith("_scale_inv") and isinstance(value, torch.Tensor):
+                value = self._per_piece(parameter_name(key), value)
+            out[key] = value
+        return out
+
+    def _per_piece(self, name: str, scale: torch.Tensor) -> Any:
+        """Fp8AdamW's per-tensor scale of a moment (shape (1,), equal over the data-parallel ranks) is its TP
+        piece's own: (tp,) over the mesh, one per piece (checkpoint/dcp_io.full_optimizer reads the codes piece by
+        piece). A replicated parameter's is the same on every rank, saved once as it is."""
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        if shard_spec(name, self.model_config) is None:
+            return scale
+        return DTensor.from_local(scale.reshape(1), self.mesh, (Shard(0), Replicate()), run_check=False,
+                                  shape=torch.Size((self.tp,)), stride=(1,))
 
     def _global(self, name: str, value: Any) -> Any:
         from torch.distributed.tensor import DTensor, Replicate, Shard

@@ -5,8 +5,10 @@ every parameter (megatron/optimizer/fp8_adam_shards.py) and ends where the same 
   codes and scales (the checkpoint holds the unsharded optimizer's state): per-tensor scales (the shards' amaxes
   max-reduced), blocks of 64 (no block straddles a shard), stochastic rounding keyed on the whole tensor's positions.
 - TP=2 x FSDP2=2 with FP8 linears (FP32 weights: FSDP2's BF16 gathers under --bf16 round the weight before its FP8
-  cast, where DDP casts the FP32 weight), Smooth-SwiGLU and blocks of 128 equals TP=2 x DDP=2 bit for bit,
-  and resumes bit for bit.
+  cast, where DDP casts the FP32 weight), Smooth-SwiGLU, per-tensor scales or blocks of 32 (the row-parallel
+  pieces' rows are 32 long), and sharded checkpoints (each TP piece's per-tensor scale its own) equals TP=2 x DDP=2
+  bit for bit, resumes bit for bit, loads at data parallel 1 bitwise, and reshards to TP=1 as DDP's full checkpoint
+  does.
 - Sharded checkpoints (--ckpt-format torch_dist: codes shaped and sharded as their parameter, scales by rows): read
   whole they hold the values of the full checkpoint of the same run, a run resumed from them ends bitwise where the
   straight run ends, and they load at data parallel 1 bitwise.
@@ -41,16 +43,31 @@ def test_fsdp2_with_fp8_adam_equals_ddp_with_fp8_adam_bit_for_bit(tmp_path, bloc
     assert_same_checkpoint(tmp_path / "fsdp2", tmp_path / "ddp", ITERS)
 
 
-def test_tp2_fsdp2_with_fp8_adam_and_fp8_linears_equals_tp2_ddp_and_resumes_bitwise(tmp_path):
+@pytest.mark.parametrize("blocks", [(), ("--fp8-optimizer-block-size", "32")], ids=["per-tensor", "blocks-of-32"])
+def test_tp2_fsdp2_with_fp8_adam_and_fp8_linears_equals_tp2_ddp_and_resumes_bitwise(tmp_path, blocks):
     switches = ("--tensor-model-parallel-size", "2", "--sequence-parallel", "--fp8-format", "hybrid",
-                "--smooth-swiglu", *FP8_ADAM, "--fp8-optimizer-block-size", "128")
+                "--smooth-swiglu", *FP8_ADAM, *blocks)
     unclipped = dict(RUN, clip_grad=0)  # clipping sums the norm in another order under FSDP2: its last bits differ
-    straight, resumed = straight_and_resumed(tmp_path, (*FSDP2, *switches), unclipped, nproc=4)
+    straight, resumed = straight_and_resumed(tmp_path, (*FSDP2, *switches, "--ckpt-format", "torch_dist"),
+                                             unclipped, nproc=4)
     ddp = launched_run(tmp_path / "ddp", switches, unclipped, 4)
     assert losses(straight) == losses(ddp)
     assert losses(resumed) == losses(straight)[ITERS // 2:]
-    assert_same_checkpoint(tmp_path / "straight", tmp_path / "ddp", ITERS)
     assert_same_checkpoint(tmp_path / "resumed", tmp_path / "straight", ITERS)
+    sharded = read_full_state(ckpt.iteration_dir(tmp_path / "straight", ITERS))  # TP pieces, one scale each
+    whole = read_full_state(ckpt.iteration_dir(tmp_path / "ddp", ITERS))
+    assert sharded.model.keys() == whole.model.keys()
+    assert all(torch.equal(sharded.model[k], v) for k, v in whole.model.items())
+    for name, entry in whole.optimizer["params"].items():
+        assert all(torch.equal(sharded.optimizer["params"][name][m], entry[m]) for m in ("exp_avg", "exp_avg_sq"))
+    launched_run(tmp_path / "dp1", (*FSDP2, *switches, "--ckpt-format", "torch_dist"), unclipped, 2,
+                 load=tmp_path / "straight")
+    assert_same_checkpoint(tmp_path / "dp1", tmp_path / "straight", ITERS)
+    for source in ("straight", "ddp"):  # at TP=1 through the full state: each run saves what it loaded, at once
+        log = launched_run(tmp_path / f"tp1_{source}", (*FSDP2, "--fp8-format", "hybrid", "--smooth-swiglu",
+                                                        *FP8_ADAM, *blocks), unclipped, 2, load=tmp_path / source)
+        assert "into this run's layout (FSDP2, tensor parallel 1)" in log
+    assert_same_checkpoint(tmp_path / "tp1_straight", tmp_path / "tp1_ddp", ITERS)
 
 
 @pytest.mark.parametrize("blocks", [(), ("--fp8-optimizer-block-size", "64")], ids=["per-tensor", "blocks-of-64"])

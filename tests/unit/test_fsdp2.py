@@ -13,9 +13,6 @@ from tests.support.config import tiny_argv
 REFUSED = {
     "deepspeed": (["--deepspeed"], 1, "--use-torch-fsdp2 and --deepspeed are two engines"),
     "pipeline": (["--pipeline-model-parallel-size", "2"], 2, "with --pipeline-model-parallel-size > 1"),
-    "fp8adam-sharded-checkpoints-tp": (["--optimizer", "fp8adam", "--ckpt-format", "torch_dist",
-                                        "--tensor-model-parallel-size", "2"], 2,
-                                       "with --optimizer fp8adam, --ckpt-format torch_dist and --tensor-model"),
     "main-params": (["--bf16", "--params-dtype", "bf16"], 1, "with --params-dtype bf16"),
 }
 
