@@ -7,8 +7,8 @@ every parameter (megatron/optimizer/fp8_adam_shards.py) and ends where the same 
 - TP=2 x FSDP2=2 with FP8 linears (FP32 weights: FSDP2's BF16 gathers under --bf16 round the weight before its FP8
   cast, where DDP casts the FP32 weight), Smooth-SwiGLU, per-tensor scales or blocks of 32 (the row-parallel
   pieces' rows are 32 long), and sharded checkpoints (each TP piece's per-tensor scale its own) equals TP=2 x DDP=2
-  bit for bit, resumes bit for bit, loads at data parallel 1 bitwise, and reshards to TP=1 as DDP's full checkpoint
-  does.
+  bit for bit, resumes bit for bit, loads at data parallel 1 and saves there DDP's full checkpoint bit for bit, and
+  reshards to TP=1 as DDP's full checkpoint does.
 - Sharded checkpoints (--ckpt-format torch_dist: codes shaped and sharded as their parameter, scales by rows): read
   whole they hold the values of the full checkpoint of the same run, a run resumed from them ends bitwise where the
   straight run ends, and they load at data parallel 1 bitwise.
@@ -60,9 +60,9 @@ def test_tp2_fsdp2_with_fp8_adam_and_fp8_linears_equals_tp2_ddp_and_resumes_bitw
     assert all(torch.equal(sharded.model[k], v) for k, v in whole.model.items())
     for name, entry in whole.optimizer["params"].items():
         assert all(torch.equal(sharded.optimizer["params"][name][m], entry[m]) for m in ("exp_avg", "exp_avg_sq"))
-    launched_run(tmp_path / "dp1", (*FSDP2, *switches, "--ckpt-format", "torch_dist"), unclipped, 2,
-                 load=tmp_path / "straight")
-    assert_same_checkpoint(tmp_path / "dp1", tmp_path / "straight", ITERS)
+    # loaded in place at data parallel 1, saved at once as full checkpoints (the unsharded optimizer's state): DDP's
+    launched_run(tmp_path / "dp1", (*FSDP2, *switches), unclipped, 2, load=tmp_path / "straight")
+    assert_same_checkpoint(tmp_path / "dp1", tmp_path / "ddp", ITERS)
     for source in ("straight", "ddp"):  # at TP=1 through the full state: each run saves what it loaded, at once
         log = launched_run(tmp_path / f"tp1_{source}", (*FSDP2, "--fp8-format", "hybrid", "--smooth-swiglu",
                                                         *FP8_ADAM, *blocks), unclipped, 2, load=tmp_path / source)
