@@ -16,7 +16,7 @@ stage, the block-stack bench's rows after every variant: a stage cut short keeps
   train_1gpu   pretrain_gpt.py under torchrun on one GPU: FP8 + Smooth-SwiGLU + Fp8AdamW, NCCL process group
                with the collective path forced on at world size 1 (MEGATRON_FORCE_COLLECTIVES=1)
   train_tp2    the same at tensor-parallel size 2 (only with 2+ GPUs, within what the deadline leaves)
-  train_fsdp2  FSDP2 with FP8 weight gathers (--use-torch-fsdp2 --fp8-param-gather, AdamW) on 2 GPUs over NCCL,
+  train_fsdp2  FSDP2 with FP8 weight gathers and Fp8AdamW (--use-torch-fsdp2 --fp8-param-gather) on 2 GPUs, NCCL,
                every collective counted: fsdp2_counts.rank<r>.json holds the bytes gathered per iteration (only with
                2+ GPUs, within what the deadline leaves)
   model        bench/project.py --against block_stack.json: each measured block-stack row next to the performance
@@ -62,10 +62,10 @@ def _torchrun(nproc: int, extra: str) -> list[str]:
 
 
 def fsdp2_command() -> list[str]:
-    """FSDP2 with FP8 weight gathers over NCCL on 2 GPUs (AdamW: Fp8AdamW is not built for FSDP2), every collective
-    counted by tests/support/count_collectives.py: {out}/fsdp2_counts.rank<r>.json holds, per iteration, the bytes each
-    rank gathered."""
-    flags = [*TINY_MODEL.split(), *FP8_RECIPE.split()[:FP8_RECIPE.split().index("--optimizer")]]
+    """FSDP2 with FP8 weight gathers and Fp8AdamW on its shards over NCCL on 2 GPUs, every collective counted by
+    tests/support/count_collectives.py: {out}/fsdp2_counts.rank<r>.json holds, per iteration, the bytes each rank
+    gathered."""
+    flags = [*TINY_MODEL.split(), *FP8_RECIPE.split()]
     return [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
             str(REPO / "tests" / "support" / "count_collectives.py"), "{out}/fsdp2_counts", "--", *flags,
             "--use-torch-fsdp2", "--fp8-param-gather"]

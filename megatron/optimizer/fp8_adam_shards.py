@@ -27,8 +27,11 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor; any other tensor as it is."""
-    return getattr(tensor, "_local_tensor", tensor)
+    """This rank's shard of a DTensor as a plain tensor (the same storage); any other tensor as it is. A shard that
+    `--fp8-param-gather` wraps (a tensor subclass) gives the high-precision tensor inside (its `plain`): the update
+    writes it in place, and a compiled update traces no subclass."""
+    shard = getattr(tensor, "_local_tensor", tensor)
+    return getattr(shard, "plain", shard)
 
 
 def is_sharded(p: torch.Tensor) -> bool:

@@ -75,6 +75,11 @@ class Fp8ShardWeight(torch.Tensor):
     def __repr__(self) -> str:
         return f"Fp8ShardWeight({self._tensor})"
 
+    @property
+    def plain(self) -> torch.Tensor:
+        """The high-precision tensor inside (the same storage): what an optimizer steps in place."""
+        return self._tensor
+
     def __tensor_flatten__(self) -> tuple[list[str], GatherSlot]:
         return ["_tensor"], self._slot
 

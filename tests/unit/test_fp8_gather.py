@@ -141,6 +141,20 @@ def test_a_compiled_block_takes_the_gathered_fp8_weight_as_it_is(one_rank):
     assert all(m.fp8.weight_quantizations == 0 for m in layers)  # never cast again after the gather
 
 
+def test_fp8_adam_steps_the_plain_tensor_inside_a_gathered_shard(one_rank):
+    """Fp8AdamW updates the high-precision storage of an FP8-gathered shard, as a plain tensor: a compiled update
+    traced the subclass and guarded on its metadata (the layer's scaling state, which holds a process group), which
+    failed and fell back to eager."""
+    from megatron.optimizer.fp8_adam_shards import local
+
+    model = _model(Fp8Scaling.DELAYED)
+    _shard(model, one_rank, True)
+    for layer in (m for m in model.modules() if isinstance(m, Fp8Linear)):
+        shard = layer.weight._local_tensor
+        assert isinstance(shard, Fp8ShardWeight)
+        assert type(local(layer.weight)) is torch.Tensor and local(layer.weight) is shard.plain
+
+
 def test_an_uneven_shard_is_padded_to_fsdp2s_shard_size():
     """3 rows over 2 ranks: FSDP2 gathers ceil(3 / 2) = 2 rows from each, the last rank's padded with zeros."""
     layer = Fp8Linear(4, 3, bias=False, recipe=Fp8Recipe(scaling=Fp8Scaling.TENSORWISE))

@@ -65,7 +65,7 @@ def test_a_stage_streams_its_rows_and_keeps_them_when_killed(tmp_path) -> None:
     assert line == "  [rows] row 1" and when < 3  # printed as it came, before the kill
 
 
-def test_with_two_gpus_fsdp2_trains_with_fp8_gathers_and_its_collectives_counted() -> None:
+def test_with_two_gpus_fsdp2_trains_the_fp8_recipe_with_fp8_gathers_and_its_collectives_counted() -> None:
     from megatron.arguments import parse_config
 
     assert "train_fsdp2" not in {s["name"] for s in gpu_check.plan(gpus=1)}
@@ -74,4 +74,4 @@ def test_with_two_gpus_fsdp2_trains_with_fp8_gathers_and_its_collectives_counted
     assert cmd[script + 1] == "{out}/fsdp2_counts" and cmd[script + 2] == "--"
     config = parse_config(cmd[script + 3:], world_size=2)
     assert config.parallel.use_torch_fsdp2 and config.parallel.fp8_param_gather and config.fp8 is not None
-    assert config.model.smooth_swiglu is not None and config.optimizer.optimizer == "adam"
+    assert config.model.smooth_swiglu is not None and config.optimizer.optimizer == "fp8adam"
