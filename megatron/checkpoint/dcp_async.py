@@ -122,6 +122,6 @@ class AsyncSaver:
         try:
             p.future.result()
             dcp_io.record_rank_files(p.staging, self.rank)
-        except Exception as exc:  # the writer's error, whatever it is, fails this save on every rank
-            p.error = exc
+        except dcp_io.dcp_errors() as exc:  # the writer's error, whatever it is, fails this save on every rank
+            p.error = dcp_io.first_failure(exc)
         p.written = True

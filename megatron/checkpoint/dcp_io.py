@@ -66,13 +66,38 @@ def nested_state(flat: dict[str, Any]) -> tuple[dict[str, Any], Optional[dict]]:
     return model, {"state": state, "param_groups": json.loads(groups) if isinstance(groups, str) else groups}
 
 
+def dcp_errors() -> tuple[type[BaseException], ...]:
+    """What a DCP save or load raises: Python's errors, and DCP's CheckpointException (a BaseException, which
+    gathers every rank's failure so that each rank raises it)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return Exception, CheckpointException
+
+
+def first_failure(exc: BaseException) -> BaseException:
+    """The error behind a DCP CheckpointException (the lowest failed rank's, e.g. an OSError with its errno, named
+    after the rank when it is another's); any other error as it is."""
+    failures = getattr(exc, "failures", None)
+    if not isinstance(failures, dict) or not failures:
+        return exc
+    rank = min(failures)
+    cause = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
+    if isinstance(cause, OSError):
+        return OSError(cause.errno, f"rank {rank}: {cause.strerror or cause}")
+    return RuntimeError(f"rank {rank}: {cause.__class__.__name__}: {cause}")
+
+
 def write_sharded(staging: Path, flat: dict[str, Any], rank: int, group: Any) -> None:
-    """This rank's part of a DCP save into `staging` (a collective over `group`), its files in the manifest."""
+    """This rank's part of a DCP save into `staging` (a collective over `group`), its files in the manifest. A write
+    that fails on any rank fails on every rank alike (DCP gathers the errors), as a CheckpointError."""
     import torch.distributed.checkpoint as dcp
 
     target = staging / DCP_DIR
     with ckpt.checkpoint_write_errors(staging):
-        dcp.save(flat, storage_writer=dcp.FileSystemWriter(target, sync_files=True), process_group=group)
+        try:
+            dcp.save(flat, storage_writer=dcp.FileSystemWriter(target, sync_files=True), process_group=group)
+        except dcp_errors()[1] as exc:
+            raise first_failure(exc) from None
         record_rank_files(staging, rank)
 
 
@@ -92,7 +117,8 @@ def read_sharded(folder: Path, flat: dict[str, Any], group: Any) -> None:
 
     try:
         dcp.load(flat, storage_reader=dcp.FileSystemReader(folder / DCP_DIR), process_group=group)
-    except Exception as exc:  # a damaged or missing shard file: DCP's CheckpointException wraps the OS/pickle error
+    except dcp_errors() as exc:  # a damaged or missing shard file: DCP's CheckpointException wraps the OS/pickle error
+        exc = first_failure(exc)
         first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
         raise ckpt.CheckpointError(f"cannot read the sharded checkpoint {folder / DCP_DIR} ({exc.__class__.__name__}: "
                                    f"{first}). Restore its files, or resume from an older checkpoint by writing its "
@@ -139,8 +165,8 @@ def read_full(folder: Path, prefix: str = "") -> dict[str, Any]:
         with warnings.catch_warnings():  # DCP warns that it reads in one process: what is asked here
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(flat, storage_reader=dcp.FileSystemReader(folder / DCP_DIR), no_dist=True)
-    except Exception as exc:
-        raise ckpt.unreadable(folder / DCP_DIR, exc) from exc
+    except dcp_errors() as exc:
+        raise ckpt.unreadable(folder / DCP_DIR, first_failure(exc)) from None
     return flat
 
 

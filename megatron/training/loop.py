@@ -205,9 +205,11 @@ class Trainer:
         self.save_failures += 1
         if self.save_failures >= c.exit_on_save_failure:
             raise exc
+        interval = c.save_interval or 0  # a failed background write is found at a later iteration than its save's
+        following = (self.state.iteration // interval + 1) * interval if interval else self.state.iteration
         logger.error("iteration %d: checkpoint not saved (%d failed in a row; --exit-on-save-failure %d ends the run): "
                      "%s. Training goes on; the next save is at iteration %d", self.state.iteration, self.save_failures,
-                     c.exit_on_save_failure, str(exc).splitlines()[0], self.state.iteration + (c.save_interval or 0))
+                     c.exit_on_save_failure, str(exc).splitlines()[0], following)
 
     def _poll_checkpoint(self, wait: bool = False) -> None:
         """A checkpoint written in the background (--async-save) is committed once every rank has written it; then
