@@ -24,6 +24,8 @@ LAYOUTS = {
     "zero3": pytest.param(("--deepspeed", "--zero-stage", "3"), marks=slow),
     "tp2": pytest.param(("--tensor-model-parallel-size", "2"), marks=slow),
     "pipeline": pytest.param(("--deepspeed", "--zero-stage", "1", "--pipeline-model-parallel-size", "2"), marks=slow),
+    "fsdp2-torch-dist": pytest.param(("--use-torch-fsdp2", "--ckpt-format", "torch_dist"), marks=slow),
+    "fsdp2-async-save": pytest.param(("--use-torch-fsdp2", "--ckpt-format", "torch_dist", "--async-save"), marks=slow),
 }
 
 
