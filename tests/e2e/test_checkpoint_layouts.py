@@ -34,6 +34,7 @@ LAYOUTS = {  # name: (processes, switches)
     "deepspeed": (2, ("--deepspeed", "--zero-stage", "1", *PAD_256)),
     "deepspeed_zero3": (2, ("--deepspeed", "--zero-stage", "3", "--bf16", *PAD_256)),
     "pipeline": (2, ("--deepspeed", "--zero-stage", "1", "--pipeline-model-parallel-size", "2", *PAD_256)),
+    "torch_dist": (2, ("--use-torch-fsdp2", "--ckpt-format", "torch_dist", "--tensor-model-parallel-size", "2")),
 }
 
 

@@ -7,8 +7,9 @@ torch.distributed.checkpoint into our folder layout (megatron/checkpoint/dcp_io.
 - A bit flipped in a shard file of the newest checkpoint: both ranks fall back to the one before it and the run ends
   bitwise where the straight run ends. A checkpoint of another model size is refused with an error naming the
   mismatched parameters.
-- Every other reader takes it whole: the torch engine (one rank) resumes from it and trains on, and the Hugging Face
-  export reads its weights.
+- Every other reader takes it whole: the torch and DeepSpeed engines (one rank) resume from it and train on, and the
+  Hugging Face export reads its weights (tests/e2e/test_checkpoint_layouts.py: under TP=2, exported and evaluated
+  alike with every other layout).
 """
 from __future__ import annotations
 
@@ -94,6 +95,15 @@ def test_the_torch_engine_resumes_from_it(runs, tmp_path):
     for key, value in saved.items():
         if key.startswith("mp_rank_00/model_optim_rng.pt/model/"):
             assert torch.equal(value, sharded["dcp/model/" + key.rsplit("/model/", 1)[1]]), key
+
+
+def test_the_deepspeed_engine_resumes_from_it(runs, tmp_path):
+    pytest.importorskip("deepspeed")
+    root, straight, _ = runs
+    log = _train(tmp_path / "ds", "--deepspeed", "--zero-stage", "1", "--bf16", "--fp8-format", "hybrid", nproc=1,
+                 load=root / "straight", train_iters=ITERS + 2)
+    assert "into this run's layout" in log and len(losses(log)) == 2
+    assert all(abs(loss - losses(straight)[-1]) < 0.5 for loss in losses(log))
 
 
 def test_the_hugging_face_export_reads_it(runs, tmp_path):
