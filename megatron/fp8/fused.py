@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from megatron.fp8.grid import fp8_grid, has_grid
 from megatron.fp8.quantize import column_scaled, compute_scale
 
 logger = logging.getLogger(__name__)
@@ -116,6 +117,18 @@ def _values(q: torch.Tensor, values_dtype: torch.dtype) -> torch.Tensor:
     return q.float().to(values_dtype)
 
 
+def _cast(y: torch.Tensor, dtype: torch.dtype, values_dtype: torch.dtype | None):
+    """(Q(y), its values in `values_dtype` or None) for fp32 `y` clamped to the format's range. Compiled, the values
+    are y rounded to the FP8 grid in fp32 arithmetic (grid.py: the same numbers, in vector instructions, where the
+    conversion to E5M2 and back is slow); Q itself is written only where a caller keeps it."""
+    q = y.to(dtype)
+    if values_dtype is None:
+        return q, None
+    if torch.compiler.is_compiling() and has_grid(dtype):
+        return q, fp8_grid(y, dtype).to(values_dtype)
+    return q, _values(q, values_dtype)
+
+
 def _quantize_tensor(x: torch.Tensor, previous: torch.Tensor, valid: torch.Tensor, delayed: bool, fp8_max: float,
                      margin: int, pow2: bool, dtype: torch.dtype, values_dtype: torch.dtype | None,
                      known_valid: bool = False):
@@ -129,16 +142,15 @@ def _quantize_tensor(x: torch.Tensor, previous: torch.Tensor, valid: torch.Tenso
     else:
         current = compute_scale(amax, fp8_max, margin, pow2, previous=previous)
         scale = torch.where(valid, previous.float(), current) if delayed else current
-    q = torch.clamp(x.float() * scale, -fp8_max, fp8_max).to(dtype)
-    return q, (_values(q, values_dtype) if values_dtype is not None else None), scale, amax
+    q, values = _cast(torch.clamp(x.float() * scale, -fp8_max, fp8_max), dtype, values_dtype)
+    return q, values, scale, amax
 
 
 def _quantize_known(x: torch.Tensor, scale: torch.Tensor, column_scale: torch.Tensor | None, fp8_max: float,
                     dtype: torch.dtype, values_dtype: torch.dtype | None):
     """Q(x diag(column_scale)) with a given scale (no amax pass)."""
     y = x.float() if column_scale is None else column_scaled(x, column_scale)
-    q = torch.clamp(y * scale.float(), -fp8_max, fp8_max).to(dtype)
-    return q, (_values(q, values_dtype) if values_dtype is not None else None)
+    return _cast(torch.clamp(y * scale.float(), -fp8_max, fp8_max), dtype, values_dtype)
 
 
 def _upcast(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
