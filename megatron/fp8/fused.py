@@ -82,9 +82,10 @@ class CompiledOrEager:
 _ALL: list[CompiledOrEager] = []
 
 
-def _fused(fn: Callable[..., Any]) -> CompiledOrEager:
-    """A fused-quantization function: compiled on first use (eager after a compilation failure)."""
-    wrapper = CompiledOrEager(fn, f"the fused FP8 quantization ({fn.__name__})")
+def _fused(fn: Callable[..., Any], dynamic: bool = False) -> CompiledOrEager:
+    """A fused-quantization function: compiled on first use (eager after a compilation failure); `dynamic`: one graph
+    for every shape (element-wise functions), else one per shape."""
+    wrapper = CompiledOrEager(fn, f"the fused FP8 quantization ({fn.__name__})", dynamic=dynamic)
     _ALL.append(wrapper)
     return wrapper
 
@@ -160,6 +161,10 @@ def _upcast(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 _quantize_tensor_c = _fused(_quantize_tensor)
 _quantize_known_c = _fused(_quantize_known)
 _upcast_c = _fused(_upcast)
+# Element-wise: one graph per FP8 format and layout for every shape, compiled at start-up by `warm_up_upcasts` in the
+# runs that take it (cpu_gemm's bf16 mode), instead of one per weight and activation shape inside the first iterations.
+_upcast_any_shape = _fused(_upcast, dynamic=True)
+_warmed_up: set[torch.dtype] = set()  # the dtypes `warm_up_upcasts` compiled the dynamic graphs for
 
 
 def quantize_tensor(x: torch.Tensor, previous: torch.Tensor, valid: torch.Tensor, delayed: bool, fp8_max: float,
@@ -212,7 +217,22 @@ def upcast(q: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """An FP8 tensor in `dtype` (exact): a vectorized compiled conversion where eager converts per element."""
     if q.numel() == 0 or q.dtype == dtype:
         return q.to(dtype)
-    return _upcast_c(q, dtype)
+    return (_upcast_any_shape if dtype in _warmed_up else _upcast_c)(q, dtype)
+
+
+@torch.no_grad()  # as the GEMMs call it (inside autograd functions): grad mode is part of a graph's guards
+def warm_up_upcasts(device: torch.device, dtype: torch.dtype) -> float:
+    """Compile `upcast` to `dtype` for every shape now, as the emulated GEMMs call it: both FP8 formats, contiguous
+    operands and transposed ones (a weight's W^T); `upcast` uses these graphs from now on. The seconds it took."""
+    import time
+
+    began = time.perf_counter()
+    for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+        q = torch.zeros(16, 32, device=device).to(fp8)
+        _upcast_any_shape(q, dtype)
+        _upcast_any_shape(q.t(), dtype)
+    _warmed_up.add(dtype)
+    return time.perf_counter() - began
 
 
 def as_bf16(t: torch.Tensor) -> torch.Tensor:

@@ -106,7 +106,8 @@ def plan_torch_compile(config: Any, device_type: str) -> CompilePlan:
     if iters >= FUSED_MIN_ITERS:
         return CompilePlan(False, True, why_fp8=f"--torch-compile auto on CPU: transformer blocks eager, the FP8 "
                                                 f"quantization compiled (--train-iters {iters} >= {FUSED_MIN_ITERS})")
-    return CompilePlan(False, False, why_fp8=f"--torch-compile auto on CPU: nothing compiled (--train-iters {iters} "
+    return CompilePlan(False, False, why_fp8=f"--torch-compile auto on CPU: blocks and FP8 quantization eager "
+                                             f"(--train-iters {iters} "
                                              f"< {FUSED_MIN_ITERS}; --torch-compile on compiles the blocks and the "
                                              "FP8 quantization)")
 

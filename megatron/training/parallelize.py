@@ -107,3 +107,19 @@ def log_cpu_fp8_gemms(config: MegatronConfig, device: torch.device) -> None:
     if choice in ("auto", "emulated") or (choice in ("scaled_mm", "cuda")
                                           and not scaled_mm_supports(recipe.scaling, device)):
         logger.info(cpu_gemm.describe())
+        _compile_fp8_value_conversions(device, cpu_gemm.values_dtype())
+
+
+def _compile_fp8_value_conversions(device: torch.device, values_dtype: torch.dtype) -> None:
+    """The emulated GEMMs convert FP8 operands to their values in compiled code (eager CPU conversions are scalar).
+    BF16 GEMMs (the mode of CPUs with AMX): one graph for every shape, compiled here, before the first iteration.
+    FP32 GEMMs: one graph per operand shape, compiled where a shape is first used (a few per model, in the first
+    iterations; compiling for every shape costs more than they take where each process trains only a few steps)."""
+    from megatron.fp8 import fused
+
+    if values_dtype == torch.bfloat16:
+        logger.info("> torch.compile: the FP8 value conversions of the emulated GEMMs compiled in %.1f s, before the "
+                    "first iteration", fused.warm_up_upcasts(device, values_dtype))
+    else:
+        logger.info("> torch.compile: the FP8 value conversions of the emulated GEMMs compile on first use, one graph "
+                    "per operand shape (in the first iterations)")

@@ -6,6 +6,8 @@ exact in FP32 whatever the summation order: the accumulator is the same number i
 CPU, and each mode's output is a function of it that the test computes in float64."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -149,7 +151,36 @@ def test_an_fp8_run_on_cpu_logs_the_mode_at_start_up(caplog):
     from megatron.training.parallelize import log_cpu_fp8_gemms
     from tests.support.config import tiny_argv
 
-    with caplog.at_level(logging.INFO, logger="megatron"):
+    with caplog.at_level(logging.INFO, logger="megatron"), cpu_gemm.use_mode("exact"):
         log_cpu_fp8_gemms(parse_config(tiny_argv("--fp8-format", "hybrid")), torch.device("cpu"))
         log_cpu_fp8_gemms(parse_config(tiny_argv()), torch.device("cpu"))  # no FP8: no line
-    assert [r.getMessage() for r in caplog.records] == [cpu_gemm.describe()]
+        assert [r.getMessage() for r in caplog.records] == [
+            cpu_gemm.describe(), "> torch.compile: the FP8 value conversions of the emulated GEMMs compile on first "
+            "use, one graph per operand shape (in the first iterations)"]
+
+
+def test_in_bf16_mode_the_value_conversions_compile_at_start_up_for_every_shape(caplog, monkeypatch):
+    """BF16 GEMMs (CPUs with AMX): one dynamic graph per FP8 format and layout, compiled by the start-up line, serves
+    every weight and activation shape: the conversions of the first iterations compile nothing more."""
+    import logging
+
+    from torch._dynamo.utils import counters
+
+    from megatron.arguments import parse_config
+    from megatron.fp8 import fused
+    from megatron.training.parallelize import log_cpu_fp8_gemms
+    from tests.support.config import tiny_argv
+
+    monkeypatch.setattr(fused, "_warmed_up", set())  # other tests keep the per-shape graphs
+    with caplog.at_level(logging.INFO, logger="megatron"), cpu_gemm.use_mode("bf16"):
+        log_cpu_fp8_gemms(parse_config(tiny_argv("--fp8-format", "hybrid", "--bf16")), torch.device("cpu"))
+    assert re.fullmatch(r"> torch.compile: the FP8 value conversions of the emulated GEMMs compiled in [\d.]+ s, "
+                        r"before the first iteration", caplog.records[-1].getMessage())
+    frames = int(counters["frames"]["total"])
+    with torch.no_grad():
+        for shape in ((64, 48), (200, 72), (4096, 8)):
+            for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+                q = torch.randn(shape).to(fp8)
+                assert torch.equal(fused.upcast(q, torch.bfloat16), q.to(torch.float32).to(torch.bfloat16))
+                assert torch.equal(fused.upcast(q.t(), torch.bfloat16), q.t().to(torch.float32).to(torch.bfloat16))
+    assert int(counters["frames"]["total"]) == frames
