@@ -110,7 +110,7 @@ class SwiGLUHooks:
         """TensorBoard scalars and a log-line fragment every log interval; warnings on jumps."""
         if self.recorder is None or iteration % log_interval != 0:
             return {}, ""
-        per_layer = layer_diagnostics(self.model, self.recorder.collect(), self._whole)
+        per_layer = layer_diagnostics(self.model, self._over_replicas(self.recorder.collect()), self._whole)
         if not self.logs:
             return {}, ""
         values: dict[str, float] = {}
@@ -133,14 +133,21 @@ class SwiGLUHooks:
         return values, text
 
 
+    def _over_replicas(self, maxima: list[Optional[torch.Tensor]]) -> list[Optional[torch.Tensor]]:
+        """Every layer's channel maxima over the data-parallel replicas' batches, in one all-reduce for all layers."""
+        present = [m for m in maxima if m is not None]
+        if not present:
+            return maxima
+        flat = torch.cat([m.detach().float().reshape(-1) for m in present])
+        comm.all_reduce(flat, self.groups[0], comm.ReduceOp.MAX)
+        pieces = iter(flat.split([m.numel() for m in present]))
+        return [None if m is None else next(pieces).view(m.shape) for m in maxima]
+
     def _whole(self, per_channel: torch.Tensor, is_activation: bool) -> torch.Tensor:
-        """The layer's per-channel values from this rank's: maxima over the data-parallel replicas' batches, the
-        channels of every tensor-parallel rank in rank order (fc1's column-parallel layout)."""
-        dp, tp = self.groups
-        per_channel = per_channel.detach().float().contiguous()
-        if is_activation:  # the recorder handed its maxima over (collect): reduced in place
-            comm.all_reduce(per_channel, dp, comm.ReduceOp.MAX)
-        return torch.cat(comm.all_gather(per_channel, tp))
+        """The layer's per-channel values from this rank's (activation maxima already over the data-parallel
+        replicas, `_over_replicas`): the channels of every tensor-parallel rank in rank order (fc1's column-parallel
+        layout)."""
+        return torch.cat(comm.all_gather(per_channel.detach().float().contiguous(), self.groups[1]))
 
 
 def _layer_of(key: str) -> Optional[int]:
