@@ -43,7 +43,8 @@ def test_fsdp2_with_fp8_adam_equals_ddp_with_fp8_adam_bit_for_bit(tmp_path, bloc
     assert_same_checkpoint(tmp_path / "fsdp2", tmp_path / "ddp", ITERS)
 
 
-@pytest.mark.parametrize("blocks", [(), ("--fp8-optimizer-block-size", "32")], ids=["per-tensor", "blocks-of-32"])
+@pytest.mark.parametrize("blocks", [(), pytest.param(("--fp8-optimizer-block-size", "32"), marks=pytest.mark.slow)],
+                         ids=["per-tensor", "blocks-of-32"])  # blockwise scales: pieces of the parameter (slow)
 def test_tp2_fsdp2_with_fp8_adam_and_fp8_linears_equals_tp2_ddp_and_resumes_bitwise(tmp_path, blocks):
     switches = ("--tensor-model-parallel-size", "2", "--sequence-parallel", "--fp8-format", "hybrid",
                 "--smooth-swiglu", *FP8_ADAM, *blocks)
