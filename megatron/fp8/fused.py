@@ -119,13 +119,15 @@ def _values(q: torch.Tensor, values_dtype: torch.dtype) -> torch.Tensor:
 
 
 def _cast(y: torch.Tensor, dtype: torch.dtype, values_dtype: torch.dtype | None):
-    """(Q(y), its values in `values_dtype` or None) for fp32 `y` clamped to the format's range. Compiled, the values
-    are y rounded to the FP8 grid in fp32 arithmetic (grid.py: the same numbers, in vector instructions, where the
-    conversion to E5M2 and back is slow); Q itself is written only where a caller keeps it."""
+    """(Q(y), its values in `values_dtype` or None) for fp32 `y` clamped to the format's range. Compiled on CPU, the
+    values are y rounded to the FP8 grid in fp32 arithmetic (grid.py: the same numbers, in vector instructions, where
+    inductor's conversion to E5M2 and back is slow); Q itself is written only where a caller keeps it. Not in
+    Triton's code: it may contract a multiply and a subtraction into one fused multiply-add, which the rounding
+    cannot take."""
     q = y.to(dtype)
     if values_dtype is None:
         return q, None
-    if torch.compiler.is_compiling() and has_grid(dtype):
+    if torch.compiler.is_compiling() and has_grid(dtype) and y.device.type == "cpu":
         return q, fp8_grid(y, dtype).to(values_dtype)
     return q, _values(q, values_dtype)
 

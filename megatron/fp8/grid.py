@@ -11,7 +11,8 @@ keeps the leading mantissa bits + 1 significant bits of y, rounded to nearest, t
 Below it, the format's subnormals are multiples of 2^-k; adding and subtracting 2^(23 - k) rounds to them (the sum
 lies where float32's spacing is 2^-k; the subtraction is exact). The sign is copied back (so -0 stays -0). Only
 correctly rounded float32 adds and multiplies are used (inductor's C++ is built with -ffp-contract=off and without
-unsafe math: no fused multiply-add, no reassociation), so the result is the same on every IEEE machine. Checked
+unsafe math: no fused multiply-add, no reassociation), so the result is the same on every IEEE machine; code that
+may contract a multiply and an add into one FMA (Triton's) must not use it (fused.py uses it on CPU only). Checked
 for every non-negative float32 up to the format's largest value against torch's cast (2^30 values per format,
 `tests/unit/test_fp8_grid.py` checks a sweep of every exponent's ties on each run). NaN stays NaN; the caller
 clamps to the format's range first, as the cast path does (E4M3 has no infinity).
