@@ -13,8 +13,8 @@ lies where float32's spacing is 2^-k; the subtraction is exact). The sign is cop
 correctly rounded float32 adds and multiplies are used (inductor's C++ is built with -ffp-contract=off and without
 unsafe math: no fused multiply-add, no reassociation), so the result is the same on every IEEE machine; code that
 may contract a multiply and an add into one FMA (Triton's) must not use it (fused.py uses it on CPU only). Checked
-for every float32 of magnitude up to the format's largest value, both signs, against torch's cast, eagerly and
-compiled by inductor on CPU (about 2^31 values per format; `tests/unit/test_fp8_grid.py` checks a sweep of every
+against torch's cast for every float32 of magnitude up to the format's largest value: the non-negative ones
+eagerly, both signs compiled by inductor on CPU (about 2^31 values per format; `tests/unit/test_fp8_grid.py` checks a sweep of every
 exponent's ties on each run). NaN stays NaN; the caller
 clamps to the format's range first, as the cast path does (E4M3 has no infinity).
 """
