@@ -14,9 +14,9 @@ correctly rounded float32 adds and multiplies are used (inductor's C++ is built 
 unsafe math: no fused multiply-add, no reassociation), so the result is the same on every IEEE machine; code that
 may contract a multiply and an add into one FMA (Triton's) must not use it (fused.py uses it on CPU only). Checked
 against torch's cast for every float32 of magnitude up to the format's largest value: the non-negative ones
-eagerly, both signs compiled by inductor on CPU (about 2^31 values per format; `tests/unit/test_fp8_grid.py` checks a sweep of every
-exponent's ties on each run). NaN stays NaN; the caller
-clamps to the format's range first, as the cast path does (E4M3 has no infinity).
+eagerly, both signs compiled by inductor on CPU (about 2^31 values per format; `tests/unit/test_fp8_grid.py`
+checks a sweep of every exponent's ties on each run). NaN stays NaN; the caller clamps to the format's range first,
+as the cast path does (E4M3 has no infinity).
 """
 from __future__ import annotations
 
