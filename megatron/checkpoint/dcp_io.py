@@ -10,8 +10,10 @@ model and the optimizer state through `torch.distributed.checkpoint` (DCP), into
 The state DCP holds is one flat dict: `model/<parameter name>` (the FSDP2 DTensors), `optimizer/state/<parameter
 name>/<exp_avg | exp_avg_sq | step>` and `optimizer/param_groups` (the groups' hyper-parameters and parameter
 names, as JSON). Under tensor parallelism each tensor is the TP ranks' pieces end to end along their dimension (a
-DTensor on the tp x dp mesh, training/fsdp2_mesh.py); `untangled` turns that into the full model's layout. Written into a staging folder and committed by rank 0 as every other layout is (store.py: a crash
-at any moment leaves the previous checkpoint the newest); each rank records its own files in the manifest.
+DTensor on the tp x dp mesh, training/fsdp2_mesh.py; Fp8AdamW's per-tensor scales one per piece); `untangled` turns
+that into the full model's layout. Written into a staging folder and committed by rank 0 as every other layout is
+(store.py: a crash at any moment leaves the previous checkpoint the newest); each rank records its own files in the
+manifest.
 
 Read back three ways: sharded into an FSDP2 model at any data-parallel size (DCP reshards: each rank reads the
 pieces of the saved shards its own shards overlap); whole, without a process group, for every tool and every
