@@ -211,16 +211,19 @@ def full_optimizer(folder: Path, model_config: ModelConfig) -> Optional[dict]:
 
 def _per_piece_values(name: str, entry: dict, tp: int, model_config: ModelConfig) -> None:
     """A tensor-parallel parameter's Fp8AdamW moment with one scale per tensor was saved with one scale per TP piece
-    ((tp,): training/fsdp2_mesh.py): its codes become FP32 values piece by piece (the product `dequantize` takes),
+    ((tp,): training/fsdp2_mesh.py): its codes become FP32 values piece by piece (the optimizer's own `dequantize`),
     in place of codes and scales. Blockwise scales ((rows, row length / block)) are pieces of the parameter's
     layout and stay."""
+    from megatron.optimizer.fp8_state_quant import dequantize
+
     spec = shard_spec(name, model_config)
     for moment in [key for key in entry if key + "_scale_inv" in entry]:
         scale = entry[moment + "_scale_inv"]
         if spec is None or scale.dim() != 1:
             continue
-        pieces = entry[moment].chunk(tp, dim=spec.dim)
-        entry[moment] = torch.cat([piece.float() * s for piece, s in zip(pieces, scale.float())], dim=spec.dim)
+        pieces = [dequantize(piece.reshape(-1), s.reshape(1), piece.numel()).view(piece.shape)
+                  for piece, s in zip(entry[moment].chunk(tp, dim=spec.dim), scale.float())]
+        entry[moment] = torch.cat(pieces, dim=spec.dim)
         del entry[moment + "_scale_inv"]
 
 
