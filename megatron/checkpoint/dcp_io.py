@@ -68,12 +68,16 @@ def nested_state(flat: dict[str, Any]) -> tuple[dict[str, Any], Optional[dict]]:
     return model, {"state": state, "param_groups": json.loads(groups) if isinstance(groups, str) else groups}
 
 
-def dcp_errors() -> tuple[type[BaseException], ...]:
-    """What a DCP save or load raises: Python's errors, and DCP's CheckpointException (a BaseException, which
-    gathers every rank's failure so that each rank raises it)."""
+def checkpoint_exception() -> type[BaseException]:
+    """DCP's CheckpointException: a BaseException, which gathers every rank's failure so that each rank raises it."""
     from torch.distributed.checkpoint.api import CheckpointException
 
-    return Exception, CheckpointException
+    return CheckpointException
+
+
+def dcp_errors() -> tuple[type[BaseException], ...]:
+    """What a DCP save or load raises: Python's errors, and DCP's CheckpointException."""
+    return Exception, checkpoint_exception()
 
 
 def first_failure(exc: BaseException) -> BaseException:
@@ -98,7 +102,7 @@ def write_sharded(staging: Path, flat: dict[str, Any], rank: int, group: Any) ->
     with ckpt.checkpoint_write_errors(staging):
         try:
             dcp.save(flat, storage_writer=dcp.FileSystemWriter(target, sync_files=True), process_group=group)
-        except dcp_errors()[1] as exc:
+        except checkpoint_exception() as exc:
             raise first_failure(exc) from None
         record_rank_files(staging, rank)
 
