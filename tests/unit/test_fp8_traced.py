@@ -35,8 +35,8 @@ RECIPES = {
     ("delayed-history4-scaled_mm", True, False, True, "exact"),
     ("bf16-wgrad", False, True, False, "exact")])
 def test_traced_layers_equal_eager_bitwise(name, column, bf16, step_weights, gemms):
-    """`gemms`: the emulated GEMMs' CPU mode (megatron/fp8/cpu_gemm.py); in `bf16` mode, the default on CPUs with
-    AMX, wgrad reads the BF16 values the forward's GEMM took."""
+    """`gemms`: the emulated GEMMs' CPU mode (megatron/fp8/cpu_gemm.py); `bf16`, the default on CPUs with AMX, runs
+    every FP8 GEMM of the bf16 model as a BF16 GEMM on the FP8 values, traced and eager alike."""
     if RECIPES[name].backend.value == "scaled_mm" and onednn_fp8_capped_away():
         pytest.skip("torch sends this CPU's _scaled_mm to oneDNN (the CPU has AMX), and ONEDNN_MAX_CPU_ISA caps "
                     "oneDNN below its FP8 matmul; the default pass ran it with this CPU's kernels")
