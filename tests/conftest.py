@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 # The emulated FP8 GEMMs round once (FP32 GEMMs) on every CPU the suite runs on: the BF16-GEMM mode that CPUs with
-# AMX-BF16 default to (megatron/fp8/cpu_gemm.py) has its own tests, which set it themselves. Set before any test
-# imports megatron (the mode is decided at import) and inherited by the processes tests launch.
+# AMX-BF16 (and AMD CPUs with AVX512-BF16) default to (megatron/fp8/cpu_gemm.py) has its own tests, which set it
+# themselves. Set before any test imports megatron (the mode is decided at import) and inherited by the processes
+# tests launch.
 os.environ.setdefault("MEGATRON_CPU_FP8_GEMM", "exact")
 
 # The repository root on sys.path: `tests.support`, `megatron` and `pretrain_gpt` importable from every test module.

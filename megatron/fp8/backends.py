@@ -75,8 +75,8 @@ class EmulatedBackend:
         # GEMM's single rounding is the hardware's; otherwise the GEMM runs in fp32 (exact operands, one fp32
         # rounding per accumulation step as on the tensor cores) and the result is rounded once at the end.
         # CPUs without a fast BF16 GEMM (megatron.cpu_bf16) take the fp32 GEMM always: the same single rounding.
-        # On CPUs with AMX-BF16 the BF16 GEMM is the fast one, and runs every GEMM of a --bf16 run (its output rounded
-        # before the scales are divided out): megatron/fp8/cpu_gemm.py says what differs.
+        # On CPUs with AMX-BF16 (or AMD's AVX512-BF16) the BF16 GEMM is the fast one, and runs every GEMM of a
+        # --bf16 run (its output rounded before the scales are divided out): megatron/fp8/cpu_gemm.py says what differs.
         if cpu_gemm.bf16_gemm(a, out_dtype, run_dtype, pow2_scales):
             out = (fused.as_bf16(a) @ fused.as_bf16(b).t()).float()
         else:

@@ -15,12 +15,15 @@ dequantization factors 1 / (s_a s_b) are applied, where the hardware rounds once
   the accumulator rounded to BF16, then divided by the scales in FP32, which is the precision of the BF16 run's own
   wgrad (autocast's BF16 GEMM returns BF16 too). Runs without `--bf16` keep FP32 GEMMs.
 
-`auto` (the default) is `bf16` on CPUs with AMX-BF16 (the `amx_bf16` CPU flag, oneDNN not capped below its AMX
-kernels by `ONEDNN_MAX_CPU_ISA`): a BF16 GEMM runs there 5-10x faster than FP32 (4096 x 256 x 704: 0.53 vs 4.98 ms
-on 2 cores of an Intel Xeon with AMX, torch 2.13), and the FP32 GEMMs made the FP8 step slower than BF16's. On
-other CPUs, `exact`. `MEGATRON_CPU_FP8_GEMM` = auto | exact | bf16 overrides it (`bf16` on a CPU without fast BF16
-GEMMs runs torch's slow BF16 kernels). Decided once, at import: a module constant, which compiled graphs read
-without a graph break. `describe()` is the start-up log line.
+`auto` (the default) is `bf16` on CPUs with AMX-BF16 and on AMD CPUs with AVX512-BF16 (the `amx_bf16` CPU flag, or
+`avx512_bf16` with vendor AuthenticAMD; oneDNN not capped below them by `ONEDNN_MAX_CPU_ISA`): a BF16 GEMM runs there
+4-10x faster than FP32 (4096 x 256 x
+704 on 2 cores, torch 2.13: 0.53 vs 4.98 ms on an Intel Xeon with AMX, 1.53 vs 8.81 ms on an AMD EPYC with
+AVX512-BF16; capped at AVX512_CORE the EPYC's BF16 GEMM took FP32's time), and the FP32 GEMMs made the FP8 step
+slower than BF16's. On other CPUs, `exact`: on an Intel Xeon with AVX512-BF16 but no AMX, 2048^3 in BF16 took
+1.41-1.56x FP32's time (docs/performance.md). `MEGATRON_CPU_FP8_GEMM` = auto | exact | bf16 overrides it (`bf16` on a
+CPU without fast BF16 GEMMs runs torch's slow BF16 kernels). Decided once, at import: a module constant, which
+compiled graphs read without a graph break. `describe()` is the start-up log line.
 """
 from __future__ import annotations
 
@@ -40,13 +43,32 @@ class CpuFp8GemmConfigError(ValueError):
     """`MEGATRON_CPU_FP8_GEMM` holds a value we do not know."""
 
 
-def amx_bf16_reason() -> str | None:
-    """Why this CPU's BF16 GEMMs are not its fastest (no AMX-BF16 in use), or None where they are."""
-    if "amx_bf16" not in cpu_flags():
-        return "no AMX-BF16 on this CPU"
+# oneDNN ISA caps that keep its BF16 dot-product kernels (AVX512-BF16, AMX-BF16); lower caps run BF16 GEMMs at FP32's
+# speed (AVX512_CORE) or far slower (AVX2).
+_BF16_CAP_MARKS = ("BF16", "FP16", "AMX", "AVX10")
+
+
+def cpu_vendor() -> str:
+    """The CPU's `vendor_id` ("GenuineIntel", "AuthenticAMD"), "" where /proc/cpuinfo does not say."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            for line in info:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def fast_bf16_gemm_reason() -> str | None:
+    """Why this CPU's BF16 GEMMs are not faster than its FP32 ones, or None where they are: AMX-BF16, or AVX512-BF16
+    on an AMD CPU (measured 4-6x FP32's speed on an AMD EPYC; 0.64-0.71x on an Intel Xeon without AMX)."""
+    flags = cpu_flags()
+    if "amx_bf16" not in flags and not ("avx512_bf16" in flags and cpu_vendor() == "AuthenticAMD"):
+        return "no AMX-BF16 on this CPU, nor AVX512-BF16 on an AMD CPU"
     cap = onednn_isa_cap()
-    if cap is not None and "AMX" not in cap:
-        return f"ONEDNN_MAX_CPU_ISA={cap} keeps oneDNN off AMX"
+    if cap is not None and not any(mark in cap for mark in _BF16_CAP_MARKS):
+        return f"ONEDNN_MAX_CPU_ISA={cap} keeps oneDNN off its BF16 kernels"
     return None
 
 
@@ -54,7 +76,7 @@ def decide_mode() -> str:
     """"exact" or "bf16" from `MEGATRON_CPU_FP8_GEMM` and the CPU; raises on a value we do not know."""
     return env_choice(ENV_VAR, CHOICES, CpuFp8GemmConfigError,
                       "exact (FP32 GEMMs, one rounding) or bf16 (BF16 GEMMs, docs/performance.md)",
-                      lambda: "bf16" if amx_bf16_reason() is None else "exact")
+                      lambda: "bf16" if fast_bf16_gemm_reason() is None else "exact")
 
 
 _MODE = decided_at_import(decide_mode, CpuFp8GemmConfigError)  # reported by mode() where bad
@@ -100,7 +122,7 @@ def describe() -> str:
     chosen = mode()
     forced = os.environ.get(ENV_VAR, "").strip()
     why = f"{ENV_VAR}={forced}" if forced and forced.lower() != "auto" else (
-        "this CPU has AMX-BF16" if chosen == "bf16" else amx_bf16_reason())
+        "this CPU has fast BF16 GEMMs" if chosen == "bf16" else fast_bf16_gemm_reason())
     if chosen == "bf16":
         return (f"FP8 GEMMs (emulated on CPU): BF16 GEMMs in --bf16 runs ({why}; outputs rounded to BF16 before the "
                 f"scales are divided out, docs/performance.md; {ENV_VAR}=exact rounds once)")

@@ -108,12 +108,18 @@ def test_a_bf16_runs_fp8_layer_takes_the_bf16_gemms():
     assert ((dw_b.double() - dw_e.double()).abs() <= 2.0 ** -8 * dw_e.double().abs()).all()
 
 
-@pytest.mark.parametrize("flags,cap,want", [({"amx_bf16", "avx512f"}, None, "bf16"),
-                                            ({"avx512f", "avx512_bf16"}, None, "exact"),
-                                            ({"amx_bf16", "avx512f"}, "AVX512_CORE", "exact"),
-                                            ({"amx_bf16", "avx512f"}, "AVX512_CORE_AMX", "bf16")])
-def test_auto_takes_bf16_gemms_where_the_cpu_has_amx(monkeypatch, flags, cap, want):
+@pytest.mark.parametrize("vendor,flags,cap,want", [
+    ("GenuineIntel", {"amx_bf16", "avx512f"}, None, "bf16"),
+    ("GenuineIntel", {"avx512f", "avx512_bf16"}, None, "exact"),
+    ("AuthenticAMD", {"avx512f", "avx512_bf16"}, None, "bf16"),
+    ("AuthenticAMD", {"avx512f", "avx512_bf16"}, "AVX512_CORE", "exact"),
+    ("AuthenticAMD", {"avx512f", "avx512_bf16"}, "AVX512_CORE_BF16", "bf16"),
+    ("AuthenticAMD", {"avx512f", "avx2"}, None, "exact"),
+    ("GenuineIntel", {"amx_bf16", "avx512f"}, "AVX512_CORE", "exact"),
+    ("GenuineIntel", {"amx_bf16", "avx512f"}, "AVX512_CORE_AMX", "bf16")])
+def test_auto_takes_bf16_gemms_where_they_are_faster(monkeypatch, vendor, flags, cap, want):
     monkeypatch.setattr(cpu_gemm, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(cpu_gemm, "cpu_vendor", lambda: vendor)
     monkeypatch.delenv(cpu_gemm.ENV_VAR, raising=False)
     monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
     if cap is None:
@@ -137,11 +143,14 @@ def test_the_startup_line_says_the_mode_and_how_to_change_it(monkeypatch):
     monkeypatch.setattr(cpu_gemm, "cpu_flags", lambda: {"amx_bf16"})
     with cpu_gemm.use_mode("bf16"):
         line = cpu_gemm.describe()
-    assert "BF16 GEMMs" in line and "this CPU has AMX-BF16" in line and "MEGATRON_CPU_FP8_GEMM=exact" in line
+    assert "BF16 GEMMs" in line and "this CPU has fast BF16 GEMMs" in line
+    assert "MEGATRON_CPU_FP8_GEMM=exact" in line
     monkeypatch.setattr(cpu_gemm, "cpu_flags", lambda: {"avx2"})
+    monkeypatch.setattr(cpu_gemm, "cpu_vendor", lambda: "AuthenticAMD")
     with cpu_gemm.use_mode("exact"):
         line = cpu_gemm.describe()
-    assert "FP32 GEMMs rounded once" in line and "no AMX-BF16" in line and "MEGATRON_CPU_FP8_GEMM=bf16" in line
+    assert "FP32 GEMMs rounded once" in line and "no AMX-BF16 on this CPU, nor AVX512-BF16" in line
+    assert "MEGATRON_CPU_FP8_GEMM=bf16" in line
 
 
 def test_an_fp8_run_on_cpu_logs_the_mode_at_start_up(caplog):
