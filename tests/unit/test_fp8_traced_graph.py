@@ -19,6 +19,7 @@ from tests.support.fp8_traced import fp8_llama_block, post_grad_graphs
 
 T, K, N = 48, 32, 16  # multiples of 16: _scaled_mm's operands need no padding
 SCALED_MM = torch.ops.aten._scaled_mm.default
+FP8_FORMATS = (torch.float8_e4m3fn, torch.float8_e5m2)
 VIEWS = {torch.ops.aten.t.default, torch.ops.aten.permute.default, torch.ops.aten.view.default,
          torch.ops.aten.reshape.default, torch.ops.aten.alias.default, torch.ops.aten._unsafe_view.default}
 
@@ -204,3 +205,36 @@ def test_compiled_block_backward_keeps_the_fp8_operands_and_recomputes_no_cast(s
         assert [s for s in saved_fp8 if s[0] == 32] == activations, saved_fp8
     else:
         assert recomputed
+
+
+def test_emulated_block_backward_takes_the_forward_fp8_values():
+    """The emulated GEMMs of a compiled CPU block in the bf16 mode (megatron/fp8/cpu_gemm.py) multiply each
+    activation's FP8 values, rounded to the grid in the forward (grid.py); wgrad takes those values, saved by the
+    forward, and backward neither recomputes a cast nor converts an FP8 tensor back (megatron/fp8/partition.py).
+    The FP8 tensor itself feeds backward only, where the partitioner ignores MUST_SAVE: without the pass's rewrite
+    backward recomputed the norms and the casts."""
+    from megatron.fp8 import cpu_gemm
+    from megatron.model.compile import compile_block
+
+    torch.manual_seed(0)
+    with cpu_gemm.use_mode("bf16"):
+        block = fp8_llama_block(Fp8Recipe())
+        compile_block(block)
+        x = torch.randn(2, 16, 64, requires_grad=True)
+
+        def run() -> None:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = block(x, None, None)
+            out.float().sum().backward()
+
+        graphs = post_grad_graphs(run)
+    forward, backward = graphs[-2:]
+    from_fp8 = [n for n in backward.nodes if n.op == "call_function" and n.all_input_nodes
+                and getattr(n.all_input_nodes[0].meta.get("val"), "dtype", None) in FP8_FORMATS]
+    assert not [n for n in backward.nodes if is_fp8_cast(n) and n.args[1] is torch.float8_e4m3fn]
+    assert not from_fp8, from_fp8
+    saved = [n for n in forward.nodes if n.op == "output"][0].args[0]
+    values = sorted(tuple(n.meta["val"].shape) for n in saved if isinstance(n, torch.fx.Node)
+                    and n.meta["val"].dtype == torch.bfloat16 and n.args and isinstance(n.args[0], torch.fx.Node)
+                    and n.args[0].target is torch.ops.aten.copysign.Tensor)
+    assert [s for s in values if s[0] == 32] == [(32, 64), (32, 64), (32, 64), (32, 128)], values
