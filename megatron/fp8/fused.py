@@ -69,7 +69,13 @@ class CompiledOrEager:
             return self.fn(*args)
         if self.compiled is None:
             raise_recompile_limit()
-            self.compiled = torch.compile(self.fn, dynamic=self.dynamic, fullgraph=self.fullgraph)
+            # A graph whose shapes may turn dynamic is compiled once for every size, but inductor's C++ code decides
+            # at compile time whether a loop runs on all threads, from the size it is compiled with (serial below
+            # ~1,000 elements) and the thread count then: compiled on a small first input it ran every later call,
+            # of any size, on one core (and its on-disk cache entry is not keyed on that size). `dynamic_threads`
+            # makes each loop an OpenMP region whose threads are decided when it runs.
+            options = None if self.dynamic is False else {"cpp.dynamic_threads": True}
+            self.compiled = torch.compile(self.fn, dynamic=self.dynamic, fullgraph=self.fullgraph, options=options)
         try:
             return self.compiled(*args)
         except Exception as exc:  # noqa: BLE001 - any compiler failure: the eager reference computes the same

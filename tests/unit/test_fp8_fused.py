@@ -238,3 +238,23 @@ def test_column_scaled_amax_from_column_maxima_is_the_full_pass_bitwise(dtype) -
     assert fused.column_scaled_amax(fused.column_maxima(w), torch.ones(3)).isinf()
     w[2, 0] = float("nan")
     assert fused.column_scaled_amax(fused.column_maxima(w), torch.ones(3)).isnan()
+
+
+def test_a_dynamic_graph_compiled_on_a_small_input_runs_its_loops_on_every_thread() -> None:
+    """Inductor's C++ code decides at compile time whether a loop runs in parallel, from the size it compiles
+    for: a dynamic graph (Fp8AdamW's update, the FP8 upcasts) warmed up on a small input ran every later call, of
+    any size, on one core, and its on-disk cache entry is not keyed on that size. `CompiledOrEager` compiles its
+    dynamic graphs with `cpp.dynamic_threads`: each loop an OpenMP region, its threads decided when it runs."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.utils import run_and_get_code
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with inductor_config.patch(fx_graph_cache=False):
+            wrapped = fused.CompiledOrEager(lambda x: x * 3.0 + 1.0, "a test function", dynamic=True)
+            out, code = run_and_get_code(wrapped, torch.arange(8.0))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(out, torch.arange(8.0) * 3.0 + 1.0)
+    assert "#pragma omp parallel" in "\n".join(code)
