@@ -124,23 +124,23 @@ def _values(q: torch.Tensor, values_dtype: torch.dtype) -> torch.Tensor:
     return q.float().to(values_dtype)
 
 
-def _cast(y: torch.Tensor, dtype: torch.dtype, values_dtype: torch.dtype | None):
+def _cast(y: torch.Tensor, dtype: torch.dtype, values_dtype: torch.dtype | None, keep_q: bool = True):
     """(Q(y), its values in `values_dtype` or None) for fp32 `y` clamped to the format's range. Compiled on CPU, the
     values are y rounded to the FP8 grid in fp32 arithmetic (grid.py: the same numbers, in vector instructions, where
-    inductor's conversion to E5M2 and back is slow); Q itself is written only where a caller keeps it. Not in
-    Triton's code: it may contract a multiply and a subtraction into one fused multiply-add, which the rounding
-    cannot take."""
+    inductor's conversion to E5M2 and back is slow); Q itself is written only where a caller keeps it (`keep_q`
+    False: None in its place, for a caller that needs the values only). Not in Triton's code: it may contract a
+    multiply and a subtraction into one fused multiply-add, which the rounding cannot take."""
+    if values_dtype is not None and torch.compiler.is_compiling() and has_grid(dtype) and y.device.type == "cpu":
+        return (y.to(dtype) if keep_q else None), fp8_grid(y, dtype).to(values_dtype)
     q = y.to(dtype)
     if values_dtype is None:
         return q, None
-    if torch.compiler.is_compiling() and has_grid(dtype) and y.device.type == "cpu":
-        return q, fp8_grid(y, dtype).to(values_dtype)
-    return q, _values(q, values_dtype)
+    return (q if keep_q else None), _values(q, values_dtype)
 
 
 def _quantize_tensor(x: torch.Tensor, previous: torch.Tensor, valid: torch.Tensor, delayed: bool, fp8_max: float,
                      margin: int, pow2: bool, dtype: torch.dtype, values_dtype: torch.dtype | None,
-                     known_valid: bool = False):
+                     known_valid: bool = False, keep_q: bool = True):
     """amax of x, its scale (`Fp8LayerState.scale_for`'s rule) and Q(x) (`quantize`), in one function. With
     `known_valid` (delayed scaling whose history is known to hold a scale: `valid` is True) the cast takes the
     history's scale and does not wait for x's amax, which then only feeds the history: one pass over x can
@@ -151,7 +151,7 @@ def _quantize_tensor(x: torch.Tensor, previous: torch.Tensor, valid: torch.Tenso
     else:
         current = compute_scale(amax, fp8_max, margin, pow2, previous=previous)
         scale = torch.where(valid, previous.float(), current) if delayed else current
-    q, values = _cast(torch.clamp(x.float() * scale, -fp8_max, fp8_max), dtype, values_dtype)
+    q, values = _cast(torch.clamp(x.float() * scale, -fp8_max, fp8_max), dtype, values_dtype, keep_q)
     return q, values, scale, amax
 
 
@@ -177,17 +177,20 @@ _warmed_up: set[torch.dtype] = set()  # the dtypes `warm_up_upcasts` compiled th
 
 def quantize_tensor(x: torch.Tensor, previous: torch.Tensor, valid: torch.Tensor, delayed: bool, fp8_max: float,
                     margin: int, pow2: bool, dtype: torch.dtype, values_dtype: torch.dtype | None = None,
-                    known_valid: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+                    known_valid: bool = False, keep_q: bool = True
+                    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """(Q(x), Q(x) in `values_dtype` or None, scale, amax) with one scale for the tensor.
 
     The scale: `compute_scale(amax, fp8_max, margin, pow2, previous)` under current scaling; under delayed
     scaling `previous` where `valid`, else that current scale (the first step). `previous` and `valid` are
     0-d tensors (the module's buffers), so a new step's scale never triggers a recompilation. `known_valid`:
-    the caller knows `valid` is True (see `_quantize_tensor`); the result is the same.
+    the caller knows `valid` is True (see `_quantize_tensor`); the result is the same. `keep_q` False (with a
+    `values_dtype`): Q(x) is not made (None), for a caller that multiplies the values only.
     """
     if x.numel() == 0:
         return _eager_empty(x, previous, valid, delayed, fp8_max, margin, pow2, dtype, values_dtype)
-    return _quantize_tensor_c(x, previous, valid, delayed, fp8_max, margin, pow2, dtype, values_dtype, known_valid)
+    return _quantize_tensor_c(x, previous, valid, delayed, fp8_max, margin, pow2, dtype, values_dtype, known_valid,
+                              keep_q or values_dtype is None)
 
 
 def _eager_empty(x, previous, valid, delayed, fp8_max, margin, pow2, dtype, values_dtype):

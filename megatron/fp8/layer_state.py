@@ -316,16 +316,17 @@ class Fp8LayerState:
     # --- quantizing activations and gradients ----------------------------------------------------------------------
 
     def fused_quantize(self, role: Fp8Role, t: torch.Tensor, spec: Fp8FormatSpec, values_dtype: torch.dtype | None,
-                       record: bool, known_valid: bool = False
-                       ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+                       record: bool, known_valid: bool = False, keep_q: bool = True
+                       ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """`scale_for` + `quantize` as one compiled function (fused.py): (Q(t), Q(t) in `values_dtype` or None,
         scale, amax); records the amax (and the tensorwise scale) as `scale_for` does. `known_valid`: the role's
-        delayed scale is known to be valid, so the cast needs no amax."""
+        delayed scale is known to be valid, so the cast needs no amax. `keep_q` False: Q(t) is None where the
+        values are made (`fused.quantize_tensor`)."""
         recipe = self.recipe
         delayed = self.role_delayed(role)
         q, values, scale, amax = fused.quantize_tensor(
             t.detach(), self.scale[role], self.scale_valid[role], delayed, spec.max, self.margin(role),
-            recipe.power_of_two_scales, spec.torch_dtype, values_dtype, known_valid and delayed)
+            recipe.power_of_two_scales, spec.torch_dtype, values_dtype, known_valid and delayed, keep_q)
         if record:
             self.record_amax(role, amax, scale)
         return q, values, scale, amax

@@ -57,6 +57,19 @@ def test_quantize_tensor_bitwise(spec, delayed, valid, pow2) -> None:
     assert torch.equal(scale, scale_ref) and torch.equal(amax, amax_ref)
 
 
+@pytest.mark.parametrize("values_dtype", [torch.float32, torch.bfloat16])
+def test_values_without_the_fp8_tensor_are_the_same_values(values_dtype) -> None:
+    """`keep_q=False` (the emulated GEMMs' dy, whose FP8 tensor feeds nothing): no FP8 tensor is made, and the
+    values, scale and amax are those of the full quantization."""
+    x, previous, valid = _sample(), torch.tensor(0.37), torch.tensor(True)
+    args = (x, previous, valid, True, E5M2.max, 0, False, E5M2.torch_dtype, values_dtype)
+    q, values, scale, amax = fused.quantize_tensor(*args, keep_q=False)
+    q_ref, values_ref, scale_ref, amax_ref = fused.quantize_tensor(*args)
+    assert q is None and q_ref is not None
+    assert torch.equal(values, values_ref) and torch.equal(values, q_ref.to(values_dtype))
+    assert torch.equal(scale, scale_ref) and torch.equal(amax, amax_ref)
+
+
 def test_nonfinite_inputs_match_eager() -> None:
     x = _sample()
     x[3, 5], x[7, 1] = float("inf"), float("nan")
