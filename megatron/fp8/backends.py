@@ -78,7 +78,7 @@ class EmulatedBackend:
         # On CPUs with AMX-BF16 (or AMD's AVX512-BF16) the BF16 GEMM is the fast one, and runs every GEMM of a
         # --bf16 run (its output rounded before the scales are divided out): megatron/fp8/cpu_gemm.py says what differs.
         if cpu_gemm.bf16_gemm(a, out_dtype, run_dtype, pow2_scales):
-            out = (fused.as_bf16(a) @ fused.as_bf16(b).t()).float()
+            out = fused.as_bf16(a) @ fused.as_bf16(b).t()  # bf16: the epilogue takes it to fp32 in its pass
         else:
             out = a.float() @ b.float().t()
         # The epilogue compiled when the layer fuses its quantization; the real-FP8 backends have none (their

@@ -274,7 +274,7 @@ def quantize_tiles(x: torch.Tensor, tile: Any, spec: Any, margin: int = 0, power
 
 
 def _scale_output(out: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return (out / (a_scale.float() * b_scale.float())).to(dtype)
+    return (out.float() / (a_scale.float() * b_scale.float())).to(dtype)
 
 
 _scale_output_c = _fused(_scale_output)
@@ -282,10 +282,11 @@ _scale_output_c = _fused(_scale_output)
 
 def scale_output(out: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, dtype: torch.dtype,
                  compiled: bool = True) -> torch.Tensor:
-    """The emulated GEMM's epilogue: its fp32 accumulator divided by both quantization scales, then rounded
-    once to `dtype`. Eager (`compiled=False`, the reference), this is two passes over the output and the
-    division was measured at ~20 ns per element on the 2-core Xeon (the largest single cost of the emulated FP8
-    step, docs/performance.md); compiled, one vectorized pass with the same division."""
+    """The emulated GEMM's epilogue: its fp32 accumulator (or the bf16 GEMM's output, taken to fp32 in the same
+    pass) divided by both quantization scales, then rounded once to `dtype`. Eager (`compiled=False`, the
+    reference), this is two passes over the output and the division was measured at ~20 ns per element on the
+    2-core Xeon (the largest single cost of the emulated FP8 step, docs/performance.md); compiled, one vectorized
+    pass with the same division."""
     if not compiled or out.numel() == 0:
         return _scale_output(out, a_scale, b_scale, dtype)
     return _scale_output_c(out, a_scale, b_scale, dtype)
