@@ -20,6 +20,7 @@ from tests.support.fp8_traced import fp8_llama_block, post_grad_graphs
 T, K, N = 48, 32, 16  # multiples of 16: _scaled_mm's operands need no padding
 SCALED_MM = torch.ops.aten._scaled_mm.default
 FP8_FORMATS = (torch.float8_e4m3fn, torch.float8_e5m2)
+BLOCK_ACTIVATIONS = [(32, 64), (32, 64), (32, 64), (32, 128)]  # qkv, proj, fc1 inputs; fc2's (32 tokens)
 VIEWS = {torch.ops.aten.t.default, torch.ops.aten.permute.default, torch.ops.aten.view.default,
          torch.ops.aten.reshape.default, torch.ops.aten.alias.default, torch.ops.aten._unsafe_view.default}
 
@@ -171,6 +172,18 @@ def test_scale_validity_is_read_once_per_step_until_valid_and_again_after_a_load
     assert layer.fp8.known_valid == (False, False, False) == tuple(layer.fp8_scale_valid.tolist())
 
 
+def _block_step_graphs(block: torch.nn.Module) -> list[torch.fx.Graph]:
+    """The post-grad graphs of one BF16-autocast forward + backward of a compiled `fp8_llama_block`."""
+    x = torch.randn(2, 16, 64, requires_grad=True)
+
+    def run() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = block(x, None, None)
+        out.float().sum().backward()
+
+    return post_grad_graphs(run)
+
+
 @pytest.mark.parametrize("save_casts", [True, False])
 def test_compiled_block_backward_keeps_the_fp8_operands_and_recomputes_no_cast(save_casts):
     """A Llama block (FP8 linears, Smooth-SwiGLU) compiled as `--torch-compile` compiles it: the backward graph
@@ -186,23 +199,15 @@ def test_compiled_block_backward_keeps_the_fp8_operands_and_recomputes_no_cast(s
     else:
         register_fp8_weight_refresh(block)
         block.compile(dynamic=False)
-    x = torch.randn(2, 16, 64, requires_grad=True)
-
-    def run() -> None:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = block(x, None, None)
-        out.float().sum().backward()
-
-    graphs = post_grad_graphs(run)
+    graphs = _block_step_graphs(block)
     forward, backward = [g for g in graphs if any(n.target is SCALED_MM for n in g.nodes)]
     recomputed = [n.args[1] for n in backward.nodes if is_fp8_cast(n) and n.args[1] is torch.float8_e4m3fn]
     saved = [n for n in forward.nodes if n.op == "output"][0].args[0]
     saved_fp8 = sorted(tuple(n.meta["val"].shape) for n in saved
                        if isinstance(n, torch.fx.Node) and n.meta["val"].dtype == torch.float8_e4m3fn)
-    activations = [(32, 64), (32, 64), (32, 64), (32, 128)]  # qkv, proj, fc1 inputs; fc2's (32 tokens)
     if save_casts:
         assert not recomputed, recomputed
-        assert [s for s in saved_fp8 if s[0] == 32] == activations, saved_fp8
+        assert [s for s in saved_fp8 if s[0] == 32] == BLOCK_ACTIVATIONS, saved_fp8
     else:
         assert recomputed
 
@@ -220,14 +225,7 @@ def test_emulated_block_backward_takes_the_forward_fp8_values():
     with cpu_gemm.use_mode("bf16"):
         block = fp8_llama_block(Fp8Recipe())
         compile_block(block)
-        x = torch.randn(2, 16, 64, requires_grad=True)
-
-        def run() -> None:
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                out = block(x, None, None)
-            out.float().sum().backward()
-
-        graphs = post_grad_graphs(run)
+        graphs = _block_step_graphs(block)
     forward, backward = graphs[-2:]
     from_fp8 = [n for n in backward.nodes if n.op == "call_function" and n.all_input_nodes
                 and getattr(n.all_input_nodes[0].meta.get("val"), "dtype", None) in FP8_FORMATS]
@@ -237,4 +235,4 @@ def test_emulated_block_backward_takes_the_forward_fp8_values():
     values = sorted(tuple(n.meta["val"].shape) for n in saved if isinstance(n, torch.fx.Node)
                     and n.meta["val"].dtype == torch.bfloat16 and n.args and isinstance(n.args[0], torch.fx.Node)
                     and n.args[0].target is torch.ops.aten.copysign.Tensor)
-    assert [s for s in values if s[0] == 32] == [(32, 64), (32, 64), (32, 64), (32, 128)], values
+    assert [s for s in values if s[0] == 32] == BLOCK_ACTIVATIONS, values
