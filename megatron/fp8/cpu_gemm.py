@@ -17,13 +17,12 @@ dequantization factors 1 / (s_a s_b) are applied, where the hardware rounds once
 
 `auto` (the default) is `bf16` on CPUs with AMX-BF16 and on AMD CPUs with AVX512-BF16 (the `amx_bf16` CPU flag, or
 `avx512_bf16` with vendor AuthenticAMD; oneDNN not capped below them by `ONEDNN_MAX_CPU_ISA`): a BF16 GEMM runs there
-4-10x faster than FP32 (4096 x 256 x
-704 on 2 cores, torch 2.13: 0.53 vs 4.98 ms on an Intel Xeon with AMX, 1.53 vs 8.81 ms on an AMD EPYC with
-AVX512-BF16; capped at AVX512_CORE the EPYC's BF16 GEMM took FP32's time), and the FP32 GEMMs made the FP8 step
-slower than BF16's. On other CPUs, `exact`: on an Intel Xeon with AVX512-BF16 but no AMX, 2048^3 in BF16 took
-1.41-1.56x FP32's time (docs/performance.md). `MEGATRON_CPU_FP8_GEMM` = auto | exact | bf16 overrides it (`bf16` on a
-CPU without fast BF16 GEMMs runs torch's slow BF16 kernels). Decided once, at import: a module constant, which
-compiled graphs read without a graph break. `describe()` is the start-up log line.
+4-10x faster than FP32 (4096 x 256 x 704 on 2 cores, torch 2.13: 0.53 vs 4.98 ms on an Intel Xeon with AMX, 1.53 vs
+8.81 ms on an AMD EPYC with AVX512-BF16; capped at AVX512_CORE the EPYC's BF16 GEMM took FP32's time), and the FP32
+GEMMs made the FP8 step slower than BF16's. On other CPUs, `exact`: on an Intel Xeon with AVX512-BF16 but no AMX,
+2048^3 in BF16 took 1.41-1.56x FP32's time (docs/performance.md). `MEGATRON_CPU_FP8_GEMM` = auto | exact | bf16
+overrides it (`bf16` on a CPU without fast BF16 GEMMs runs torch's slow BF16 kernels). Decided once, at import: a
+module constant, which compiled graphs read without a graph break. `describe()` is the start-up log line.
 """
 from __future__ import annotations
 

@@ -65,10 +65,10 @@ class _EagerCall:
         state, spec = self.state, self.specs[ROLE_GRAD]
         stochastic = state.recipe.grad_stochastic_rounding
         if values_dtype is not False and not stochastic:
-            # The emulated GEMMs multiply the values; Q(dy) itself only feeds the statistics (E5M2's conversion is
-            # the slow part of the cast on CPU).
+            # Where the GEMMs multiply the values, Q(dy) itself only feeds the statistics (E5M2's conversion is the
+            # slow part of the cast on CPU); `quantize_tensor` keeps it where there are no values.
             q_g, v_g, s_g, g_amax = state.fused_quantize(Fp8Role.GRAD_OUTPUT, dy2d, spec, values_dtype, training,
-                                                         keep_q=values_dtype is None or state.stats_enabled)
+                                                         keep_q=state.stats_enabled)
         else:  # stochastic rounding draws its noise eagerly (the generator's stream stays the eager one)
             g_amax, v_g = amax_of(dy2d), None
             s_g = state.scale_for(Fp8Role.GRAD_OUTPUT, g_amax, spec, training)
