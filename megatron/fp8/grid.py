@@ -40,4 +40,5 @@ def fp8_grid(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     a = y.abs()
     c = a * (2.0**split + 1.0)
     rounded = torch.where(a < min_normal, (a + subnormal_shift) - subnormal_shift, c - (c - a))
+    # copysign(where(...), y): the shape partition.py (`_grid_values`) finds these values by in a compiled graph.
     return torch.copysign(rounded, y)
