@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import json
 import logging
+import resource
 import statistics
 import sys
 import time
@@ -36,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron import cpu_bf16  # noqa: E402
+from megatron import cpu_bf16, host_malloc  # noqa: E402
 from megatron.arguments import parse_config  # noqa: E402
 from megatron.fp8 import cpu_gemm, set_fp8_tracing  # noqa: E402
 from megatron.training.loop import Trainer  # noqa: E402
@@ -224,6 +225,9 @@ def main() -> None:
                          "build_s": v.build_s, "steps_s": v.times})
         print(f"{v.name:<42} {med * 1000:>10.1f}ms {med / ref:>11.2f}x {tokens_per_step / med:>10.0f} "
               f"{v.state_bytes() / 2**20:>7.2f} MiB {v.build_s:>12.1f}s")
+    if device.type == "cpu":  # the process's peak resident set: every variant's, and the host allocator's holding
+        print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB "
+              f"(CPU malloc: {host_malloc.configure()})")
     if args.cpu_bf16_gemm == "both":
         for v in variants:
             if v.bf16_gemm_mode == "fp32":

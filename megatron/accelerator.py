@@ -15,7 +15,7 @@ from typing import ContextManager, Optional
 
 import torch
 
-from megatron import cpu_bf16
+from megatron import cpu_bf16, host_malloc
 
 
 # What the HPU path sets in the environment before Habana's bridge is imported (the bridge reads it then), and why.
@@ -107,6 +107,12 @@ class Accelerator:
             cpu_bf16.install()
         else:
             cpu_bf16.check_unused()
+
+    def prepare_host_memory(self) -> None:
+        """On CPU, where tensors live in host memory: keep freed memory in the process (`megatron.host_malloc`);
+        logs the choice once. Accelerators allocate through their own caching allocators: nothing to do."""
+        if self.device_type == "cpu":
+            host_malloc.configure()
 
     def synchronize(self) -> None:
         if self.device_type == "cuda":

@@ -109,6 +109,7 @@ class Trainer:
             logger.info(note)
         t = config.training
         self.accel.prepare_bf16(t.bf16)
+        self.accel.prepare_host_memory()
         if t.data_parallel_size != self.parallel.data_parallel_size:
             raise ValueError(f"config was resolved for data-parallel size {t.data_parallel_size} but "
                              f"{self.parallel.data_parallel_size} ranks are running; launch with the same WORLD_SIZE")
