@@ -332,13 +332,14 @@ class Fp8LayerState:
         return q, values, scale, amax
 
     def quantize_input(self, backend: Backend, spec: Fp8FormatSpec, x2d: torch.Tensor, input_amax: torch.Tensor | None,
-                       values_dtype: torch.dtype | None | bool, record: bool, known_valid: bool = False
-                       ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+                       values_dtype: torch.dtype | None | bool, record: bool, known_valid: bool = False,
+                       keep_q: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """(Q(x), Q(x) in the emulated GEMM's dtype when the fused kernel wrote it else None, scale, amax);
         records the amax (and the tensorwise scale) when `record`. With `input_amax` (the exact amax of this very
-        x) the scale is x's own: current scaling for free."""
+        x) the scale is x's own: current scaling for free. `keep_q` False: Q(x) may be None where the values are
+        made (the fused pass without a given amax)."""
         if values_dtype is not False and input_amax is None:
-            return self.fused_quantize(Fp8Role.INPUT, x2d, spec, values_dtype, record, known_valid)
+            return self.fused_quantize(Fp8Role.INPUT, x2d, spec, values_dtype, record, known_valid, keep_q)
         x_amax = amax_of(x2d) if input_amax is None else input_amax.float()
         s_x = self.scale_for(Fp8Role.INPUT, x_amax, spec, record)
         if input_amax is not None:

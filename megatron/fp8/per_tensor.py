@@ -94,10 +94,14 @@ def forward(state: Fp8LayerState, x: torch.Tensor, weight: torch.Tensor, bias: t
     backend, specs, x2d = gemm_steps.begin(state, x)
     values_dtype = state.values_dtype(backend)
     recipe = state.recipe
+    # BF16 values (cpu_gemm's bf16 mode): wgrad takes the forward's values, saved as the compiled block saves them
+    # (partition.py), instead of converting Q(x) again in backward, and Q(x) is made for the statistics only.
+    values_only = values_dtype is torch.bfloat16 and recipe.fp8_wgrad
     # Autocast would turn the fp32 GEMM of the emulated backend into bf16; every dtype here is explicit.
     with torch.autocast(x.device.type, enabled=False), torch.no_grad():
         q_x, v_x, s_x, x_amax = state.quantize_input(backend, specs[ROLE_INPUT], x2d, input_amax, values_dtype,
-                                                     training)
+                                                     training, state.known_valid[ROLE_INPUT],
+                                                     keep_q=not values_only or state.stats_enabled)
         state.record_stats(Fp8Role.INPUT, x2d, q_x, s_x, specs[ROLE_INPUT])
         if column_scale is None:
             w = state.quantized_weight(weight, backend, specs[ROLE_WEIGHT])
@@ -111,7 +115,7 @@ def forward(state: Fp8LayerState, x: torch.Tensor, weight: torch.Tensor, bias: t
     eager = _EagerCall(state, backend, specs, weight, None if per_call else w, w.scale, w.amax, column_scale)
     consts = gemm_constants(state, backend, out_dtype, x.dtype, weight.dtype, training, values_dtype,
                             state.fused_quantization)
-    saved_x = (None if v_x is None else q_x) if recipe.fp8_wgrad else x2d.detach()
+    saved_x = (None if v_x is None or values_only else q_x) if recipe.fp8_wgrad else x2d.detach()
     y2d = Fp8Gemms.apply(x2d, weight, bias, q_x if v_x is None else v_x, s_x,
                          w.weight(backend, recipe.power_of_two_scales), w.gemm_scale(), None, saved_x, column_scale,
                          state.scale, state.scale_valid, state.step_amax, consts, eager)

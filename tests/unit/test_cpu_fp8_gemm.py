@@ -108,6 +108,27 @@ def test_a_bf16_runs_fp8_layer_takes_the_bf16_gemms():
     assert ((dw_b.double() - dw_e.double()).abs() <= 2.0 ** -8 * dw_e.double().abs()).all()
 
 
+def test_in_bf16_mode_wgrad_takes_the_forwards_bf16_values_instead_of_converting_the_fp8_input_again():
+    """The eager layer (fused quantization) in bf16 mode saves x's FP8 values in BF16 for wgrad, as a compiled block
+    does, instead of Q(x) to convert again in backward: every saved [tokens, K] tensor is BF16 and on the E4M3 grid
+    (x itself is not), none is FP8. The exact mode keeps saving Q(x)."""
+    torch.manual_seed(0)
+    layer = Fp8Linear(64, 48, bias=False, recipe=Fp8Recipe(scaling=Fp8Scaling.TENSORWISE))
+    set_fused_quantization(layer, True)
+    x = torch.randn(32, 64).bfloat16().requires_grad_()
+    saved = {}
+    for mode in ("bf16", "exact"):
+        found = saved[mode] = []
+        with cpu_gemm.use_mode(mode), torch.autocast("cpu", dtype=BF16), \
+                torch.autograd.graph.saved_tensors_hooks(lambda t: found.append(t) or t, lambda t: t):
+            layer(x).float().sum().backward()
+    activations = [t for t in saved["bf16"] if tuple(t.shape) == (32, 64)]
+    assert activations and all(t.dtype == BF16 for t in activations), [t.dtype for t in activations]
+    on_grid = [torch.equal(t.float().to(torch.float8_e4m3fn).float(), t.float()) for t in activations]
+    assert all(on_grid) and not torch.equal(x.float().to(torch.float8_e4m3fn).float(), x.float())
+    assert torch.float8_e4m3fn in [t.dtype for t in saved["exact"] if tuple(t.shape) == (32, 64)]
+
+
 @pytest.mark.parametrize("vendor,flags,cap,want", [
     ("GenuineIntel", {"amx_bf16", "avx512f"}, None, "bf16"),
     ("GenuineIntel", {"avx512f", "avx512_bf16"}, None, "exact"),
