@@ -333,7 +333,8 @@ class Fp8LayerState:
 
     def quantize_input(self, backend: Backend, spec: Fp8FormatSpec, x2d: torch.Tensor, input_amax: torch.Tensor | None,
                        values_dtype: torch.dtype | None | bool, record: bool, known_valid: bool = False,
-                       keep_q: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+                       keep_q: bool = True
+                       ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """(Q(x), Q(x) in the emulated GEMM's dtype when the fused kernel wrote it else None, scale, amax);
         records the amax (and the tensorwise scale) when `record`. With `input_amax` (the exact amax of this very
         x) the scale is x's own: current scaling for free. `keep_q` False: Q(x) may be None where the values are
