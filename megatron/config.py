@@ -256,12 +256,12 @@ class TrainingConfig:
     project_devices: Optional[int] = flag(
         "--project-devices", group=TRAINING, default=None, type=int, metavar="N",
         help="with --project-on: project on N devices (default: the world size this run resolves to)")
-    # "auto" (on for CUDA, off on CPU: docs/performance.md), "on" or "off"; per transformer block
+    # "auto" (by device and run length: megatron/model/compile.py, docs/performance.md), "on" or "off"
     torch_compile: str = flag(
         "--torch-compile", group=TRAINING, default="auto", choices=["auto", "on", "off"], derived=True,
         help="torch.compile each transformer block (FP8 layers traced into it) and the FP8 quantization; auto = both "
-             "on CUDA (blocks eager with PP or ZeRO-3), on CPU the FP8 quantization only for runs of >= 100 "
-             "iterations, nothing on Gaudi (docs/performance.md)")
+             "on CUDA (blocks eager with PP or ZeRO-3), on CPU both for runs of >= 1000 iterations and the FP8 "
+             "quantization only for runs of >= 100, nothing on Gaudi (docs/performance.md)")
     # --eval-iters was left at its default: each evaluation reads at most one pass (megatron/training/run_plan.py)
     eval_iters_capped: bool = False
 

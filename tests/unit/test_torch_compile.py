@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from megatron.arguments import parse_config
-from megatron.model.compile import (FUSED_MIN_ITERS, check_torch_compile_supported, plan_torch_compile,
-                                    resolve_torch_compile)
+from megatron.model.compile import (BLOCKS_MIN_ITERS, FUSED_MIN_ITERS, check_torch_compile_supported,
+                                    plan_torch_compile, resolve_torch_compile)
 from megatron.training.loop import pretrain
 from tests.support.config import tiny_argv
 from tests.support.flags import COMPILE_RUN, FP8_HYBRID as FP8
@@ -100,6 +100,10 @@ def _plan_config(mode: str, iters: int, pp: int = 1, zero=None, fp8_param_gather
     ("auto", "cpu", FUSED_MIN_ITERS - 1, 1, None, False, False),  # short CPU runs start at once
     ("auto", "cpu", FUSED_MIN_ITERS, 1, None, False, True),
     ("auto", "cpu", FUSED_MIN_ITERS, 2, None, False, True),
+    ("auto", "cpu", BLOCKS_MIN_ITERS - 1, 1, None, False, True),
+    ("auto", "cpu", BLOCKS_MIN_ITERS, 1, None, True, True),  # long CPU runs repay compiling the blocks
+    ("auto", "cpu", BLOCKS_MIN_ITERS, 2, None, False, True),  # but not with PP
+    ("auto", "cpu", BLOCKS_MIN_ITERS, 1, 3, False, True),  # nor ZeRO-3
     ("auto", "hpu", 10**5, 1, None, False, False),  # Gaudi casts in its own kernels
 ])
 def test_compile_plan_table(mode, device, iters, pp, zero, blocks, quant) -> None:
@@ -107,7 +111,7 @@ def test_compile_plan_table(mode, device, iters, pp, zero, blocks, quant) -> Non
     plan = plan_torch_compile(_plan_config(mode, iters, pp, zero), device)
     assert (plan.blocks, plan.fp8_quantization) == (blocks, quant)
     if mode == "auto" and device == "cpu":
-        assert str(iters) in plan.why_fp8  # the log line names the rule it applied
+        assert str(iters) in plan.why_fp8 + plan.why_blocks  # the log line names the rule it applied
 
 
 def test_fp8_param_gather_compiles_the_blocks_under_auto_on_cuda() -> None:
