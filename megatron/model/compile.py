@@ -52,8 +52,9 @@ the FP8 quantization compiles in the first iteration (said in the log).
 
 Composes with tensor parallelism, activation recompute (selective and full), the plain, DeepSpeed ZeRO 0-2 and
 FSDP2 engines, and FSDP2's FP8 weight gathers (the block's pre-hook hands the graph the gathered FP8 bytes as they
-are, `Fp8LayerState.refresh_step_weight`). Pipeline parallelism and ZeRO-3 (which swaps parameters in and out around each block's forward)
-are refused by parse_config under `on`; under `auto` they keep the blocks eager with a log line saying why.
+are, `Fp8LayerState.refresh_step_weight`). Pipeline parallelism and ZeRO-3 (which swaps parameters in and out
+around each block's forward) are refused by parse_config under `on`; under `auto` they keep the blocks eager with
+a log line saying why.
 """
 from __future__ import annotations
 
