@@ -42,10 +42,11 @@ passes then fuse into the ops around them (the demo model's FP8 step on an AMD E
 with the blocks eager, 1.09x compiled): from BLOCKS_MIN_ITERS iterations on the saving outweighs the startup for
 both, and both runs of an FP8-vs-BF16 comparison of one length are compiled alike.
 
-Startup: compilation happens on a block's first call. So that it is neither inside the first iteration's time
-nor in tokens/s, `warm_up` runs one forward and backward on a synthetic micro-batch of the training shape
-right after the model is built, restoring everything it touched (RNG streams, the FP8 scaling buffers and
-weight caches, gradients), and logs the time in one line. A later recompilation (evaluation runs without
+Startup: compilation happens on a block's first call. So that it is neither inside the first iterations' time
+nor in tokens/s, `warm_up` runs one forward and backward on a synthetic micro-batch of the training shape (two
+under delayed scaling: the first step's variant and every later step's) right after the model is built,
+restoring everything it touched (RNG streams, the FP8 scaling buffers and weight caches, gradients), and logs the
+time in one line. A later recompilation (evaluation runs without
 gradients: one more graph per block) is counted where it happens. Under pipeline parallelism (DeepSpeed's
 PipelineModule cannot run a micro-batch alone) and ZeRO-3 (the engine owns the parameters) there is no warm-up:
 the FP8 quantization compiles in the first iteration (said in the log).
@@ -223,7 +224,10 @@ def register_fp8_weight_refresh(block: nn.Module) -> None:
 def warm_up(model: nn.Module, run_micro_batch) -> float:
     """Seconds spent in `run_micro_batch()` (one forward + backward that triggers compilation, FP8 statistics
     off), leaving the model as it was: RNG streams forked, buffers (FP8 amaxes, scales, statistics) restored, FP8
-    weight caches dropped, gradients cleared."""
+    weight caches dropped, gradients cleared. Under delayed scaling it runs twice: the first step's graphs wait
+    for each tensor's amax (the history holds no scale yet), every later step's take the history's scale
+    (`Fp8LayerState.known_valid`), a variant of its own that would otherwise compile inside the second
+    iteration."""
     model.train()  # the mode training runs in (dynamo guards on it)
     from megatron.fp8 import Fp8Linear
 
@@ -241,6 +245,11 @@ def warm_up(model: nn.Module, run_micro_batch) -> float:
     try:
         with torch.random.fork_rng(devices=devices):
             run_micro_batch()
+            delayed = [m for m in fp8_layers.values() if m.fp8.recipe.scaling.value == "delayed"]
+            for m in delayed:  # as after the first optimizer step (the scales are restored below)
+                m.fp8.learn_scale_validity([True] * len(m.fp8.known_valid))
+            if delayed:
+                run_micro_batch()
         return time.perf_counter() - start
     finally:  # also after a failed compilation: the eager parts may have run
         with torch.no_grad():

@@ -49,11 +49,28 @@ def test_blocks_share_one_graph_and_none_runs_eagerly(compiled_run) -> None:
     run, the blocks' graphs are those of the step's variants, not a multiple of the block count (identical
     blocks share one backend); past dynamo's recompile limit the fixture's run would have raised."""
     lines = [line for line in compiled_run.lines if "torch.compile:" in line and "transformer blocks" in line]
-    assert len(lines) == 1 and re.search(rf"{COMMON['num_layers']} transformer blocks \(1 graph for all\) .*"
+    # Two graphs: the first step's, and that of every step after delayed scaling's history turned valid.
+    assert len(lines) == 1 and re.search(rf"{COMMON['num_layers']} transformer blocks \(2 graphs for all\) .*"
                                          r"compiled in [\d.]+ s", lines[0]), lines
     # Variants: the first step, the steps after delayed scaling's history turned valid, and the SwiGLU diagnostics
     # iterations (a graph break around the recorder's hook: a graph per piece). A graph per block would be 32 or more.
     assert 1 < compiled_run.graphs < COMMON["num_layers"] // 2, compiled_run.graphs
+
+
+def test_no_training_iteration_compiles_under_delayed_scaling() -> None:
+    """Delayed scaling's graphs differ between the first step (no scale in the history yet) and every later one:
+    the warm-up compiles both, so that the second iteration does not compile the blocks again inside its time. A
+    run without logging, evaluation or statistics iterations compiles nothing after the startup line."""
+    from megatron.model.compile import BLOCK_BACKEND
+
+    before = BLOCK_BACKEND.graphs
+    # A micro-batch of 3 sequences, which no other test compiles: the process's dynamo cache holds none of its graphs.
+    run = {**COMPILE_RUN, "train_iters": 3, "log_interval": 100, "micro_batch_size": 3, "global_batch_size": 3}
+    with LogLines() as handler:
+        pretrain(parse_config(tiny_argv(*FP8, "--fp8-recipe", "delayed", "--torch-compile", "on", **run)))
+    [line] = [line for line in handler.lines if "torch.compile:" in line and "transformer blocks" in line]
+    warmed = int(re.search(r"\((\d+) graphs? for all\)", line).group(1))
+    assert warmed == 2 and BLOCK_BACKEND.graphs - before == warmed, (line, BLOCK_BACKEND.graphs - before)
 
 
 def test_state_dict_keys_unchanged(compiled_run) -> None:
