@@ -44,9 +44,9 @@ both, and both runs of an FP8-vs-BF16 comparison of one length are compiled alik
 
 Startup: compilation happens on a block's first call. So that it is neither inside the first iterations' time
 nor in tokens/s, `warm_up` runs one forward and backward on a synthetic micro-batch of the training shape (two
-under delayed scaling: the first step's variant and every later step's) right after the model is built,
-restoring everything it touched (RNG streams, the FP8 scaling buffers and weight caches, gradients), and logs the
-time in one line. A later recompilation (evaluation runs without
+under delayed scaling: the first step's variant and every later step's; again with FP8 statistics on where the
+run records them) right after the model is built, restoring everything it touched (RNG streams, the FP8 scaling
+buffers and weight caches, gradients), and logs the time in one line. A later recompilation (evaluation runs without
 gradients: one more graph per block) is counted where it happens. Under pipeline parallelism (DeepSpeed's
 PipelineModule cannot run a micro-batch alone) and ZeRO-3 (the engine owns the parameters) there is no warm-up:
 the FP8 quantization compiles in the first iteration (said in the log).
@@ -234,22 +234,25 @@ def warm_up(model: nn.Module, run_micro_batch) -> float:
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     fp8_layers = {name: m for name, m in model.named_modules() if isinstance(m, Fp8Linear)}
     counters = {name: m.fp8.weight_quantizations for name, m in fp8_layers.items()}
-    # The step most iterations run: without FP8 statistics (on in logging iterations only, where the FP8 layers
-    # are graph breaks; their graphs compile in the first such iteration). Nor do the synthetic batch's
-    # statistics reach the first log line.
+    # The step most iterations run: without FP8 statistics (on in the first and the logging iterations only). The
+    # synthetic batch's statistics must not reach the first log line: they are dropped below.
     stats = {name: m.fp8.stats_enabled for name, m in fp8_layers.items()}
-    for m in fp8_layers.values():
-        m.fp8.configure(stats_enabled=False)
+    delayed = [m for m in fp8_layers.values() if m.fp8.recipe.scaling.value == "delayed"]
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     start = time.perf_counter()
     try:
         with torch.random.fork_rng(devices=devices):
-            run_micro_batch()
-            delayed = [m for m in fp8_layers.values() if m.fp8.recipe.scaling.value == "delayed"]
-            for m in delayed:  # as after the first optimizer step (the scales are restored below)
-                m.fp8.learn_scale_validity([True] * len(m.fp8.known_valid))
-            if delayed:
+            for with_stats in [False] + ([True] if any(stats.values()) else []):
+                for name, m in fp8_layers.items():
+                    m.fp8.configure(stats_enabled=with_stats and stats[name])
+                    m.fp8.forget_scale_validity()
+                    m.fp8.forget_weights()  # each step casts its weights afresh
                 run_micro_batch()
+                for m in delayed:  # as after the first optimizer step (the scales are restored below)
+                    m.fp8.learn_scale_validity([True] * len(m.fp8.known_valid))
+                    m.fp8.forget_weights()
+                if delayed:
+                    run_micro_batch()
         return time.perf_counter() - start
     finally:  # also after a failed compilation: the eager parts may have run
         with torch.no_grad():
@@ -259,6 +262,8 @@ def warm_up(model: nn.Module, run_micro_batch) -> float:
         for name, m in fp8_layers.items():
             m.fp8.weight_quantizations = counters[name]
             m.fp8.configure(stats_enabled=stats[name])
+            if m.fp8.stats is not None:
+                m.fp8.stats.reset()
             m.fp8.forget_weights()
             m.fp8.forget_scale_validity()
         for p in model.parameters():

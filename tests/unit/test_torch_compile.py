@@ -57,20 +57,26 @@ def test_blocks_share_one_graph_and_none_runs_eagerly(compiled_run) -> None:
     assert 1 < compiled_run.graphs < COMMON["num_layers"] // 2, compiled_run.graphs
 
 
-def test_no_training_iteration_compiles_under_delayed_scaling() -> None:
+@pytest.mark.parametrize("stats,iters,batch", [(False, 3, 3), (True, 1, 5)])
+def test_no_training_iteration_compiles_under_delayed_scaling(stats, iters, batch) -> None:
     """Delayed scaling's graphs differ between the first step (no scale in the history yet) and every later one:
     the warm-up compiles both, so that the second iteration does not compile the blocks again inside its time. A
-    run without logging, evaluation or statistics iterations compiles nothing after the startup line."""
+    run without logging or evaluation iterations compiles nothing after the startup line. With FP8 statistics
+    (on from the first iteration) the warm-up also runs the statistics variants: the first iteration compiles
+    nothing either."""
     from megatron.model.compile import BLOCK_BACKEND
 
     before = BLOCK_BACKEND.graphs
-    # A micro-batch of 3 sequences, which no other test compiles: the process's dynamo cache holds none of its graphs.
-    run = {**COMPILE_RUN, "train_iters": 3, "log_interval": 100, "micro_batch_size": 3, "global_batch_size": 3}
+    # Micro-batches of 3 and 5 sequences, which no other test compiles: the process's dynamo cache holds none of
+    # their graphs.
+    run = {**COMPILE_RUN, "train_iters": iters, "lr_warmup_iters": 0, "log_interval": 100, "micro_batch_size": batch,
+           "global_batch_size": batch}
+    extra = ("--log-fp8-stats",) if stats else ()
     with LogLines() as handler:
-        pretrain(parse_config(tiny_argv(*FP8, "--fp8-recipe", "delayed", "--torch-compile", "on", **run)))
+        pretrain(parse_config(tiny_argv(*FP8, "--fp8-recipe", "delayed", "--torch-compile", "on", *extra, **run)))
     [line] = [line for line in handler.lines if "torch.compile:" in line and "transformer blocks" in line]
     warmed = int(re.search(r"\((\d+) graphs? for all\)", line).group(1))
-    assert warmed == 2 and BLOCK_BACKEND.graphs - before == warmed, (line, BLOCK_BACKEND.graphs - before)
+    assert (warmed == 2) != stats and BLOCK_BACKEND.graphs - before == warmed, (line, BLOCK_BACKEND.graphs - before)
 
 
 def test_state_dict_keys_unchanged(compiled_run) -> None:
