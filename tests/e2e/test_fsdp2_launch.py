@@ -75,9 +75,9 @@ def test_an_fp8_run_resumes_bit_for_bit(fp8_runs):
 
 def test_compiled_blocks_under_fsdp2_track_the_eager_run(fp8_runs, tmp_path):
     """`--torch-compile on` under FSDP2: the same graphs for both blocks, the FP8 layers traced into them (their
-    gathered weight cast in the graph, per call), FSDP2's gather and reduce-scatter hooks run eagerly around them. Within 1e-3
-    of the eager run's losses (a lost reduce-scatter or a stale weight moves them by far more; the compiled block's
-    fused roundings by ~1e-6)."""
+    gathered weight cast in the graph, per call), FSDP2's gather and reduce-scatter hooks run eagerly around them.
+    Within 1e-3 of the eager run's losses (a lost reduce-scatter or a stale weight moves them by far more; the
+    compiled block's fused roundings by ~1e-6)."""
     root, straight, _ = fp8_runs
     log = _train(tmp_path / "compiled", *KEPT_RECOMPUTED, "--torch-compile", "on")
     # Two graphs: the first step's and every later one's (delayed scaling's history holds a scale from then on).
