@@ -136,6 +136,20 @@ class MLP(nn.Module):
         return self.linear_fc2(self.activation(self.linear_fc1(hidden)))
 
 
+def _fp8_statistics_on(layer: nn.Module) -> bool:
+    """Whether the block's FP8 layers record statistics this step (`Fp8LayerState.stats_enabled`, switched for the
+    whole model at once; False without FP8 layers). A compiled block reads it in its own frame: statistics steps
+    run the FP8 layers as graph breaks, and dynamo keeps no guard from a call it could not inline, so without this
+    read the graph-broken entry of a statistics step matched every later step too (152 compiled regions per step
+    of the demo model instead of 56; `test_no_training_iteration_compiles_under_delayed_scaling`)."""
+    for linear in (layer.self_attention.linear_qkv, layer.self_attention.linear_proj, layer.mlp.linear_fc1,
+                   layer.mlp.linear_fc2):
+        state = getattr(linear, "fp8", None)
+        if state is not None:
+            return state.stats_enabled
+    return False
+
+
 class TransformerLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_number: int) -> None:
         super().__init__()
@@ -148,6 +162,8 @@ class TransformerLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, rotary: Optional[tuple[torch.Tensor, torch.Tensor]],
                 attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        if _fp8_statistics_on(self):  # read here so that a compiled block's entry is guarded on it (see below)
+            pass
         attn = self.self_attention(self.input_layernorm(hidden), rotary, attention_mask)
         hidden = hidden + F.dropout(attn, self.hidden_dropout, self.training)
         mlp = self.mlp(self.pre_mlp_layernorm(hidden))
