@@ -222,14 +222,15 @@ def register_fp8_weight_refresh(block: nn.Module) -> None:
 
 
 def warm_up(model: nn.Module, run_micro_batch) -> float:
-    """Seconds spent in `run_micro_batch()` (one forward + backward that triggers compilation, FP8 statistics
-    off), leaving the model as it was: RNG streams forked, buffers (FP8 amaxes, scales, statistics) restored, FP8
-    weight caches dropped, gradients cleared. Under delayed scaling it runs twice: the first step's graphs wait
-    for each tensor's amax (the history holds no scale yet), every later step's take the history's scale
-    (`Fp8LayerState.known_valid`), a variant of its own that would otherwise compile inside the second
-    iteration."""
+    """Seconds spent in `run_micro_batch()` (a forward + backward that triggers compilation), leaving the model as
+    it was: RNG streams forked, buffers (FP8 amaxes, scales) restored, FP8 statistics dropped, FP8 weight caches
+    dropped, gradients cleared. It runs with FP8 statistics off (most iterations' step), and again with them on
+    where the run records them (its first and logging iterations). Under delayed scaling each of those runs twice:
+    the first step's graphs wait for each tensor's amax (the history holds no scale yet), every later step's take
+    the history's scale (`Fp8LayerState.known_valid`), a variant of its own that would otherwise compile inside
+    the second iteration."""
     model.train()  # the mode training runs in (dynamo guards on it)
-    from megatron.fp8 import Fp8Linear
+    from megatron.fp8 import Fp8Linear, Fp8Scaling
 
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     fp8_layers = {name: m for name, m in model.named_modules() if isinstance(m, Fp8Linear)}
@@ -237,7 +238,7 @@ def warm_up(model: nn.Module, run_micro_batch) -> float:
     # The step most iterations run: without FP8 statistics (on in the first and the logging iterations only). The
     # synthetic batch's statistics must not reach the first log line: they are dropped below.
     stats = {name: m.fp8.stats_enabled for name, m in fp8_layers.items()}
-    delayed = [m for m in fp8_layers.values() if m.fp8.recipe.scaling.value == "delayed"]
+    delayed = [m for m in fp8_layers.values() if m.fp8.recipe.scaling is Fp8Scaling.DELAYED]
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     start = time.perf_counter()
     try:

@@ -162,7 +162,7 @@ class TransformerLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, rotary: Optional[tuple[torch.Tensor, torch.Tensor]],
                 attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
-        if _fp8_statistics_on(self):  # read here so that a compiled block's entry is guarded on it (see below)
+        if _fp8_statistics_on(self):  # read here so that a compiled block's entry is guarded on it (its docstring)
             pass
         attn = self.self_attention(self.input_layernorm(hidden), rotary, attention_mask)
         hidden = hidden + F.dropout(attn, self.hidden_dropout, self.training)
