@@ -166,13 +166,22 @@ def _upcast(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return _values(q, dtype)
 
 
+def _known_values(x: torch.Tensor, scale: torch.Tensor, fp8_max: float, dtype: torch.dtype,
+                  values_dtype: torch.dtype) -> torch.Tensor:
+    """The values of Q(x) with a known scale, in `values_dtype`; Q(x) itself is not written."""
+    return _cast(torch.clamp(x.float() * scale.float(), -fp8_max, fp8_max), dtype, values_dtype, keep_q=False)[1]
+
+
 _quantize_tensor_c = _fused(_quantize_tensor)
 _quantize_known_c = _fused(_quantize_known)
 _upcast_c = _fused(_upcast)
 # Element-wise: one graph per FP8 format and layout for every shape, compiled at start-up by `warm_up_upcasts` in the
 # runs that take it (cpu_gemm's bf16 mode), instead of one per weight and activation shape inside the first iterations.
 _upcast_any_shape = _fused(_upcast, dynamic=True)
+_known_values_any_shape = _fused(_known_values, dynamic=True)
 _warmed_up: set[torch.dtype] = set()  # the dtypes `warm_up_upcasts` compiled the dynamic graphs for
+# The input dtype of the activations and gradients `known_values` takes: the dynamic graphs are made for it.
+_ACTIVATION_DTYPE = torch.bfloat16
 
 
 def quantize_tensor(x: torch.Tensor, previous: torch.Tensor, valid: torch.Tensor, delayed: bool, fp8_max: float,
@@ -231,17 +240,37 @@ def upcast(q: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return (_upcast_any_shape if dtype in _warmed_up else _upcast_c)(q, dtype)
 
 
+def known_values(x: torch.Tensor, scale: torch.Tensor, fp8_max: float, dtype: torch.dtype,
+                 values_dtype: torch.dtype | None) -> torch.Tensor | None:
+    """For the eager layer (fused quantization off): the values of Q(x) in `values_dtype` (what the emulated GEMMs
+    multiply), in one compiled pass for every shape, bitwise the values of the eager cast; Q(x) is not made. None
+    where `warm_up_upcasts` made no graph for this input and values dtype (the caller quantizes eagerly)."""
+    if (values_dtype not in _warmed_up or x.dtype != _ACTIVATION_DTYPE or x.numel() == 0 or not has_grid(dtype)
+            or x.device.type != "cpu"):
+        return None
+    return _known_values_any_shape(x, scale, fp8_max, dtype, values_dtype)
+
+
 @torch.no_grad()  # as the GEMMs call it (inside autograd functions): grad mode is part of a graph's guards
 def warm_up_upcasts(device: torch.device, dtype: torch.dtype) -> float:
     """Compile `upcast` to `dtype` for every shape now, as the emulated GEMMs call it: both FP8 formats, contiguous
-    operands and transposed ones (a weight's W^T); `upcast` uses these graphs from now on. The seconds it took."""
+    operands and transposed ones (a weight's W^T), `known_values` (the eager layer's casts of activations and
+    gradients) and, on CPU, the epilogue of a GEMM with a `dtype` output (`scale_output`) into `dtype` and fp32;
+    these functions use the graphs from now on. The seconds it took."""
     import time
 
     began = time.perf_counter()
-    for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+    scale = torch.ones((), device=device)
+    for fp8, fp8_max in ((torch.float8_e4m3fn, 448.0), (torch.float8_e5m2, 57344.0)):
         q = torch.zeros(16, 32, device=device).to(fp8)
         _upcast_any_shape(q, dtype)
         _upcast_any_shape(q.t(), dtype)
+        if device.type == "cpu":
+            _known_values_any_shape(torch.zeros(16, 32, dtype=_ACTIVATION_DTYPE, device=device), scale, fp8_max, fp8,
+                                    dtype)
+    if device.type == "cpu":
+        for out_dtype in {dtype, torch.float32}:
+            _scale_output_any_shape(torch.zeros(16, 32, dtype=dtype, device=device), scale, scale, out_dtype)
     _warmed_up.add(dtype)
     return time.perf_counter() - began
 
@@ -278,6 +307,8 @@ def _scale_output(out: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tenso
 
 
 _scale_output_c = _fused(_scale_output)
+# The eager layer's epilogue of a BF16 GEMM (cpu_gemm's bf16 mode), for every shape: made by `warm_up_upcasts`.
+_scale_output_any_shape = _fused(_scale_output, dynamic=True)
 
 
 def scale_output(out: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, dtype: torch.dtype,
@@ -286,7 +317,12 @@ def scale_output(out: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor
     pass) divided by both quantization scales, then rounded once to `dtype`. Eager (`compiled=False`, the
     reference), this is two passes over the output and the division was measured at ~20 ns per element on the
     2-core Xeon (the largest single cost of the emulated FP8 step, docs/performance.md); compiled, one vectorized
-    pass with the same division."""
-    if not compiled or out.numel() == 0:
+    pass with the same division. The eager layer's BF16 GEMM outputs take that pass too once `warm_up_upcasts` has
+    made its graph for every shape."""
+    if out.numel() == 0:
         return _scale_output(out, a_scale, b_scale, dtype)
-    return _scale_output_c(out, a_scale, b_scale, dtype)
+    if compiled:
+        return _scale_output_c(out, a_scale, b_scale, dtype)
+    if out.dtype in _warmed_up and out.device.type == "cpu":  # a BF16 GEMM's output: the start-up's any-shape graph
+        return _scale_output_any_shape(out, a_scale, b_scale, dtype)
+    return _scale_output(out, a_scale, b_scale, dtype)

@@ -218,6 +218,12 @@ class Fp8LayerState:
             return False
         return cpu_gemm.values_dtype() if backend.name == "emulated" else None
 
+    def eager_values_dtype(self, backend: Backend) -> torch.dtype | None:
+        """The eager layer's (fusion off) cast of an activation or gradient: the dtype of the values the emulated
+        GEMMs multiply, which `fused.known_values` writes in one compiled pass for every shape (where the run
+        compiled it at start-up) instead of Q(x) that each GEMM then converts again; None for the other backends."""
+        return cpu_gemm.values_dtype() if backend.name == "emulated" else None
+
     def weight_values_dtype(self, backend: Backend) -> torch.dtype | None | bool:
         """`values_dtype` for the weight: bf16 for the emulated GEMM with power-of-two scales (the dtype
         `QuantizedWeight.weight` converts to)."""
@@ -348,6 +354,9 @@ class Fp8LayerState:
         if values_dtype is not False:  # one compiled pass with the known scale
             q_x, v_x = fused.quantize_known(x2d, s_x, spec.max, spec.torch_dtype, values_dtype)
             return q_x, v_x, s_x, x_amax
+        v_x = fused.known_values(x2d, s_x, spec.max, spec.torch_dtype, self.eager_values_dtype(backend))
+        if v_x is not None:
+            return None, v_x, s_x, x_amax
         return backend.quantize(x2d, s_x, spec), None, s_x, x_amax
 
     def record_stats(self, role: Fp8Role, t: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,

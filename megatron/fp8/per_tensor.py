@@ -70,10 +70,12 @@ class _EagerCall:
             q_g, v_g, s_g, g_amax = state.fused_quantize(Fp8Role.GRAD_OUTPUT, dy2d, spec, values_dtype, training,
                                                          keep_q=state.stats_enabled)
         else:  # stochastic rounding draws its noise eagerly (the generator's stream stays the eager one)
-            g_amax, v_g = amax_of(dy2d), None
+            g_amax = amax_of(dy2d)
             s_g = state.scale_for(Fp8Role.GRAD_OUTPUT, g_amax, spec, training)
-            q_g = self.backend.quantize(dy2d, s_g, spec, stochastic)
-        state.record_stats(Fp8Role.GRAD_OUTPUT, dy2d, q_g, s_g, spec)
+            v_g = None if stochastic else fused.known_values(dy2d, s_g, spec.max, spec.torch_dtype,
+                                                             state.eager_values_dtype(self.backend))
+            q_g = self.backend.quantize(dy2d, s_g, spec, stochastic) if v_g is None else None
+        state.record_stats(Fp8Role.GRAD_OUTPUT, dy2d, v_g if q_g is None else q_g, s_g, spec)
         return q_g, v_g, s_g, g_amax
 
     def weight_t(self, pow2: bool) -> torch.Tensor:
@@ -102,7 +104,7 @@ def forward(state: Fp8LayerState, x: torch.Tensor, weight: torch.Tensor, bias: t
         q_x, v_x, s_x, x_amax = state.quantize_input(backend, specs[ROLE_INPUT], x2d, input_amax, values_dtype,
                                                      training, state.known_valid[ROLE_INPUT],
                                                      keep_q=not values_only or state.stats_enabled)
-        state.record_stats(Fp8Role.INPUT, x2d, q_x, s_x, specs[ROLE_INPUT])
+        state.record_stats(Fp8Role.INPUT, x2d, v_x if q_x is None else q_x, s_x, specs[ROLE_INPUT])
         if column_scale is None:
             w = state.quantized_weight(weight, backend, specs[ROLE_WEIGHT])
         else:

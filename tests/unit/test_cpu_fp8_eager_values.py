@@ -1,0 +1,94 @@
+"""The eager FP8 layer in the emulated backend's bf16 mode (megatron/fp8/cpu_gemm.py) casts each activation and
+gradient straight to the values its BF16 GEMMs multiply (`fused.known_values`: one compiled pass for every shape,
+made at start-up by `fused.warm_up_upcasts`), instead of making Q(x) that every GEMM then converts to BF16 again.
+
+The values are the FP8 numbers themselves, so everything the layer computes is bitwise what the FP8 tensors gave:
+the outputs, both gradients, the scaling state and the statistics."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from megatron.fp8 import Fp8Linear, collect_fp8_stats, cpu_gemm, enable_fp8_stats, fp8_optimizer_step, fused
+from megatron.fp8.backends import EmulatedBackend
+from megatron.fp8.recipe import Fp8Recipe, Fp8Scaling
+
+BF16 = torch.bfloat16
+
+
+def _inputs(step: int) -> torch.Tensor:
+    """bf16 activations with entries far below the rest (they flush to zero in E4M3) and, from the second step on,
+    far above (clipped by the delayed scale of the first)."""
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(32, 64, generator=g)
+    x[0, :6] = 1e-12
+    if step:
+        x[1, :3] = 1e4
+    return x.to(BF16)
+
+
+def _train(layer: Fp8Linear, monkeypatch, warmed: bool) -> tuple[list[torch.Tensor], dict, dict]:
+    """Three steps of `layer` (delayed scaling: the first step's own scales, then the history's) in bf16 mode:
+    the outputs and gradients, the statistics, and how often the GEMMs converted an FP8 tensor or the layer made
+    an FP8 activation or gradient."""
+    calls = {"upcast": 0, "fp8 activations": 0}
+    real_upcast, real_quantize = fused.upcast, EmulatedBackend.quantize
+
+    def upcast(q, dtype=torch.float32):
+        calls["upcast"] += 1
+        return real_upcast(q, dtype)
+
+    def quantize(self, x, scale, spec, stochastic_rounding=False):
+        calls["fp8 activations"] += x.shape[0] == 32  # the weights are [48, 64]
+        return real_quantize(self, x, scale, spec, stochastic_rounding)
+
+    monkeypatch.setattr(fused, "upcast", upcast)
+    monkeypatch.setattr(EmulatedBackend, "quantize", quantize)
+    monkeypatch.setattr(fused, "_warmed_up", {BF16} if warmed else set())
+    enable_fp8_stats(layer, True)
+    results = []
+    with cpu_gemm.use_mode("bf16"):
+        for step in range(3):
+            x = _inputs(step).requires_grad_()
+            with torch.autocast("cpu", dtype=BF16):
+                y = layer(x)
+            (y.float() * torch.linspace(-1, 1, 48)).sum().backward()
+            results += [y.detach(), x.grad, layer.weight.grad.clone(), layer.fp8_scale.clone()]
+            layer.weight.grad = None
+            fp8_optimizer_step(layer)
+    stats = collect_fp8_stats(layer)
+    monkeypatch.undo()
+    return results, stats, calls
+
+
+@pytest.mark.parametrize("scaling", [Fp8Scaling.DELAYED, Fp8Scaling.TENSORWISE])
+def test_the_eager_layers_values_pass_gives_the_fp8_tensors_results_bitwise_and_converts_nothing_again(
+        monkeypatch, scaling):
+    monkeypatch.setattr(fused, "_warmed_up", set())  # other tests in this process keep the FP8 casts
+    fused.warm_up_upcasts(torch.device("cpu"), BF16)  # (the graphs stay compiled; `_train` says which path runs)
+    torch.manual_seed(0)
+    layer = Fp8Linear(64, 48, bias=False, recipe=Fp8Recipe(scaling=scaling))
+    reference, ref_stats, ref_calls = _train(copy.deepcopy(layer), monkeypatch, warmed=False)
+    results, stats, calls = _train(layer, monkeypatch, warmed=True)
+    for i, (got, want) in enumerate(zip(results, reference)):
+        assert got.dtype == want.dtype and torch.equal(got, want), (i % 4, i // 4)
+    assert stats == ref_stats
+    assert stats["fp8/input/flushed_frac"] > 0  # and clipping under delayed scaling, whose scale lags
+    assert (stats["fp8/input/clipped_frac"] > 0) == (scaling is Fp8Scaling.DELAYED)
+    # The FP8 path made Q(x) and Q(dy) at each step and converted them in each GEMM; the values path neither.
+    assert ref_calls["fp8 activations"] == 6 and ref_calls["upcast"] > 0
+    assert calls == {"upcast": 0, "fp8 activations": 0}
+
+
+def test_outside_the_bf16_mode_or_before_the_warm_up_the_layer_casts_to_fp8(monkeypatch):
+    """`known_values` answers None where no graph was made for the values dtype (exact mode's fp32, or no warm-up)
+    or for an input dtype other than the warmed one: the caller then casts to FP8 as before."""
+    x, scale = torch.randn(8, 16), torch.ones(())
+    monkeypatch.setattr(fused, "_warmed_up", set())
+    assert fused.known_values(x.to(BF16), scale, 448.0, torch.float8_e4m3fn, BF16) is None
+    fused.warm_up_upcasts(torch.device("cpu"), BF16)
+    assert fused.known_values(x.to(BF16), scale, 448.0, torch.float8_e4m3fn, BF16) is not None
+    assert fused.known_values(x, scale, 448.0, torch.float8_e4m3fn, BF16) is None  # fp32 input
+    assert fused.known_values(x.to(BF16), scale, 448.0, torch.float8_e4m3fn, torch.float32) is None
