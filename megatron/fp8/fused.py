@@ -172,6 +172,12 @@ def _known_values(x: torch.Tensor, scale: torch.Tensor, fp8_max: float, dtype: t
     return _cast(torch.clamp(x.float() * scale.float(), -fp8_max, fp8_max), dtype, values_dtype, keep_q=False)[1]
 
 
+def _known_values_amax(x: torch.Tensor, scale: torch.Tensor, fp8_max: float, dtype: torch.dtype,
+                       values_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_known_values` and the amax of x (`quantize.amax_of`'s), from one read of x."""
+    return _known_values(x, scale, fp8_max, dtype, values_dtype), x.abs().amax().float()
+
+
 _quantize_tensor_c = _fused(_quantize_tensor)
 _quantize_known_c = _fused(_quantize_known)
 _upcast_c = _fused(_upcast)
@@ -179,6 +185,7 @@ _upcast_c = _fused(_upcast)
 # runs that take it (cpu_gemm's bf16 mode), instead of one per weight and activation shape inside the first iterations.
 _upcast_any_shape = _fused(_upcast, dynamic=True)
 _known_values_any_shape = _fused(_known_values, dynamic=True)
+_known_values_amax_any_shape = _fused(_known_values_amax, dynamic=True)
 _warmed_up: set[torch.dtype] = set()  # the dtypes `warm_up_upcasts` compiled the dynamic graphs for
 # The input dtype of the activations and gradients `known_values` takes: the dynamic graphs are made for it.
 _ACTIVATION_DTYPE = torch.bfloat16
@@ -240,15 +247,27 @@ def upcast(q: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return (_upcast_any_shape if dtype in _warmed_up else _upcast_c)(q, dtype)
 
 
+def has_known_values(x: torch.Tensor, dtype: torch.dtype, values_dtype: torch.dtype | None) -> bool:
+    """Whether `known_values` takes `x`: `warm_up_upcasts` made its graphs for this input and values dtype."""
+    return (values_dtype in _warmed_up and x.dtype == _ACTIVATION_DTYPE and x.numel() > 0 and has_grid(dtype)
+            and x.device.type == "cpu")
+
+
 def known_values(x: torch.Tensor, scale: torch.Tensor, fp8_max: float, dtype: torch.dtype,
                  values_dtype: torch.dtype | None) -> torch.Tensor | None:
     """For the eager layer (fused quantization off): the values of Q(x) in `values_dtype` (what the emulated GEMMs
     multiply), in one compiled pass for every shape, bitwise the values of the eager cast; Q(x) is not made. None
-    where `warm_up_upcasts` made no graph for this input and values dtype (the caller quantizes eagerly)."""
-    if (values_dtype not in _warmed_up or x.dtype != _ACTIVATION_DTYPE or x.numel() == 0 or not has_grid(dtype)
-            or x.device.type != "cpu"):
+    where `has_known_values` says no (the caller quantizes eagerly)."""
+    if not has_known_values(x, dtype, values_dtype):
         return None
     return _known_values_any_shape(x, scale, fp8_max, dtype, values_dtype)
+
+
+def known_values_and_amax(x: torch.Tensor, scale: torch.Tensor, fp8_max: float, dtype: torch.dtype,
+                          values_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """`known_values` (where `has_known_values`) and x's amax in the same pass: for a scale that does not wait for
+    this amax (delayed scaling's history)."""
+    return _known_values_amax_any_shape(x, scale, fp8_max, dtype, values_dtype)
 
 
 @torch.no_grad()  # as the GEMMs call it (inside autograd functions): grad mode is part of a graph's guards
@@ -266,8 +285,9 @@ def warm_up_upcasts(device: torch.device, dtype: torch.dtype) -> float:
         _upcast_any_shape(q, dtype)
         _upcast_any_shape(q.t(), dtype)
         if device.type == "cpu":
-            _known_values_any_shape(torch.zeros(16, 32, dtype=_ACTIVATION_DTYPE, device=device), scale, fp8_max, fp8,
-                                    dtype)
+            activations = torch.zeros(16, 32, dtype=_ACTIVATION_DTYPE, device=device)
+            _known_values_any_shape(activations, scale, fp8_max, fp8, dtype)
+            _known_values_amax_any_shape(activations, scale, fp8_max, fp8, dtype)
     if device.type == "cpu":
         for out_dtype in {dtype, torch.float32}:
             _scale_output_any_shape(torch.zeros(16, 32, dtype=dtype, device=device), scale, scale, out_dtype)

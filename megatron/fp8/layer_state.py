@@ -218,6 +218,21 @@ class Fp8LayerState:
             return False
         return cpu_gemm.values_dtype() if backend.name == "emulated" else None
 
+    def history_scaled_values(self, role: Fp8Role, backend: Backend, t: torch.Tensor, spec: Fp8FormatSpec,
+                              record: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The eager layer's cast of `t` under delayed scaling whose history holds the scale (the steady state):
+        (its values for the emulated GEMMs, the scale, its amax) from one compiled pass (`fused.known_values_and_amax`),
+        the amax recorded when `record`; None where that does not apply (the caller takes the amax first)."""
+        values_dtype = self.eager_values_dtype(backend)
+        if not (self.role_delayed(role) and self.known_valid[int(role)]
+                and fused.has_known_values(t, spec.torch_dtype, values_dtype)):
+            return None
+        scale, _ = self.role_rows(role)
+        values, amax = fused.known_values_and_amax(t, scale, spec.max, spec.torch_dtype, values_dtype)
+        if record:
+            self.record_amax(role, amax)
+        return values, scale, amax
+
     def eager_values_dtype(self, backend: Backend) -> torch.dtype | None:
         """The eager layer's (fusion off) cast of an activation or gradient: the dtype of the values the emulated
         GEMMs multiply, which `fused.known_values` writes in one compiled pass for every shape (where the run
@@ -347,6 +362,10 @@ class Fp8LayerState:
         made (the fused pass without a given amax)."""
         if values_dtype is not False and input_amax is None:
             return self.fused_quantize(Fp8Role.INPUT, x2d, spec, values_dtype, record, known_valid, keep_q)
+        if values_dtype is False and input_amax is None:
+            found = self.history_scaled_values(Fp8Role.INPUT, backend, x2d, spec, record)
+            if found is not None:
+                return (None, *found)
         x_amax = amax_of(x2d) if input_amax is None else input_amax.float()
         s_x = self.scale_for(Fp8Role.INPUT, x_amax, spec, record)
         if input_amax is not None:

@@ -69,6 +69,9 @@ class _EagerCall:
             # slow part of the cast on CPU); `quantize_tensor` keeps it where there are no values.
             q_g, v_g, s_g, g_amax = state.fused_quantize(Fp8Role.GRAD_OUTPUT, dy2d, spec, values_dtype, training,
                                                          keep_q=state.stats_enabled)
+        elif not stochastic and (found := state.history_scaled_values(Fp8Role.GRAD_OUTPUT, self.backend, dy2d, spec,
+                                                                       training)) is not None:
+            q_g, (v_g, s_g, g_amax) = None, found
         else:  # stochastic rounding draws its noise eagerly (the generator's stream stays the eager one)
             g_amax = amax_of(dy2d)
             s_g = state.scale_for(Fp8Role.GRAD_OUTPUT, g_amax, spec, training)

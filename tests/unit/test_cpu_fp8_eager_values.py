@@ -11,7 +11,9 @@ import copy
 import pytest
 import torch
 
-from megatron.fp8 import Fp8Linear, collect_fp8_stats, cpu_gemm, enable_fp8_stats, fp8_optimizer_step, fused
+from megatron.fp8 import Fp8Linear, collect_fp8_stats, cpu_gemm, enable_fp8_stats, fp8_optimizer_step, fused, layer_state
+from megatron.fp8 import per_tensor
+from megatron.fp8 import quantize as quantize_module
 from megatron.fp8.backends import EmulatedBackend
 from megatron.fp8.recipe import Fp8Recipe, Fp8Scaling
 
@@ -31,10 +33,10 @@ def _inputs(step: int) -> torch.Tensor:
 
 def _train(layer: Fp8Linear, monkeypatch, warmed: bool) -> tuple[list[torch.Tensor], dict, dict]:
     """Three steps of `layer` (delayed scaling: the first step's own scales, then the history's) in bf16 mode:
-    the outputs and gradients, the statistics, and how often the GEMMs converted an FP8 tensor or the layer made
-    an FP8 activation or gradient."""
-    calls = {"upcast": 0, "fp8 activations": 0}
-    real_upcast, real_quantize = fused.upcast, EmulatedBackend.quantize
+    the outputs and gradients, the statistics, and how often the GEMMs converted an FP8 tensor, the layer made
+    an FP8 activation or gradient, or read one for its amax alone."""
+    calls = {"upcast": 0, "fp8 activations": 0, "amax passes": 0}
+    real_upcast, real_quantize, real_amax = fused.upcast, EmulatedBackend.quantize, quantize_module.amax_of
 
     def upcast(q, dtype=torch.float32):
         calls["upcast"] += 1
@@ -44,7 +46,13 @@ def _train(layer: Fp8Linear, monkeypatch, warmed: bool) -> tuple[list[torch.Tens
         calls["fp8 activations"] += x.shape[0] == 32  # the weights are [48, 64]
         return real_quantize(self, x, scale, spec, stochastic_rounding)
 
+    def amax_of(x):
+        calls["amax passes"] += x.shape[0] == 32
+        return real_amax(x)
+
     monkeypatch.setattr(fused, "upcast", upcast)
+    monkeypatch.setattr(layer_state, "amax_of", amax_of)
+    monkeypatch.setattr(per_tensor, "amax_of", amax_of)
     monkeypatch.setattr(EmulatedBackend, "quantize", quantize)
     monkeypatch.setattr(fused, "_warmed_up", {BF16} if warmed else set())
     enable_fp8_stats(layer, True)
@@ -78,8 +86,11 @@ def test_the_eager_layers_values_pass_gives_the_fp8_tensors_results_bitwise_and_
     assert stats["fp8/input/flushed_frac"] > 0  # and clipping under delayed scaling, whose scale lags
     assert (stats["fp8/input/clipped_frac"] > 0) == (scaling is Fp8Scaling.DELAYED)
     # The FP8 path made Q(x) and Q(dy) at each step and converted them in each GEMM; the values path neither.
-    assert ref_calls["fp8 activations"] == 6 and ref_calls["upcast"] > 0
-    assert calls == {"upcast": 0, "fp8 activations": 0}
+    assert ref_calls["fp8 activations"] == 6 and ref_calls["upcast"] > 0 and ref_calls["amax passes"] == 6
+    # Under delayed scaling the history's scale does not wait for the amax, which the values pass then also gives
+    # (every step after the first); a current scale needs the amax first.
+    amax_passes = 2 if scaling is Fp8Scaling.DELAYED else 6
+    assert calls == {"upcast": 0, "fp8 activations": 0, "amax passes": amax_passes}
 
 
 def test_outside_the_bf16_mode_or_before_the_warm_up_the_layer_casts_to_fp8(monkeypatch):
