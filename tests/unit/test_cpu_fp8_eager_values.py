@@ -11,8 +11,8 @@ import copy
 import pytest
 import torch
 
-from megatron.fp8 import Fp8Linear, collect_fp8_stats, cpu_gemm, enable_fp8_stats, fp8_optimizer_step, fused, layer_state
-from megatron.fp8 import per_tensor
+from megatron.fp8 import Fp8Linear, collect_fp8_stats, cpu_gemm, enable_fp8_stats, fp8_optimizer_step, fused
+from megatron.fp8 import layer_state, per_tensor
 from megatron.fp8 import quantize as quantize_module
 from megatron.fp8.backends import EmulatedBackend
 from megatron.fp8.recipe import Fp8Recipe, Fp8Scaling
