@@ -247,6 +247,11 @@ def upcast(q: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return (_upcast_any_shape if dtype in _warmed_up else _upcast_c)(q, dtype)
 
 
+def upcasts_ready(q: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether `upcast(q, dtype)` takes a graph `warm_up_upcasts` made (else it would compile one for q's shape)."""
+    return dtype in _warmed_up and q.device.type == "cpu"
+
+
 def has_known_values(x: torch.Tensor, dtype: torch.dtype, values_dtype: torch.dtype | None) -> bool:
     """Whether `known_values` takes `x`: `warm_up_upcasts` made its graphs for this input and values dtype."""
     return (values_dtype in _warmed_up and x.dtype == _ACTIVATION_DTYPE and x.numel() > 0 and has_grid(dtype)

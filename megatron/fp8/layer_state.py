@@ -72,7 +72,10 @@ class QuantizedWeight:
         # BF16 GEMMs, see EmulatedBackend.gemm_nt). Both hold every E4M3/E5M2 value exactly.
         if self.values is None:
             bf16 = pow2_scales or cpu_gemm.values_dtype() == torch.bfloat16
-            self.values = self.data.to(torch.bfloat16 if bf16 else torch.float32)
+            dtype = torch.bfloat16 if bf16 else torch.float32
+            # The compiled conversion where the run made it for every shape (eager converts element by element).
+            ready = fused.upcasts_ready(self.data, dtype)
+            self.values = fused.upcast(self.data, dtype) if ready else self.data.to(dtype)
         return self.values
 
     def weight_t(self, backend: Backend, pow2_scales: bool = False) -> torch.Tensor:

@@ -33,13 +33,14 @@ def _inputs(step: int) -> torch.Tensor:
 
 def _train(layer: Fp8Linear, monkeypatch, warmed: bool) -> tuple[list[torch.Tensor], dict, dict]:
     """Three steps of `layer` (delayed scaling: the first step's own scales, then the history's) in bf16 mode:
-    the outputs and gradients, the statistics, and how often the GEMMs converted an FP8 tensor, the layer made
-    an FP8 activation or gradient, or read one for its amax alone."""
-    calls = {"upcast": 0, "fp8 activations": 0, "amax passes": 0}
+    the outputs and gradients, the statistics, and how often the GEMMs converted an FP8 activation or gradient, the
+    layer made one, read one for its amax alone, or converted its FP8 weight in compiled code."""
+    calls = {"upcast": 0, "fp8 activations": 0, "amax passes": 0, "compiled weight conversions": 0}
     real_upcast, real_quantize, real_amax = fused.upcast, EmulatedBackend.quantize, quantize_module.amax_of
 
     def upcast(q, dtype=torch.float32):
-        calls["upcast"] += 1
+        calls["upcast"] += tuple(q.shape) != (48, 64)  # the weight's, once per step, is counted apart
+        calls["compiled weight conversions"] += tuple(q.shape) == (48, 64)
         return real_upcast(q, dtype)
 
     def quantize(self, x, scale, spec, stochastic_rounding=False):
@@ -90,7 +91,8 @@ def test_the_eager_layers_values_pass_gives_the_fp8_tensors_results_bitwise_and_
     # Under delayed scaling the history's scale does not wait for the amax, which the values pass then also gives
     # (every step after the first); a current scale needs the amax first.
     amax_passes = 2 if scaling is Fp8Scaling.DELAYED else 6
-    assert calls == {"upcast": 0, "fp8 activations": 0, "amax passes": amax_passes}
+    assert calls == {"upcast": 0, "fp8 activations": 0, "amax passes": amax_passes, "compiled weight conversions": 3}
+    assert ref_calls["compiled weight conversions"] == 0  # eager's element-by-element conversion before the warm-up
 
 
 def test_outside_the_bf16_mode_or_before_the_warm_up_the_layer_casts_to_fp8(monkeypatch):
