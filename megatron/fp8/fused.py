@@ -9,10 +9,11 @@ same values in fp32 for the emulated GEMM: two reads of x instead of five or six
 
 The eager functions in `quantize.py` stay the reference and the fallback. Whether a layer uses the functions
 here is the layer's choice (`Fp8LayerState.fused_quantization`, set for a whole model by `set_fused_quantization`
-from `--torch-compile`, see megatron/model/compile.py); nothing here is process-global. The wrappers call the
-eager reference for inputs the compiled path does not take (empty tensors) and, with one warning, forever after
-a compilation failure. Results are bitwise those of the eager path (the
-same fp32 operations, see tests/unit/test_fp8_fused.py).
+from `--torch-compile`, see megatron/model/compile.py). One thing is per process: the graphs for every shape that
+`warm_up_upcasts` compiles at start-up in the CPU bf16 GEMM mode, which the GEMMs' conversions and the eager layer's
+casts (`known_values`) and epilogue then take. The wrappers call the eager reference for inputs the compiled path does
+not take (empty tensors) and, with one warning, forever after a compilation failure. Results are bitwise those of the
+eager path (the same fp32 operations, see tests/unit/test_fp8_fused.py and test_cpu_fp8_eager_values.py).
 
 Recompilation: every function is compiled with `dynamic=False` (a linear's shapes do not change between
 steps) and takes step-dependent values (scales, validity flags) as 0-d tensors, never as Python numbers;
