@@ -105,3 +105,24 @@ def test_outside_the_bf16_mode_or_before_the_warm_up_the_layer_casts_to_fp8(monk
     assert fused.known_values(x.to(BF16), scale, 448.0, torch.float8_e4m3fn, BF16) is not None
     assert fused.known_values(x, scale, 448.0, torch.float8_e4m3fn, BF16) is None  # fp32 input
     assert fused.known_values(x.to(BF16), scale, 448.0, torch.float8_e4m3fn, torch.float32) is None
+
+
+def test_the_eager_layer_compiles_nothing_after_the_start_up(monkeypatch):
+    """Called as a training step calls them (autocast on, autograd recording, an input that is a view of a 3-D
+    activation, the scales rows of the layer's buffers), the start-up's graphs serve every call: no compilation inside
+    an iteration, also not for the GEMMs' epilogue, whose two scales are distinct tensors."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(fused, "_warmed_up", set())
+    fused.warm_up_upcasts(torch.device("cpu"), BF16)
+    graphs = int(counters["stats"]["unique_graphs"])
+    torch.manual_seed(0)
+    layer = Fp8Linear(64, 48, bias=False, recipe=Fp8Recipe(scaling=Fp8Scaling.DELAYED))
+    with cpu_gemm.use_mode("bf16"):
+        for step in range(3):
+            x = torch.randn(4, 8, 64, dtype=BF16, requires_grad=True)
+            with torch.autocast("cpu", dtype=BF16):
+                layer(x).float().sum().backward()
+            fp8_optimizer_step(layer)
+    assert layer.fp8.known_valid == (True, True, True)  # the steady state's path ran too
+    assert int(counters["stats"]["unique_graphs"]) == graphs
