@@ -246,11 +246,11 @@ def upcast(q: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     if q.numel() == 0 or q.dtype == dtype:
         return q.to(dtype)
     if dtype in _warmed_up:
-        return _any_shape(_upcast_any_shape, q, dtype)
+        return call_as_compiled(_upcast_any_shape, q, dtype)
     return _upcast_c(q, dtype)
 
 
-def _any_shape(graph: CompiledOrEager, *args: Any) -> Any:
+def call_as_compiled(graph: CompiledOrEager, *args: Any) -> Any:
     """A call of one of the start-up's graphs for every shape, in the global state they were compiled in (no
     autograd, autocast off; tensors detached, so a view's base is no part of the guards): dynamo guards on all of
     these and would compile the graph again, inside an iteration, for a call made otherwise."""
@@ -279,14 +279,14 @@ def known_values(x: torch.Tensor, scale: torch.Tensor, fp8_max: float, dtype: to
     where `has_known_values` says no (the caller quantizes eagerly)."""
     if not has_known_values(x, dtype, values_dtype):
         return None
-    return _any_shape(_known_values_any_shape, x, scale, fp8_max, dtype, values_dtype)
+    return call_as_compiled(_known_values_any_shape, x, scale, fp8_max, dtype, values_dtype)
 
 
 def known_values_and_amax(x: torch.Tensor, scale: torch.Tensor, fp8_max: float, dtype: torch.dtype,
                           values_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """`known_values` (where `has_known_values`) and x's amax in the same pass: for a scale that does not wait for
     this amax (delayed scaling's history)."""
-    return _any_shape(_known_values_amax_any_shape, x, scale, fp8_max, dtype, values_dtype)
+    return call_as_compiled(_known_values_amax_any_shape, x, scale, fp8_max, dtype, values_dtype)
 
 
 @torch.no_grad()  # as the GEMMs call it (inside autograd functions): grad mode is part of a graph's guards
@@ -301,16 +301,16 @@ def warm_up_upcasts(device: torch.device, dtype: torch.dtype) -> float:
     scale = torch.ones((), device=device)
     for fp8, fp8_max in ((torch.float8_e4m3fn, 448.0), (torch.float8_e5m2, 57344.0)):
         q = torch.zeros(16, 32, device=device).to(fp8)
-        _any_shape(_upcast_any_shape, q, dtype)  # called as the functions below call them
-        _any_shape(_upcast_any_shape, q.t(), dtype)
+        call_as_compiled(_upcast_any_shape, q, dtype)  # called as the functions below call them
+        call_as_compiled(_upcast_any_shape, q.t(), dtype)
         if device.type == "cpu":
             activations = torch.zeros(16, 32, dtype=_ACTIVATION_DTYPE, device=device)
-            _any_shape(_known_values_any_shape, activations, scale, fp8_max, fp8, dtype)
-            _any_shape(_known_values_amax_any_shape, activations, scale, fp8_max, fp8, dtype)
+            call_as_compiled(_known_values_any_shape, activations, scale, fp8_max, fp8, dtype)
+            call_as_compiled(_known_values_amax_any_shape, activations, scale, fp8_max, fp8, dtype)
     if device.type == "cpu":  # two scale tensors: one passed twice would make a graph for that aliasing only
         for out_dtype in (dtype, torch.float32) if dtype != torch.float32 else (dtype,):
             out = torch.zeros(16, 32, dtype=dtype, device=device)
-            _any_shape(_scale_output_any_shape, out, scale, scale.clone(), out_dtype)
+            call_as_compiled(_scale_output_any_shape, out, scale, scale.clone(), out_dtype)
     _warmed_up.add(dtype)
     return time.perf_counter() - began
 
@@ -364,5 +364,5 @@ def scale_output(out: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor
     if compiled:
         return _scale_output_c(out, a_scale, b_scale, dtype)
     if out.dtype in _warmed_up and out.device.type == "cpu":  # a BF16 GEMM's output: the start-up's any-shape graph
-        return _any_shape(_scale_output_any_shape, out, a_scale, b_scale, dtype)
+        return call_as_compiled(_scale_output_any_shape, out, a_scale, b_scale, dtype)
     return _scale_output(out, a_scale, b_scale, dtype)

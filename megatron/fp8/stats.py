@@ -23,7 +23,7 @@ import math
 import torch
 
 from megatron.fp8.formats import Fp8FormatSpec
-from megatron.fp8.fused import CompiledOrEager
+from megatron.fp8.fused import CompiledOrEager, call_as_compiled
 from megatron.fp8.quantize import Tile, amax_of, count_nonfinite, tile_blocks
 
 # Columns of the per-layer count tensor.
@@ -68,6 +68,36 @@ def _per_tensor_counts(t: torch.Tensor, zero_source: torch.Tensor, scale: torch.
 
 # Compiled on first use with dynamic shapes (one kernel for every tensor of a model); eager after a failure.
 _FUSED_COUNTS = CompiledOrEager(_per_tensor_counts, "the FP8 statistics", dynamic=True)
+# (tensor dtype, zero source dtype, clip threshold) whose graph `warm_up_eager_counts` made at start-up.
+_EAGER_READY: set[tuple[torch.dtype, torch.dtype, float]] = set()
+
+
+@torch.no_grad()
+def warm_up_eager_counts(device: torch.device, values_dtype: torch.dtype, activation_specs: set[Fp8FormatSpec],
+                         weight_specs: set[Fp8FormatSpec]) -> None:
+    """Compile the statistics pass for every shape now, for the eager layer of the CPU bf16 GEMM mode (megatron/fp8/
+    fused.py, `known_values`), which counts from the BF16 activations and gradients and their values (in the formats
+    of `activation_specs`), and from the FP32 weights and their FP8 bytes (`weight_specs`): its statistics iterations
+    then take one compiled pass per quantization instead of about a dozen eager ones, and compile nothing."""
+    scale = torch.ones((), device=device)
+    variants = [(spec, torch.bfloat16, values_dtype, False) for spec in activation_specs]
+    variants += [(spec, torch.float32, torch.uint8, True) for spec in weight_specs]
+    for spec, t_dtype, zero_dtype, byte_zero in variants:
+        limit = clip_threshold(spec)
+        t, zero_source = (torch.zeros(16, 32, dtype=d, device=device) for d in (t_dtype, zero_dtype))
+        call_as_compiled(_FUSED_COUNTS, t, zero_source, scale, limit, byte_zero)
+        _EAGER_READY.add((t_dtype, zero_dtype, limit))
+
+
+def _counts(t: torch.Tensor, zero_source: torch.Tensor, scale: torch.Tensor, limit: float, byte_zero: bool,
+            fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_per_tensor_counts`: compiled for a fused layer, through the start-up's graph for an eager layer where
+    `warm_up_eager_counts` made one, else eagerly."""
+    if fused:
+        return _FUSED_COUNTS(t, zero_source, scale, limit, byte_zero)
+    if (t.dtype, zero_source.dtype, limit) in _EAGER_READY and t.device.type == "cpu" and not _FUSED_COUNTS.failed:
+        return call_as_compiled(_FUSED_COUNTS, t, zero_source, scale, limit, byte_zero)
+    return _per_tensor_counts(t, zero_source, scale, limit, byte_zero)
 
 
 class Fp8Stats:
@@ -93,8 +123,7 @@ class Fp8Stats:
             if t.numel() == 0:
                 return
             zero_source, byte_zero = _zero_source(q)
-            counter = _FUSED_COUNTS if fused else _per_tensor_counts
-            four, amax = counter(t, zero_source, scale.float(), limit, byte_zero)
+            four, amax = _counts(t, zero_source, scale.float(), limit, byte_zero, fused)
             extra = torch.stack([torch.full((), t.numel(), dtype=torch.int64, device=t.device),
                                  (four[0] > 0).to(torch.int64), torch.ones((), dtype=torch.int64, device=t.device)])
             self.counts[role] += torch.cat([four, extra])

@@ -13,6 +13,7 @@ the optimizer was built on the FP32 ones, where DeepSpeed wraps the model (deeps
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -107,19 +108,31 @@ def log_cpu_fp8_gemms(config: MegatronConfig, device: torch.device) -> None:
     if choice in ("auto", "emulated") or (choice in ("scaled_mm", "cuda")
                                           and not scaled_mm_supports(recipe.scaling, device)):
         logger.info(cpu_gemm.describe())
-        _compile_fp8_value_conversions(device, cpu_gemm.values_dtype())
+        _compile_fp8_value_conversions(device, cpu_gemm.values_dtype(), config)
 
 
-def _compile_fp8_value_conversions(device: torch.device, values_dtype: torch.dtype) -> None:
+def _compile_fp8_value_conversions(device: torch.device, values_dtype: torch.dtype, config: MegatronConfig) -> None:
     """The emulated GEMMs convert FP8 operands to their values in compiled code (eager CPU conversions are scalar).
-    BF16 GEMMs (the mode of CPUs with AMX): one graph for every shape, compiled here, before the first iteration.
+    BF16 GEMMs (the mode of CPUs with AMX): one graph for every shape, compiled here, before the first iteration,
+    with the eager layer's casts, epilogue and (under --log-fp8-stats) statistics (megatron/fp8/fused.py).
     FP32 GEMMs: one graph per operand shape, compiled where a shape is first used (a few per model, in the first
     iterations; compiling for every shape costs more than they take where each process trains only a few steps)."""
     from megatron.fp8 import fused
 
     if values_dtype == torch.bfloat16:
-        logger.info("> torch.compile: the FP8 value conversions of the emulated GEMMs compiled in %.1f s, before the "
-                    "first iteration", fused.warm_up_upcasts(device, values_dtype))
+        began = time.perf_counter()
+        fused.warm_up_upcasts(device, values_dtype)
+        also = ""
+        if config.logging.log_fp8_stats:
+            from megatron.fp8 import stats
+            from megatron.fp8.formats import format_spec
+            from megatron.fp8.scaling import role_dtypes
+
+            input_spec, weight_spec, grad_spec = (format_spec(d) for d in role_dtypes(config.fp8))
+            stats.warm_up_eager_counts(device, values_dtype, {input_spec, grad_spec}, {weight_spec})
+            also = " (and the eager FP8 layers' statistics)"
+        logger.info("> torch.compile: the FP8 value conversions of the emulated GEMMs%s compiled in %.1f s, before the "
+                    "first iteration", also, time.perf_counter() - began)
     else:
         logger.info("> torch.compile: the FP8 value conversions of the emulated GEMMs compile on first use, one graph "
                     "per operand shape (in the first iterations)")

@@ -13,8 +13,10 @@ import torch
 
 from megatron.fp8 import Fp8Linear, collect_fp8_stats, cpu_gemm, enable_fp8_stats, fp8_optimizer_step, fused
 from megatron.fp8 import layer_state, per_tensor
+from megatron.fp8 import stats as fp8_stats
 from megatron.fp8 import quantize as quantize_module
 from megatron.fp8.backends import EmulatedBackend
+from megatron.fp8.formats import format_spec
 from megatron.fp8.recipe import Fp8Recipe, Fp8Scaling
 
 BF16 = torch.bfloat16
@@ -29,6 +31,11 @@ def _inputs(step: int) -> torch.Tensor:
     if step:
         x[1, :3] = 1e4
     return x.to(BF16)
+
+
+def _warm_up_counts() -> None:
+    e4m3, e5m2 = format_spec("e4m3"), format_spec("e5m2")
+    fp8_stats.warm_up_eager_counts(torch.device("cpu"), BF16, {e4m3, e5m2}, {e4m3})
 
 
 def _train(layer: Fp8Linear, monkeypatch, warmed: bool) -> tuple[list[torch.Tensor], dict, dict]:
@@ -56,6 +63,9 @@ def _train(layer: Fp8Linear, monkeypatch, warmed: bool) -> tuple[list[torch.Tens
     monkeypatch.setattr(per_tensor, "amax_of", amax_of)
     monkeypatch.setattr(EmulatedBackend, "quantize", quantize)
     monkeypatch.setattr(fused, "_warmed_up", {BF16} if warmed else set())
+    monkeypatch.setattr(fp8_stats, "_EAGER_READY", set())
+    if warmed:
+        _warm_up_counts()
     enable_fp8_stats(layer, True)
     results = []
     with cpu_gemm.use_mode("bf16"):
@@ -109,15 +119,18 @@ def test_outside_the_bf16_mode_or_before_the_warm_up_the_layer_casts_to_fp8(monk
 
 def test_the_eager_layer_compiles_nothing_after_the_start_up(monkeypatch):
     """Called as a training step calls them (autocast on, autograd recording, an input that is a view of a 3-D
-    activation, the scales rows of the layer's buffers), the start-up's graphs serve every call: no compilation inside
-    an iteration, also not for the GEMMs' epilogue, whose two scales are distinct tensors."""
+    activation, the scales rows of the layer's buffers, FP8 statistics on), the start-up's graphs serve every call: no
+    compilation inside an iteration, also not for the GEMMs' epilogue, whose two scales are distinct tensors."""
     from torch._dynamo.utils import counters
 
     monkeypatch.setattr(fused, "_warmed_up", set())
+    monkeypatch.setattr(fp8_stats, "_EAGER_READY", set())
     fused.warm_up_upcasts(torch.device("cpu"), BF16)
+    _warm_up_counts()
     graphs = int(counters["stats"]["unique_graphs"])
     torch.manual_seed(0)
     layer = Fp8Linear(64, 48, bias=False, recipe=Fp8Recipe(scaling=Fp8Scaling.DELAYED))
+    enable_fp8_stats(layer, True)
     with cpu_gemm.use_mode("bf16"):
         for step in range(3):
             x = torch.randn(4, 8, 64, dtype=BF16, requires_grad=True)
@@ -126,3 +139,23 @@ def test_the_eager_layer_compiles_nothing_after_the_start_up(monkeypatch):
             fp8_optimizer_step(layer)
     assert layer.fp8.known_valid == (True, True, True)  # the steady state's path ran too
     assert int(counters["stats"]["unique_graphs"]) == graphs
+
+
+def test_with_fp8_statistics_the_start_up_also_compiles_the_eager_statistics(caplog, monkeypatch):
+    import logging
+    import re
+
+    from megatron.arguments import parse_config
+    from megatron.training.parallelize import log_cpu_fp8_gemms
+    from tests.support.config import tiny_argv
+
+    monkeypatch.setattr(fused, "_warmed_up", set())
+    monkeypatch.setattr(fp8_stats, "_EAGER_READY", set())
+    with caplog.at_level(logging.INFO, logger="megatron"), cpu_gemm.use_mode("bf16"):
+        log_cpu_fp8_gemms(parse_config(tiny_argv("--fp8-format", "hybrid", "--bf16", "--log-fp8-stats")),
+                          torch.device("cpu"))
+    line = caplog.records[-1].getMessage()
+    assert re.fullmatch(r"> torch.compile: the FP8 value conversions of the emulated GEMMs \(and the eager FP8 layers' "
+                        r"statistics\) compiled in [\d.]+ s, before the first iteration", line)
+    e4m3, e5m2 = (fp8_stats.clip_threshold(format_spec(d)) for d in ("e4m3", "e5m2"))
+    assert fp8_stats._EAGER_READY == {(BF16, BF16, e4m3), (BF16, BF16, e5m2), (torch.float32, torch.uint8, e4m3)}
