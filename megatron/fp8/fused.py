@@ -254,6 +254,8 @@ def call_as_compiled(graph: CompiledOrEager, *args: Any) -> Any:
     """A call of one of the start-up's graphs for every shape, in the global state they were compiled in (no
     autograd, autocast off; tensors detached, so a view's base is no part of the guards): dynamo guards on all of
     these and would compile the graph again, inside an iteration, for a call made otherwise."""
+    if torch.compiler.is_compiling():  # traced into an enclosing graph (a compiled block): inlined as it is
+        return graph(*args)
     args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
     if torch.is_grad_enabled() or torch.is_autocast_enabled("cpu"):
         with torch.no_grad(), torch.autocast("cpu", enabled=False):

@@ -159,3 +159,30 @@ def test_with_fp8_statistics_the_start_up_also_compiles_the_eager_statistics(cap
                         r"statistics\) compiled in [\d.]+ s, before the first iteration", line)
     e4m3, e5m2 = (fp8_stats.clip_threshold(format_spec(d)) for d in ("e4m3", "e5m2"))
     assert fp8_stats._EAGER_READY == {(BF16, BF16, e4m3), (BF16, BF16, e5m2), (torch.float32, torch.uint8, e4m3)}
+
+
+def test_inside_a_compiled_block_the_start_up_graphs_change_nothing_in_the_traced_graph(monkeypatch):
+    """Traced into an enclosing graph (a compiled transformer block's backward upcasting a saved FP8 input), the
+    functions inline their arithmetic as before the warm-up: no detach, grad-mode or autocast region enters the
+    block's graph (such a region changed how inductor fused the block's kernels)."""
+    import torch._dynamo
+
+    def traced_ops(warmed: set) -> list:
+        monkeypatch.setattr(fused, "_warmed_up", warmed)
+        graphs = []
+
+        def backend(gm, example_inputs):
+            graphs.append([str(n.target) for n in gm.graph.nodes])
+            return gm.forward
+
+        def block(q, out, a_scale, b_scale):
+            return fused.upcast(q, BF16).float().sum() + fused.scale_output(out, a_scale, b_scale, BF16, False).sum()
+
+        torch._dynamo.reset()
+        q = torch.randn(8, 16).to(torch.float8_e4m3fn)
+        with torch.autocast("cpu", dtype=BF16):
+            torch.compile(block, backend=backend, fullgraph=True)(q, torch.randn(8, 4, dtype=BF16), torch.ones(()),
+                                                                  torch.full((), 2.0))
+        return graphs
+
+    assert traced_ops({BF16}) == traced_ops(set())
