@@ -9,8 +9,8 @@ What is compiled
   one backend object (`BLOCK_BACKEND`; a cache entry matches only its own backend). A block differing in shape
   or in its FP8 recipe gets its own entry, as does each variant of the step (delayed scaling's history turned
   valid, FP8 statistics iterations, evaluation): a handful per model, not per layer, under a recompile limit
-  raised to 64 (`fused.raise_recompile_limit`). The startup line counts the graphs. The embedding, the final
-  norm and the LM head stay eager.
+  raised to 64 (`fused.raise_recompile_limit`). The startup line counts the graphs. The embedding and the final
+  norm stay eager; the LM head with its cross-entropy is compiled with the blocks (`compile_lm_head`).
 - The FP8 layers of the per-tensor recipes are traced into their block's graph (megatron/fp8/traced.py): one
   graph per block, so inductor fuses each FP8 cast into the op producing its operand (the RMSNorm before qkv
   and fc1, the SwiGLU product before fc2). The other recipes (tiled, stochastic rounding of gradients) and
@@ -159,6 +159,20 @@ def compile_blocks(model: nn.Module) -> int:
     return len(blocks)
 
 
+def compile_lm_head(model: nn.Module) -> bool:
+    """Compile the model's LM head (`gpt.OutputHead`: the logits GEMM and the per-token FP32 cross-entropy) in place,
+    where it is the plain one (tensor parallelism's vocab-parallel head stays eager); whether it was. Eager, the loss
+    is a chain of passes over [tokens, vocab] FP32 tensors (the logits' FP32 copy, log-softmax, its gradient, the
+    zero-filled NLL gradient); inductor fuses them into two loops over the BF16 logits (the demo model: ~20 ms of
+    eager passes per step against ~7 ms, docs/performance.md)."""
+    from megatron.model.gpt import OutputHead
+
+    heads = [m for m in model.modules() if type(m) is OutputHead]
+    for head in heads:
+        head.compile(dynamic=False)
+    return bool(heads)
+
+
 def block_inductor_options() -> dict[str, Any]:
     """Inductor's settings for a transformer block (also the performance model's, megatron/perf/extract.py):
     - backward keeps the FP8 casts of the forward instead of recomputing them (megatron/fp8/partition.py);
@@ -287,7 +301,10 @@ def apply_torch_compile(config: Any, model: nn.Module, device: torch.device) -> 
     fused = plan.fp8_quantization and fp8_layers > 0
     if not n and not fused:
         return plan
-    what = " and ".join(([f"{n} transformer blocks"] if n else []) + (["the FP8 quantization"] if fused else []))
+    head = compile_lm_head(model) if n else False
+    parts = ([f"{n} transformer blocks"] if n else []) + (["the LM head's loss"] if head else []) + (
+        ["the FP8 quantization"] if fused else [])
+    what = " and ".join([", ".join(parts[:-1]), parts[-1]] if len(parts) > 1 else parts)
     reason = unsupported_reason(config)
     if reason is not None:  # auto with PP or ZeRO-3: the FP8 quantization only (the blocks stay eager)
         logger.info("> torch.compile: %s compiled in the first iteration (no warm-up with %s; the startup is "

@@ -50,8 +50,8 @@ def test_blocks_share_one_graph_and_none_runs_eagerly(compiled_run) -> None:
     blocks share one backend); past dynamo's recompile limit the fixture's run would have raised."""
     lines = [line for line in compiled_run.lines if "torch.compile:" in line and "transformer blocks" in line]
     # Two graphs: the first step's, and that of every step after delayed scaling's history turned valid.
-    assert len(lines) == 1 and re.search(rf"{COMMON['num_layers']} transformer blocks \(2 graphs for all\) .*"
-                                         r"compiled in [\d.]+ s", lines[0]), lines
+    assert len(lines) == 1 and re.search(rf"{COMMON['num_layers']} transformer blocks \(2 graphs for all\), the LM "
+                                         r"head's loss and the FP8 quantization compiled in [\d.]+ s", lines[0]), lines
     # Variants: the first step, the steps after delayed scaling's history turned valid, and the SwiGLU diagnostics
     # iterations (a graph break around the recorder's hook: a graph per piece). A graph per block would be 32 or more.
     assert 1 < compiled_run.graphs < COMMON["num_layers"] // 2, compiled_run.graphs
@@ -78,6 +78,22 @@ def test_no_training_iteration_compiles_under_delayed_scaling(stats, iters, batc
     [line] = [line for line in handler.lines if "torch.compile:" in line and "transformer blocks" in line]
     warmed = int(re.search(r"\((\d+) graphs? for all\)", line).group(1))
     assert (warmed == 2) != stats and BLOCK_BACKEND.graphs - before == warmed, (line, BLOCK_BACKEND.graphs - before)
+
+
+def test_the_lm_head_and_its_loss_are_compiled_with_the_blocks(compiled_run) -> None:
+    """The plain LM head (logits GEMM and FP32 cross-entropy) runs compiled in place, its state-dict keys unchanged;
+    tensor parallelism's vocab-parallel head is another class and stays eager."""
+    from torch import nn
+
+    from megatron.model.compile import compile_lm_head
+    from megatron.model.gpt import OutputHead
+    from megatron.parallel.layers import VocabParallelOutputHead
+
+    [head] = [m for m in compiled_run.result.model.modules() if isinstance(m, OutputHead)]
+    assert getattr(head, "_compiled_call_impl", None) is not None
+    tp_head = nn.Module()
+    tp_head.output_head = VocabParallelOutputHead(None, False)
+    assert not compile_lm_head(tp_head) and getattr(tp_head.output_head, "_compiled_call_impl", None) is None
 
 
 def test_state_dict_keys_unchanged(compiled_run) -> None:
