@@ -143,6 +143,23 @@ def _chunk_step(param: Optional[torch.Tensor], grad: torch.Tensor,
     return m_data, m_scale_inv, v_data, v_scale_inv
 
 
+def _tensor_step(param: torch.Tensor, grad: torch.Tensor, m_data: torch.Tensor, m_scale_inv: Optional[torch.Tensor],
+                 v_data: torch.Tensor, v_scale_inv: Optional[torch.Tensor], decay: torch.Tensor, step_size: torch.Tensor,
+                 bc2_sqrt: torch.Tensor, beta1: float, beta2: float, eps: float, m_fmt: MomentFormat,
+                 v_fmt: MomentFormat, stochastic: bool, start: torch.Tensor, noise_key: Optional[torch.Tensor]):
+    """Both passes of a per-tensor-scaled update (`Fp8AdamW._step_stored`) in one call, for a tensor that is one chunk
+    and whose amaxes need no reduction across ranks: `_chunk_step`'s pass 1 (the parameter, the new moments' amaxes),
+    then its pass 2 (the moments quantized with them), the same operations as the two calls. Compiled, one graph
+    instead of two calls, in which inductor computes the new moments once."""
+    zero = torch.zeros((), device=grad.device)
+    amaxes = [torch.maximum(zero, a) for a in _chunk_step(
+        param, grad, m_data, m_scale_inv, v_data, v_scale_inv, decay, step_size, bc2_sqrt, beta1, beta2, eps, m_fmt,
+        v_fmt, stochastic, False, None, None, start, None)]
+    m_amax, v_amax = (a if f.is_fp8 and f.block_size == 0 else None for a, f in zip(amaxes, (m_fmt, v_fmt)))
+    return _chunk_step(None, grad, m_data, m_scale_inv, v_data, v_scale_inv, decay, step_size, bc2_sqrt, beta1, beta2,
+                       eps, m_fmt, v_fmt, stochastic, True, m_amax, v_amax, start, noise_key)
+
+
 # Elements per chunk of the update on CPU: temporaries of a few MB are reused by the allocator instead of
 # page-faulting fresh tensor-sized buffers every step (that cost 30x in eager mode on CPU), and they
 # stay cache-friendly. A multiple of every sensible block size.
@@ -223,6 +240,8 @@ class Fp8AdamW(torch.optim.Optimizer):
             compile = False
         self._kernel: Optional[CompiledOrEager] = (
             CompiledOrEager(_chunk_step, "Fp8AdamW's update", dynamic=None, fullgraph=False) if compile else None)
+        self._tensor_kernel: Optional[CompiledOrEager] = (
+            CompiledOrEager(_tensor_step, "Fp8AdamW's update", dynamic=None, fullgraph=False) if compile else None)
 
     # ----------------------------------------------------------------------------- the rule
     def uses_fp8_states(self, p: torch.Tensor, group: Dict[str, Any]) -> bool:
@@ -316,12 +335,20 @@ class Fp8AdamW(torch.optim.Optimizer):
                 self._step_fp32_foreach(batch, lr, beta1, beta2, eps, wd)
         return loss
 
+    def one_call(self, numel: int, device: torch.device, fmts: Tuple[MomentFormat, MomentFormat]) -> bool:
+        """Whether a tensor of `numel` elements with moments in `fmts` takes `_tensor_step`: per-tensor scaling, one
+        chunk, and no shard group to reduce its amaxes over."""
+        per_tensor = any(f.is_fp8 and f.block_size == 0 for f in fmts)
+        return per_tensor and self.shard_group is None and numel <= _chunk_elements(device, self.block_size)
+
     def _step_stored(self, p: torch.Tensor, grad: torch.Tensor, state: Dict[str, Any], group: Dict[str, Any],
-                     step: float, fmts: Tuple[MomentFormat, MomentFormat], ordinal: int, offset: int) -> None:
+                     step: float, fmts: Tuple[MomentFormat, MomentFormat], ordinal: int, offset: int,
+                     one_call: Optional[bool] = None) -> None:
         """Update one parameter (`p`, `grad`: this rank's elements, the first at `offset` of the whole tensor)
         chunk by chunk. Per-tensor FP8 scaling needs the amax of the *new* moments before any chunk can be
         quantized, so it takes two passes: pass 1 updates the parameter and collects the amaxes (max-reduced over
-        `shard_group` under FSDP2), pass 2 recomputes m and v from the old states and quantizes them."""
+        `shard_group` under FSDP2), pass 2 recomputes m and v from the old states and quantizes them. A tensor that
+        is one chunk takes both in one call (`one_call`, decided by the method of that name unless given)."""
         m_fmt, v_fmt = fmts
         beta1, beta2 = group["betas"]
         lr = group["lr"]
@@ -335,10 +362,11 @@ class Fp8AdamW(torch.optim.Optimizer):
         n = p.numel()
         chunk = _chunk_elements(p.device, self.block_size)
         per_tensor = any(f.is_fp8 and f.block_size == 0 for f in fmts)
+        whole = self.one_call(n, p.device, fmts) if one_call is None else one_call
         amaxes: List[Optional[torch.Tensor]] = [None, None]
         noise_key = self._noise_key(p, ordinal, step) if v_fmt.dtype is not MomentDtype.FP32 else None
         starts = [u32_halves(offset + a, p.device) for a in range(0, n, chunk)]
-        if per_tensor:  # pass 1
+        if per_tensor and not whole:  # pass 1
             amaxes = [torch.zeros((), device=p.device), torch.zeros((), device=p.device)]
             for a in range(0, n, chunk):
                 length = min(chunk, n - a)
@@ -355,8 +383,11 @@ class Fp8AdamW(torch.optim.Optimizer):
         for a in range(0, n, chunk):
             length = min(chunk, n - a)
             ins = [x for (d, si), f in zip(old, fmts) for x in self._moment_slice(d, si, f, a, length)]
-            out = self._call(None if per_tensor else flat_p[a:a + length], flat_g[a:a + length], *ins,
-                             *scalars, *fixed, True, *amaxes, starts[a // chunk], noise_key)
+            if whole:  # both passes (the tensor is this one chunk)
+                out = self._call_tensor(flat_p, flat_g, *ins, *scalars, *fixed, starts[0], noise_key)
+            else:
+                out = self._call(None if per_tensor else flat_p[a:a + length], flat_g[a:a + length], *ins,
+                                 *scalars, *fixed, True, *amaxes, starts[a // chunk], noise_key)
             for (d, si), f, q, qs in zip(new, fmts, out[0::2], out[1::2]):
                 d_slice, s_slice = self._moment_slice(d, si, f, a, length)
                 d_slice.copy_(q)
@@ -382,6 +413,9 @@ class Fp8AdamW(torch.optim.Optimizer):
     def _call(self, *args: Any):
         return _chunk_step(*args) if self._kernel is None else self._kernel(*args)
 
+    def _call_tensor(self, *args: Any):
+        return _tensor_step(*args) if self._tensor_kernel is None else self._tensor_kernel(*args)
+
     @property
     def compiled(self) -> bool:
         """Whether the update was asked to compile (`compile=True`); `runs_eager` says whether it does."""
@@ -390,7 +424,7 @@ class Fp8AdamW(torch.optim.Optimizer):
     @property
     def runs_eager(self) -> bool:
         """True when the update runs eagerly: compile off, or its compilation failed (warned once)."""
-        return self._kernel is None or self._kernel.failed
+        return self._kernel is None or self._kernel.failed or self._tensor_kernel.failed
 
     @staticmethod
     def _step_fp32_foreach(b: Dict[str, List], lr: float, beta1: float, beta2: float, eps: float,

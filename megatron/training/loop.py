@@ -117,7 +117,8 @@ class Trainer:
         built = parallelize(config, self.parallel, self.accel)
         self.model, self.fp8, self.swiglu = built.model, built.fp8, built.swiglu
         self.optimizer = build_optimizer(self.model, config.optimizer)
-        seconds = warm_up_fp8_adam(self.optimizer)  # compiled now, not inside the first iteration
+        # compiled now, not inside the first iteration
+        seconds = warm_up_fp8_adam(self.optimizer, sharded=config.parallel.use_torch_fsdp2)
         if seconds is not None:
             logger.info("> torch.compile: Fp8AdamW's update compiled in %.1f s, before the first iteration", seconds)
         self.scheduler = LrScheduler(self.optimizer, config.scheduler)
