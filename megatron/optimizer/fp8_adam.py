@@ -144,9 +144,10 @@ def _chunk_step(param: Optional[torch.Tensor], grad: torch.Tensor,
 
 
 def _tensor_step(param: torch.Tensor, grad: torch.Tensor, m_data: torch.Tensor, m_scale_inv: Optional[torch.Tensor],
-                 v_data: torch.Tensor, v_scale_inv: Optional[torch.Tensor], decay: torch.Tensor, step_size: torch.Tensor,
-                 bc2_sqrt: torch.Tensor, beta1: float, beta2: float, eps: float, m_fmt: MomentFormat,
-                 v_fmt: MomentFormat, stochastic: bool, start: torch.Tensor, noise_key: Optional[torch.Tensor]):
+                 v_data: torch.Tensor, v_scale_inv: Optional[torch.Tensor], decay: torch.Tensor,
+                 step_size: torch.Tensor, bc2_sqrt: torch.Tensor, beta1: float, beta2: float, eps: float,
+                 m_fmt: MomentFormat, v_fmt: MomentFormat, stochastic: bool, start: torch.Tensor,
+                 noise_key: Optional[torch.Tensor]):
     """Both passes of a per-tensor-scaled update (`Fp8AdamW._step_stored`) in one call, for a tensor that is one chunk
     and whose amaxes need no reduction across ranks: `_chunk_step`'s pass 1 (the parameter, the new moments' amaxes),
     then its pass 2 (the moments quantized with them), the same operations as the two calls. Compiled, one graph
