@@ -61,7 +61,8 @@ class _EagerCall:
     column_scale: torch.Tensor | None
 
     def quantize_grad(self, dy2d: torch.Tensor, values_dtype: Any, training: bool) -> tuple:
-        """(Q(dy), its values for the GEMM or None, scale, amax), recorded for the next scales when `training`."""
+        """(Q(dy) or None where only its values are made, its values for the GEMM or None, scale, amax), recorded for
+        the next scales when `training`."""
         state, spec = self.state, self.specs[ROLE_GRAD]
         stochastic = state.recipe.grad_stochastic_rounding
         if values_dtype is not False and not stochastic:
@@ -69,16 +70,27 @@ class _EagerCall:
             # slow part of the cast on CPU); `quantize_tensor` keeps it where there are no values.
             q_g, v_g, s_g, g_amax = state.fused_quantize(Fp8Role.GRAD_OUTPUT, dy2d, spec, values_dtype, training,
                                                          keep_q=state.stats_enabled)
-        elif not stochastic and (found := state.history_scaled_values(Fp8Role.GRAD_OUTPUT, self.backend, dy2d, spec,
-                                                                       training)) is not None:
-            q_g, (v_g, s_g, g_amax) = None, found
-        else:  # stochastic rounding draws its noise eagerly (the generator's stream stays the eager one)
-            g_amax = amax_of(dy2d)
+        elif stochastic:  # draws its noise eagerly (the generator's stream stays the eager one)
+            g_amax, v_g = amax_of(dy2d), None
             s_g = state.scale_for(Fp8Role.GRAD_OUTPUT, g_amax, spec, training)
-            v_g = None if stochastic else fused.known_values(dy2d, s_g, spec.max, spec.torch_dtype,
-                                                             state.eager_values_dtype(self.backend))
-            q_g = self.backend.quantize(dy2d, s_g, spec, stochastic) if v_g is None else None
+            q_g = self.backend.quantize(dy2d, s_g, spec, stochastic)
+        else:
+            q_g, v_g, s_g, g_amax = self._eager_grad(dy2d, training)
         state.record_stats(Fp8Role.GRAD_OUTPUT, dy2d, v_g if q_g is None else q_g, s_g, spec)
+        return q_g, v_g, s_g, g_amax
+
+    def _eager_grad(self, dy2d: torch.Tensor, training: bool) -> tuple:
+        """The eager layer's cast of dy, as `Fp8LayerState.quantize_input` casts x: the GEMMs' values straight from
+        the start-up's compiled pass where the run made it (with the amax in that pass under delayed scaling's steady
+        state), else Q(dy)."""
+        state, spec = self.state, self.specs[ROLE_GRAD]
+        found = state.history_scaled_values(Fp8Role.GRAD_OUTPUT, self.backend, dy2d, spec, training)
+        if found is not None:
+            return (None, *found)
+        g_amax = amax_of(dy2d)
+        s_g = state.scale_for(Fp8Role.GRAD_OUTPUT, g_amax, spec, training)
+        v_g = fused.known_values(dy2d, s_g, spec.max, spec.torch_dtype, state.eager_values_dtype(self.backend))
+        q_g = self.backend.quantize(dy2d, s_g, spec) if v_g is None else None
         return q_g, v_g, s_g, g_amax
 
     def weight_t(self, pow2: bool) -> torch.Tensor:
