@@ -188,6 +188,7 @@ _upcast_any_shape = _fused(_upcast, dynamic=True)
 _known_values_any_shape = _fused(_known_values, dynamic=True)
 _known_values_amax_any_shape = _fused(_known_values_amax, dynamic=True)
 _warmed_up: set[torch.dtype] = set()  # the dtypes `warm_up_upcasts` compiled the dynamic graphs for
+_eager_ready: set[torch.dtype] = set()  # ... and the eager layers' casts and epilogue (`eager_layers`) for
 # The input dtype of the activations and gradients `known_values` takes: the dynamic graphs are made for it.
 _ACTIVATION_DTYPE = torch.bfloat16
 
@@ -270,7 +271,7 @@ def upcasts_ready(q: torch.Tensor, dtype: torch.dtype) -> bool:
 
 def has_known_values(x: torch.Tensor, dtype: torch.dtype, values_dtype: torch.dtype | None) -> bool:
     """Whether `known_values` takes `x`: `warm_up_upcasts` made its graphs for this input and values dtype."""
-    return (values_dtype in _warmed_up and x.dtype == _ACTIVATION_DTYPE and x.numel() > 0 and has_grid(dtype)
+    return (values_dtype in _eager_ready and x.dtype == _ACTIVATION_DTYPE and x.numel() > 0 and has_grid(dtype)
             and x.device.type == "cpu")
 
 
@@ -292,11 +293,12 @@ def known_values_and_amax(x: torch.Tensor, scale: torch.Tensor, fp8_max: float, 
 
 
 @torch.no_grad()  # as the GEMMs call it (inside autograd functions): grad mode is part of a graph's guards
-def warm_up_upcasts(device: torch.device, dtype: torch.dtype) -> float:
+def warm_up_upcasts(device: torch.device, dtype: torch.dtype, eager_layers: bool = True) -> float:
     """Compile `upcast` to `dtype` for every shape now, as the emulated GEMMs call it: both FP8 formats, contiguous
-    operands and transposed ones (a weight's W^T), `known_values` (the eager layer's casts of activations and
-    gradients) and, on CPU, the epilogue of a GEMM with a `dtype` output (`scale_output`) into `dtype` and fp32;
-    these functions use the graphs from now on. The seconds it took."""
+    operands and transposed ones (a weight's W^T), and on CPU, for `eager_layers` (FP8 layers without fused
+    quantization), `known_values` (their casts of activations and gradients) and the epilogue of a GEMM with a
+    `dtype` output (`scale_output`) into `dtype` and fp32; these functions use the graphs from now on. The seconds it
+    took."""
     import time
 
     began = time.perf_counter()
@@ -305,14 +307,15 @@ def warm_up_upcasts(device: torch.device, dtype: torch.dtype) -> float:
         q = torch.zeros(16, 32, device=device).to(fp8)
         call_as_compiled(_upcast_any_shape, q, dtype)  # called as the functions below call them
         call_as_compiled(_upcast_any_shape, q.t(), dtype)
-        if device.type == "cpu":
+        if eager_layers and device.type == "cpu":
             activations = torch.zeros(16, 32, dtype=_ACTIVATION_DTYPE, device=device)
             call_as_compiled(_known_values_any_shape, activations, scale, fp8_max, fp8, dtype)
             call_as_compiled(_known_values_amax_any_shape, activations, scale, fp8_max, fp8, dtype)
-    if device.type == "cpu":  # two scale tensors: one passed twice would make a graph for that aliasing only
+    if eager_layers and device.type == "cpu":  # two scale tensors: one passed twice would make a graph for that only
         for out_dtype in (dtype, torch.float32) if dtype != torch.float32 else (dtype,):
             out = torch.zeros(16, 32, dtype=dtype, device=device)
             call_as_compiled(_scale_output_any_shape, out, scale, scale.clone(), out_dtype)
+        _eager_ready.add(dtype)
     _warmed_up.add(dtype)
     return time.perf_counter() - began
 
@@ -365,6 +368,6 @@ def scale_output(out: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor
         return _scale_output(out, a_scale, b_scale, dtype)
     if compiled:
         return _scale_output_c(out, a_scale, b_scale, dtype)
-    if out.dtype in _warmed_up and out.device.type == "cpu":  # a BF16 GEMM's output: the start-up's any-shape graph
+    if out.dtype in _eager_ready and out.device.type == "cpu":  # a BF16 GEMM's output: the start-up's graph
         return call_as_compiled(_scale_output_any_shape, out, a_scale, b_scale, dtype)
     return _scale_output(out, a_scale, b_scale, dtype)

@@ -114,16 +114,20 @@ def log_cpu_fp8_gemms(config: MegatronConfig, device: torch.device) -> None:
 def _compile_fp8_value_conversions(device: torch.device, values_dtype: torch.dtype, config: MegatronConfig) -> None:
     """The emulated GEMMs convert FP8 operands to their values in compiled code (eager CPU conversions are scalar).
     BF16 GEMMs (the mode of CPUs with AMX): one graph for every shape, compiled here, before the first iteration,
-    with the eager layer's casts, epilogue and (under --log-fp8-stats) statistics (megatron/fp8/fused.py).
+    with, where the FP8 layers run eagerly (no fused quantization in the --torch-compile plan), their casts, epilogue
+    and (under --log-fp8-stats) statistics (megatron/fp8/fused.py).
     FP32 GEMMs: one graph per operand shape, compiled where a shape is first used (a few per model, in the first
     iterations; compiling for every shape costs more than they take where each process trains only a few steps)."""
     from megatron.fp8 import fused
 
     if values_dtype == torch.bfloat16:
+        from megatron.model.compile import plan_torch_compile
+
         began = time.perf_counter()
-        fused.warm_up_upcasts(device, values_dtype)
+        eager_layers = not plan_torch_compile(config, device.type).fp8_quantization  # else fused.py's own graphs
+        fused.warm_up_upcasts(device, values_dtype, eager_layers)
         also = ""
-        if config.logging.log_fp8_stats:
+        if eager_layers and config.logging.log_fp8_stats:
             from megatron.fp8 import stats
             from megatron.fp8.formats import format_spec
             from megatron.fp8.scaling import role_dtypes

@@ -33,6 +33,12 @@ def _inputs(step: int) -> torch.Tensor:
     return x.to(BF16)
 
 
+def _ready(monkeypatch, dtypes: set) -> None:
+    """The values dtypes whose start-up graphs this process takes as made (`fused.warm_up_upcasts`)."""
+    monkeypatch.setattr(fused, "_warmed_up", set(dtypes))
+    monkeypatch.setattr(fused, "_eager_ready", set(dtypes))
+
+
 def _warm_up_counts() -> None:
     e4m3, e5m2 = format_spec("e4m3"), format_spec("e5m2")
     fp8_stats.warm_up_eager_counts(torch.device("cpu"), BF16, {e4m3, e5m2}, {e4m3})
@@ -62,7 +68,7 @@ def _train(layer: Fp8Linear, monkeypatch, warmed: bool) -> tuple[list[torch.Tens
     monkeypatch.setattr(layer_state, "amax_of", amax_of)
     monkeypatch.setattr(per_tensor, "amax_of", amax_of)
     monkeypatch.setattr(EmulatedBackend, "quantize", quantize)
-    monkeypatch.setattr(fused, "_warmed_up", {BF16} if warmed else set())
+    _ready(monkeypatch, {BF16} if warmed else set())
     monkeypatch.setattr(fp8_stats, "_EAGER_READY", set())
     if warmed:
         _warm_up_counts()
@@ -85,7 +91,7 @@ def _train(layer: Fp8Linear, monkeypatch, warmed: bool) -> tuple[list[torch.Tens
 @pytest.mark.parametrize("scaling", [Fp8Scaling.DELAYED, Fp8Scaling.TENSORWISE])
 def test_the_eager_layers_values_pass_gives_the_fp8_tensors_results_bitwise_and_converts_nothing_again(
         monkeypatch, scaling):
-    monkeypatch.setattr(fused, "_warmed_up", set())  # other tests in this process keep the FP8 casts
+    _ready(monkeypatch, set())  # other tests in this process keep the FP8 casts
     fused.warm_up_upcasts(torch.device("cpu"), BF16)  # (the graphs stay compiled; `_train` says which path runs)
     torch.manual_seed(0)
     layer = Fp8Linear(64, 48, bias=False, recipe=Fp8Recipe(scaling=scaling))
@@ -109,7 +115,7 @@ def test_outside_the_bf16_mode_or_before_the_warm_up_the_layer_casts_to_fp8(monk
     """`known_values` answers None where no graph was made for the values dtype (exact mode's fp32, or no warm-up)
     or for an input dtype other than the warmed one: the caller then casts to FP8 as before."""
     x, scale = torch.randn(8, 16), torch.ones(())
-    monkeypatch.setattr(fused, "_warmed_up", set())
+    _ready(monkeypatch, set())
     assert fused.known_values(x.to(BF16), scale, 448.0, torch.float8_e4m3fn, BF16) is None
     fused.warm_up_upcasts(torch.device("cpu"), BF16)
     assert fused.known_values(x.to(BF16), scale, 448.0, torch.float8_e4m3fn, BF16) is not None
@@ -123,7 +129,7 @@ def test_the_eager_layer_compiles_nothing_after_the_start_up(monkeypatch):
     compilation inside an iteration, also not for the GEMMs' epilogue, whose two scales are distinct tensors."""
     from torch._dynamo.utils import counters
 
-    monkeypatch.setattr(fused, "_warmed_up", set())
+    _ready(monkeypatch, set())
     monkeypatch.setattr(fp8_stats, "_EAGER_READY", set())
     fused.warm_up_upcasts(torch.device("cpu"), BF16)
     _warm_up_counts()
@@ -141,7 +147,10 @@ def test_the_eager_layer_compiles_nothing_after_the_start_up(monkeypatch):
     assert int(counters["stats"]["unique_graphs"]) == graphs
 
 
-def test_with_fp8_statistics_the_start_up_also_compiles_the_eager_statistics(caplog, monkeypatch):
+@pytest.mark.parametrize("compile_mode", ["off", "on"])
+def test_the_start_up_compiles_the_eager_layers_graphs_where_they_run_eagerly(caplog, monkeypatch, compile_mode):
+    """The FP8 layers run eagerly (`--torch-compile off`): the start-up also makes their casts, epilogue and, with
+    FP8 statistics, statistics pass. Compiled (`on`: fused quantization), it makes the GEMMs' conversions only."""
     import logging
     import re
 
@@ -149,16 +158,20 @@ def test_with_fp8_statistics_the_start_up_also_compiles_the_eager_statistics(cap
     from megatron.training.parallelize import log_cpu_fp8_gemms
     from tests.support.config import tiny_argv
 
-    monkeypatch.setattr(fused, "_warmed_up", set())
+    _ready(monkeypatch, set())
     monkeypatch.setattr(fp8_stats, "_EAGER_READY", set())
+    argv = tiny_argv("--fp8-format", "hybrid", "--bf16", "--log-fp8-stats", "--torch-compile", compile_mode)
     with caplog.at_level(logging.INFO, logger="megatron"), cpu_gemm.use_mode("bf16"):
-        log_cpu_fp8_gemms(parse_config(tiny_argv("--fp8-format", "hybrid", "--bf16", "--log-fp8-stats")),
-                          torch.device("cpu"))
+        log_cpu_fp8_gemms(parse_config(argv), torch.device("cpu"))
     line = caplog.records[-1].getMessage()
-    assert re.fullmatch(r"> torch.compile: the FP8 value conversions of the emulated GEMMs \(and the eager FP8 layers' "
-                        r"statistics\) compiled in [\d.]+ s, before the first iteration", line)
+    eager = compile_mode == "off"
+    also = r" \(and the eager FP8 layers' statistics\)" if eager else ""
+    assert re.fullmatch(rf"> torch.compile: the FP8 value conversions of the emulated GEMMs{also} compiled in [\d.]+ s, "
+                        r"before the first iteration", line), line
     e4m3, e5m2 = (fp8_stats.clip_threshold(format_spec(d)) for d in ("e4m3", "e5m2"))
-    assert fp8_stats._EAGER_READY == {(BF16, BF16, e4m3), (BF16, BF16, e5m2), (torch.float32, torch.uint8, e4m3)}
+    want = {(BF16, BF16, e4m3), (BF16, BF16, e5m2), (torch.float32, torch.uint8, e4m3)} if eager else set()
+    assert fp8_stats._EAGER_READY == want
+    assert fused._warmed_up == {BF16} and fused._eager_ready == ({BF16} if eager else set())
 
 
 def test_inside_a_compiled_block_the_start_up_graphs_change_nothing_in_the_traced_graph(monkeypatch):
@@ -168,7 +181,7 @@ def test_inside_a_compiled_block_the_start_up_graphs_change_nothing_in_the_trace
     import torch._dynamo
 
     def traced_ops(warmed: set) -> list:
-        monkeypatch.setattr(fused, "_warmed_up", warmed)
+        _ready(monkeypatch, warmed)
         graphs = []
 
         def backend(gm, example_inputs):
