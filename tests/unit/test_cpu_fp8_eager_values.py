@@ -166,8 +166,8 @@ def test_the_start_up_compiles_the_eager_layers_graphs_where_they_run_eagerly(ca
     line = caplog.records[-1].getMessage()
     eager = compile_mode == "off"
     also = r" \(and the eager FP8 layers' statistics\)" if eager else ""
-    assert re.fullmatch(rf"> torch.compile: the FP8 value conversions of the emulated GEMMs{also} compiled in [\d.]+ s, "
-                        r"before the first iteration", line), line
+    assert re.fullmatch(rf"> torch.compile: the FP8 value conversions of the emulated GEMMs{also} compiled in "
+                        r"[\d.]+ s, before the first iteration", line), line
     e4m3, e5m2 = (fp8_stats.clip_threshold(format_spec(d)) for d in ("e4m3", "e5m2"))
     want = {(BF16, BF16, e4m3), (BF16, BF16, e5m2), (torch.float32, torch.uint8, e4m3)} if eager else set()
     assert fp8_stats._EAGER_READY == want
