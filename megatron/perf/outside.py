@@ -3,13 +3,16 @@ LM head and loss (per micro-batch, on the stages that hold them), and once per o
 FP8 weight casts and the delayed-scaling update.
 
 These parts run eagerly (only the blocks are compiled), so each op is a kernel and its bytes are what it reads
-and writes. The bytes per element used below, with their reasons:
+and writes, except the loss without tensor parallelism: `--torch-compile` compiles the plain LM head and its
+cross-entropy with the blocks (megatron/model/compile.py, `compile_lm_head`; the vocabulary-parallel head of TP runs
+eagerly). The bytes per element used below, with their reasons:
 - embedding: a gather of `tokens` rows (read and write them, fp32 weights); backward zero-fills the dense
   gradient and adds the rows into it;
 - final norm: an RMSNorm forward (read fp32, write bf16) and backward (read input and grad, write grad);
 - LM head: three BF16 GEMMs (forward, dgrad, wgrad), 2 tokens h V FLOPs each;
 - loss: eager upcast (2 + 4 bytes per logit), log-softmax (4 + 4), NLL (4); backward: NLL's gradient (4),
-  log-softmax's (4 + 4 + 4), the cast back to BF16 (4 + 2);
+  log-softmax's (4 + 4 + 4), the cast back to BF16 (4 + 2); compiled (TP 1): the forward reads the BF16 logits twice
+  (their max, then the sum of exponentials: 4), the backward reads them once and writes their BF16 gradient (4);
 - AdamW (torch): read weight, grad, m, v (4 each), write weight, m, v: 28 bytes per parameter; Fp8AdamW: weight
   read and written (8), grad (4), m and v read and written at 1 byte each (4): 16; BF16 weights (Megatron's
   layout) add the BF16 copy written from the FP32 master (2); gradient clipping reads each gradient (4) and
@@ -50,16 +53,19 @@ def head_kernels(config: MegatronConfig, tokens: int) -> list[Kernel]:
     gemm_flops = 2.0 * tokens * h * vocab
     gemm_bytes = 2.0 * (tokens * h + h * vocab + tokens * vocab)
     logits = float(tokens * vocab)
-    return [Kernel("final norm", P, bytes=tokens * h * 6.0, where="forward"),
-            Kernel("final norm backward", P, bytes=tokens * h * 10.0, where="backward"),
-            Kernel("LM head", KernelClass.GEMM, gemm_flops, gemm_bytes, where="forward"),
-            Kernel("LM head", KernelClass.GEMM, gemm_flops, gemm_bytes, count=2, where="backward"),
-            Kernel("loss upcast", P, bytes=6 * logits, where="forward"),
-            Kernel("log-softmax", P, bytes=8 * logits, where="forward"),
-            Kernel("NLL", P, bytes=4 * logits, where="forward"),
-            Kernel("NLL backward", P, bytes=4 * logits, where="backward"),
-            Kernel("log-softmax backward", P, bytes=12 * logits, where="backward"),
-            Kernel("grad downcast", P, bytes=6 * logits, where="backward")]
+    kernels = [Kernel("final norm", P, bytes=tokens * h * 6.0, where="forward"),
+               Kernel("final norm backward", P, bytes=tokens * h * 10.0, where="backward"),
+               Kernel("LM head", KernelClass.GEMM, gemm_flops, gemm_bytes, where="forward"),
+               Kernel("LM head", KernelClass.GEMM, gemm_flops, gemm_bytes, count=2, where="backward")]
+    if tp == 1:  # compiled with the blocks: one fused loop each way
+        return kernels + [Kernel("loss (compiled)", P, bytes=4 * logits, where="forward"),
+                          Kernel("loss backward (compiled)", P, bytes=4 * logits, where="backward")]
+    return kernels + [Kernel("loss upcast", P, bytes=6 * logits, where="forward"),
+                      Kernel("log-softmax", P, bytes=8 * logits, where="forward"),
+                      Kernel("NLL", P, bytes=4 * logits, where="forward"),
+                      Kernel("NLL backward", P, bytes=4 * logits, where="backward"),
+                      Kernel("log-softmax backward", P, bytes=12 * logits, where="backward"),
+                      Kernel("grad downcast", P, bytes=6 * logits, where="backward")]
 
 
 def weight_bytes(config: MegatronConfig) -> float:

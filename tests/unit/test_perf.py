@@ -200,3 +200,21 @@ def test_under_tensor_parallelism_a_device_runs_a_tp_th_of_the_blocks_gemms_and_
     for kind in (KernelClass.GEMM, KernelClass.ATTENTION):
         assert flops(piece, kind) * 2 == flops(whole, kind), kind
     assert device_block_model(cfg.model, 1) is cfg.model
+
+
+def test_the_loss_is_one_compiled_loop_each_way_without_tensor_parallelism():
+    """`--torch-compile` compiles the plain LM head and its cross-entropy with the blocks: 4 + 4 bytes per logit (the
+    BF16 logits read twice forward, once backward with their gradient written). Under tensor parallelism the
+    vocabulary-parallel loss runs eagerly: 18 + 22 bytes per logit of this device's vocabulary shard."""
+    from megatron.perf.outside import head_kernels
+
+    def loss_bytes(cfg, where):
+        return sum(k.bytes for k in head_kernels(cfg, 32) if "LM head" not in k.name and "norm" not in k.name
+                   and k.where == where)
+
+    whole = _config()
+    logits = 32 * whole.model.padded_vocab_size  # tokens x vocabulary
+    assert (loss_bytes(whole, "forward"), loss_bytes(whole, "backward")) == (4 * logits, 4 * logits)
+    split = _config("--tensor-model-parallel-size 2", world=2)
+    logits = 32 * split.model.padded_vocab_size // 2  # this device's shard
+    assert (loss_bytes(split, "forward"), loss_bytes(split, "backward")) == (18 * logits, 22 * logits)
