@@ -14,7 +14,8 @@ optimizer-state bytes; `--json FILE` writes the same figures.
 variant runs once per listed mode and the ratios are taken against the fastest BF16 baseline (compiling cannot
 win by slowing BF16 down). `auto` is the CLI default; the variants are configured for 500 iterations, where on CPU
 it compiles the FP8 quantization and leaves the blocks eager (a run of 1000 or more compiles the blocks too: `on`),
-so BF16 skips it (it would equal `off`).
+so BF16 skips it (it would equal `off`); in the BF16 GEMM mode (`--cpu-fp8-gemm bf16`, the default on CPUs with fast
+BF16 GEMMs) FP8's `auto` leaves the FP8 layers eager too, as the CLI does there (megatron/model/compile.py).
 Compilation happens while the variant is built (a logged warm-up), outside the timing.
 
     python bench/bench_train_step.py                        # demo shape, CPU, eager and compiled

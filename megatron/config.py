@@ -261,7 +261,8 @@ class TrainingConfig:
         "--torch-compile", group=TRAINING, default="auto", choices=["auto", "on", "off"], derived=True,
         help="torch.compile each transformer block (FP8 layers traced into it) and the FP8 quantization; auto = both "
              "on CUDA (blocks eager with PP or ZeRO-3), on CPU both for runs of >= 1000 iterations and the FP8 "
-             "quantization only for runs of >= 100, nothing on Gaudi (docs/performance.md)")
+             "quantization only for runs of >= 100 (not in the BF16 GEMM mode, whose eager casts are as fast), "
+             "nothing on Gaudi (docs/performance.md)")
     # --eval-iters was left at its default: each evaluation reads at most one pass (megatron/training/run_plan.py)
     eval_iters_capped: bool = False
 

@@ -29,18 +29,22 @@ What is compiled
     on                compiled (refused with PP or ZeRO-3)     compiled
     off               eager                                    eager (nothing is compiled)
     auto, CUDA        compiled, or eager with PP / ZeRO-3      compiled
-    auto, CPU         compiled for runs of >= BLOCKS_MIN_ITERS  compiled for runs of >= FUSED_MIN_ITERS iterations
-                      iterations (not with PP / ZeRO-3)
+    auto, CPU         compiled for runs of >= BLOCKS_MIN_ITERS  compiled for runs of >= FUSED_MIN_ITERS iterations,
+                      iterations (not with PP / ZeRO-3)         except where the eager layers' start-up graphs cast
+                                                               (`eager_values_cast`: the BF16 GEMM mode)
     auto, HPU         eager                                    eager (Gaudi casts in its own kernels)
 
 The iteration threshold on CPU: compiling the quantization of the demo model took 1-6 s with a warm inductor
 cache and 28 s cold, and saves ~0.2-0.4 s per iteration (eager FP8 step 1.16-1.22x the eager BF16 step,
 quantization compiled 0.91-1.03x, docs/performance.md), so it pays off within 100 iterations even cold; the
-short runs of tests and smoke checks stay eager and start at once. The blocks take longer to compile (the demo
-model: 14-22 s cold, 2-4 s warm) and save less per iteration in BF16 (6%) than in FP8, where the quantization's
-passes then fuse into the ops around them (the demo model's FP8 step on an AMD EPYC: 1.31x the compiled BF16 step
-with the blocks eager, 1.09x compiled): from BLOCKS_MIN_ITERS iterations on the saving outweighs the startup for
-both, and both runs of an FP8-vs-BF16 comparison of one length are compiled alike.
+short runs of tests and smoke checks stay eager and start at once. That holds for the FP32 GEMM mode; in the BF16
+GEMM mode the eager layers cast through graphs made at start-up for every shape, which are as fast (the demo model:
+453.1 vs 457.6 ms per step, the quick demo's 70.6 vs 70.4 ms, AMD EPYC, docs/performance.md), so the quantization is
+not compiled once more per shape there (14.8 s of start-up cold on the demo model). The blocks take longer to
+compile (the demo model: 14-22 s cold, 2-4 s warm) and save less per iteration in BF16 (6%) than in FP8, where the
+quantization's passes then fuse into the ops around them (the demo model's FP8 step on an AMD EPYC: 1.31x the
+compiled BF16 step with the blocks eager, 1.09x compiled): from BLOCKS_MIN_ITERS iterations on the saving outweighs
+the startup for both, and both runs of an FP8-vs-BF16 comparison of one length are compiled alike.
 
 Startup: compilation happens on a block's first call. So that it is neither inside the first iterations' time
 nor in tokens/s, `warm_up` runs one forward and backward on a synthetic micro-batch of the training shape (two
@@ -116,6 +120,11 @@ def plan_torch_compile(config: Any, device_type: str) -> CompilePlan:
         return CompilePlan(True, True, why_blocks=f"--torch-compile auto on CPU: transformer blocks compiled "
                                                   f"(--train-iters {iters} >= {BLOCKS_MIN_ITERS}; shorter runs keep "
                                                   f"them eager, --torch-compile off too)")
+    if iters >= FUSED_MIN_ITERS and eager_values_cast(config):
+        return CompilePlan(False, False, why_fp8="--torch-compile auto on CPU: transformer blocks eager, and the FP8 "
+                                                 "layers cast to their BF16 GEMMs' values in start-up graphs for every "
+                                                 "shape (the BF16 GEMM mode: as fast as compiling the quantization "
+                                                 "for each shape, which takes longer to start)")
     if iters >= FUSED_MIN_ITERS:
         return CompilePlan(False, True, why_fp8=f"--torch-compile auto on CPU: transformer blocks eager, the FP8 "
                                                 f"quantization compiled (--train-iters {iters} >= {FUSED_MIN_ITERS})")
@@ -123,6 +132,21 @@ def plan_torch_compile(config: Any, device_type: str) -> CompilePlan:
                                              f"(--train-iters {iters} "
                                              f"< {FUSED_MIN_ITERS}; --torch-compile on compiles the blocks and the "
                                              "FP8 quantization)")
+
+
+def eager_values_cast(config: Any) -> bool:
+    """Whether the run's eager FP8 layers cast through the start-up's graphs for every shape (megatron/fp8/fused.py,
+    `known_values`): a --bf16 run whose FP8 GEMMs are emulated as BF16 GEMMs on this CPU (megatron/fp8/cpu_gemm.py),
+    one scale per tensor, gradients rounded to nearest. There compiling the quantization for each shape runs no
+    faster (docs/performance.md) and only adds start-up time."""
+    recipe = getattr(config, "fp8", None)
+    if recipe is None or not config.training.bf16 or recipe.tiles is not None or recipe.grad_stochastic_rounding:
+        return False
+    if recipe.backend.value not in ("auto", "emulated"):
+        return False
+    from megatron.fp8 import cpu_gemm
+
+    return cpu_gemm.mode() == "bf16"
 
 
 def unsupported_reason(config: Any) -> Optional[str]:

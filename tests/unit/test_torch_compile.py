@@ -154,6 +154,25 @@ def test_compile_plan_table(mode, device, iters, pp, zero, blocks, quant) -> Non
         assert str(iters) in plan.why_fp8 + plan.why_blocks  # the log line names the rule it applied
 
 
+@pytest.mark.parametrize("gemm_mode,extra,quant", [
+    ("bf16", (), False),  # the eager layers' start-up graphs: as fast as compiling the quantization per shape
+    ("exact", (), True),  # FP32 GEMMs: the quantization compiled per shape saves passes
+    ("bf16", ("--fp8-recipe", "blockwise"), True),  # tile scales: not what the start-up graphs cast
+    ("bf16", ("--fp8-grad-stochastic-rounding",), True),
+])
+def test_auto_on_cpu_leaves_the_fp8_layers_eager_where_the_start_up_graphs_cast_them(gemm_mode, extra, quant) -> None:
+    """Runs of 100-999 iterations on CPU: in the BF16 GEMM mode of a --bf16 run with one scale per tensor, the eager
+    FP8 layers cast through graphs made at start-up for every shape (megatron/fp8/fused.py, `known_values`), so the
+    quantization is not compiled once more per shape; otherwise it is."""
+    from megatron.fp8 import cpu_gemm
+
+    config = parse_config(tiny_argv(*FP8, "--bf16", *extra, train_iters=500))
+    with cpu_gemm.use_mode(gemm_mode):
+        plan = plan_torch_compile(config, "cpu")
+    assert (plan.blocks, plan.fp8_quantization) == (False, quant)
+    assert ("BF16 GEMM mode" in plan.why_fp8) != quant, plan.why_fp8
+
+
 def test_fp8_param_gather_compiles_the_blocks_under_auto_on_cuda() -> None:
     plan = plan_torch_compile(_plan_config("auto", 2, fp8_param_gather=True), "cuda")
     assert plan.blocks and plan.why_blocks == ""
