@@ -363,23 +363,37 @@ class Fp8LayerState:
         records the amax (and the tensorwise scale) when `record`. With `input_amax` (the exact amax of this very
         x) the scale is x's own: current scaling for free. `keep_q` False: Q(x) may be None where the values are
         made (the fused pass without a given amax)."""
-        if values_dtype is not False and input_amax is None:
-            return self.fused_quantize(Fp8Role.INPUT, x2d, spec, values_dtype, record, known_valid, keep_q)
-        if values_dtype is False and input_amax is None:
-            found = self.history_scaled_values(Fp8Role.INPUT, backend, x2d, spec, record)
-            if found is not None:
-                return (None, *found)
-        x_amax = amax_of(x2d) if input_amax is None else input_amax.float()
-        s_x = self.scale_for(Fp8Role.INPUT, x_amax, spec, record)
-        if input_amax is not None:
-            s_x = self.own_amax_scale(Fp8Role.INPUT, x_amax, spec)
+        if input_amax is None:
+            if values_dtype is not False:
+                return self.fused_quantize(Fp8Role.INPUT, x2d, spec, values_dtype, record, known_valid, keep_q)
+            return self.eager_cast(Fp8Role.INPUT, backend, x2d, spec, record)
+        x_amax = input_amax.float()
+        self.scale_for(Fp8Role.INPUT, x_amax, spec, record)  # records the amax (and a tensorwise scale)
+        s_x = self.own_amax_scale(Fp8Role.INPUT, x_amax, spec)
         if values_dtype is not False:  # one compiled pass with the known scale
             q_x, v_x = fused.quantize_known(x2d, s_x, spec.max, spec.torch_dtype, values_dtype)
             return q_x, v_x, s_x, x_amax
-        v_x = fused.known_values(x2d, s_x, spec.max, spec.torch_dtype, self.eager_values_dtype(backend))
-        if v_x is not None:
-            return None, v_x, s_x, x_amax
-        return backend.quantize(x2d, s_x, spec), None, s_x, x_amax
+        return (*self.cast_eagerly(backend, x2d, s_x, spec), s_x, x_amax)
+
+    def eager_cast(self, role: Fp8Role, backend: Backend, t: torch.Tensor, spec: Fp8FormatSpec, record: bool
+                   ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """(Q(t) or None, its values for the emulated GEMMs or None, scale, amax): the eager layer's cast of an
+        activation or gradient (fused quantization off), the amax recorded when `record`. Under delayed scaling's
+        steady state one compiled pass gives the values and the amax (`history_scaled_values`); else the amax first,
+        then the scale (`scale_for`) and the cast (`cast_eagerly`)."""
+        found = self.history_scaled_values(role, backend, t, spec, record)
+        if found is not None:
+            return (None, *found)
+        amax = amax_of(t)
+        scale = self.scale_for(role, amax, spec, record)
+        return (*self.cast_eagerly(backend, t, scale, spec), scale, amax)
+
+    def cast_eagerly(self, backend: Backend, t: torch.Tensor, scale: torch.Tensor, spec: Fp8FormatSpec
+                     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(None, t's values for the emulated GEMMs) where the start-up made the graphs of `fused.known_values`, else
+        (Q(t), None)."""
+        values = fused.known_values(t, scale, spec.max, spec.torch_dtype, self.eager_values_dtype(backend))
+        return (backend.quantize(t, scale, spec), None) if values is None else (None, values)
 
     def record_stats(self, role: Fp8Role, t: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                      spec: Fp8FormatSpec, tile: Any = None) -> None:

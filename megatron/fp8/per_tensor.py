@@ -74,23 +74,9 @@ class _EagerCall:
             g_amax, v_g = amax_of(dy2d), None
             s_g = state.scale_for(Fp8Role.GRAD_OUTPUT, g_amax, spec, training)
             q_g = self.backend.quantize(dy2d, s_g, spec, stochastic)
-        else:
-            q_g, v_g, s_g, g_amax = self._eager_grad(dy2d, training)
+        else:  # the eager layer: as it casts x (`Fp8LayerState.eager_cast`)
+            q_g, v_g, s_g, g_amax = state.eager_cast(Fp8Role.GRAD_OUTPUT, self.backend, dy2d, spec, training)
         state.record_stats(Fp8Role.GRAD_OUTPUT, dy2d, v_g if q_g is None else q_g, s_g, spec)
-        return q_g, v_g, s_g, g_amax
-
-    def _eager_grad(self, dy2d: torch.Tensor, training: bool) -> tuple:
-        """The eager layer's cast of dy, as `Fp8LayerState.quantize_input` casts x: the GEMMs' values straight from
-        the start-up's compiled pass where the run made it (with the amax in that pass under delayed scaling's steady
-        state), else Q(dy)."""
-        state, spec = self.state, self.specs[ROLE_GRAD]
-        found = state.history_scaled_values(Fp8Role.GRAD_OUTPUT, self.backend, dy2d, spec, training)
-        if found is not None:
-            return (None, *found)
-        g_amax = amax_of(dy2d)
-        s_g = state.scale_for(Fp8Role.GRAD_OUTPUT, g_amax, spec, training)
-        v_g = fused.known_values(dy2d, s_g, spec.max, spec.torch_dtype, state.eager_values_dtype(self.backend))
-        q_g = self.backend.quantize(dy2d, s_g, spec) if v_g is None else None
         return q_g, v_g, s_g, g_amax
 
     def weight_t(self, pow2: bool) -> torch.Tensor:
