@@ -49,7 +49,7 @@ def _steps(one_call: bool, compile: bool, monkeypatch, steps: int = 3) -> tuple[
     return bits, calls
 
 
-@pytest.mark.parametrize("compile", [False, True])
+@pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.isa_sensitive)])  # compiled: bitwise
 def test_one_call_gives_the_two_passes_bits(monkeypatch, compile):
     reference, ref_calls = _steps(False, compile, monkeypatch)
     got, calls = _steps(True, compile, monkeypatch)
