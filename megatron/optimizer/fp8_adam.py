@@ -243,6 +243,7 @@ class Fp8AdamW(torch.optim.Optimizer):
             CompiledOrEager(_chunk_step, "Fp8AdamW's update", dynamic=None, fullgraph=False) if compile else None)
         self._tensor_kernel: Optional[CompiledOrEager] = (
             CompiledOrEager(_tensor_step, "Fp8AdamW's update", dynamic=None, fullgraph=False) if compile else None)
+        self._scalar_memo: Dict[Tuple, List[torch.Tensor]] = {}
 
     # ----------------------------------------------------------------------------- the rule
     def uses_fp8_states(self, p: torch.Tensor, group: Dict[str, Any]) -> bool:
@@ -309,6 +310,7 @@ class Fp8AdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         ordinal = -1
+        self._scalar_memo = {}
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
@@ -355,8 +357,8 @@ class Fp8AdamW(torch.optim.Optimizer):
         lr = group["lr"]
         # Device scalars by fills (torch.full): torch.tensor(x, device=cuda) would copy from the host and
         # synchronise the stream once per tensor (tests/unit/test_host_sync.py).
-        scalars = [torch.full((), x, dtype=torch.float32, device=p.device) for x in (
-            1.0 - lr * group["weight_decay"], lr / (1.0 - beta1**step), math.sqrt(1.0 - beta2**step))]
+        scalars = self._scalars(p.device, (1.0 - lr * group["weight_decay"], lr / (1.0 - beta1**step),
+                                           math.sqrt(1.0 - beta2**step)))
         fixed = (beta1, beta2, group["eps"], m_fmt, v_fmt, self.stochastic_rounding)
         old = [(state[name], state.get(name + "_scale_inv")) for name in _MOMENTS]
         flat_p, flat_g = p.view(-1), grad.reshape(-1)
@@ -380,24 +382,62 @@ class Fp8AdamW(torch.optim.Optimizer):
                 comm.all_reduce(both, self.shard_group, comm.ReduceOp.MAX)
                 amaxes = list(both.unbind())
             amaxes = [am if f.is_fp8 and f.block_size == 0 else None for am, f in zip(amaxes, fmts)]
+        if whole:  # both passes in one call (the tensor is this one chunk); its outputs are the new moments
+            ins = [x for (d, si), f in zip(old, fmts) for x in self._moment_slice(d, si, f, 0, n)]
+            out = self._call_tensor(flat_p, flat_g, *ins, *scalars, *fixed, starts[0], noise_key)
+            new = [self._as_moment(p, f, q, qs) for f, q, qs in zip(fmts, out[0::2], out[1::2])]
+        else:
+            new = self._chunked_moments(p, flat_p, flat_g, old, scalars, fixed, per_tensor, amaxes, starts,
+                                        noise_key)
+        for name, (d, si) in zip(_MOMENTS, new):
+            state[name] = d
+            if si is not None:
+                state[name + "_scale_inv"] = si
+
+    def _scalars(self, device: torch.device, values: Tuple[float, ...]) -> List[torch.Tensor]:
+        """The update's step scalars as 0-d tensors, made once per step for all tensors that share them (`step`
+        empties the memo)."""
+        key = (device, values)
+        if key not in self._scalar_memo:
+            self._scalar_memo[key] = [torch.full((), x, dtype=torch.float32, device=device) for x in values]
+        return self._scalar_memo[key]
+
+    def _chunked_moments(self, p: torch.Tensor, flat_p: torch.Tensor, flat_g: torch.Tensor, old: List, scalars: List,
+                         fixed: Tuple, per_tensor: bool, amaxes: List, starts: List,
+                         noise_key: Optional[torch.Tensor]) -> List[Tuple[torch.Tensor, Optional[torch.Tensor]]]:
+        """Pass 2 of `_step_stored` by chunks: the new moments, each chunk's quantized values written in place."""
+        fmts, n = fixed[3:5], p.numel()
+        chunk = _chunk_elements(p.device, self.block_size)
         new = [self._new_moment(p, f, zero=False) for f in fmts]  # every element is written
         for a in range(0, n, chunk):
             length = min(chunk, n - a)
             ins = [x for (d, si), f in zip(old, fmts) for x in self._moment_slice(d, si, f, a, length)]
-            if whole:  # both passes (the tensor is this one chunk)
-                out = self._call_tensor(flat_p, flat_g, *ins, *scalars, *fixed, starts[0], noise_key)
-            else:
-                out = self._call(None if per_tensor else flat_p[a:a + length], flat_g[a:a + length], *ins,
-                                 *scalars, *fixed, True, *amaxes, starts[a // chunk], noise_key)
+            out = self._call(None if per_tensor else flat_p[a:a + length], flat_g[a:a + length], *ins,
+                             *scalars, *fixed, True, *amaxes, starts[a // chunk], noise_key)
             for (d, si), f, q, qs in zip(new, fmts, out[0::2], out[1::2]):
                 d_slice, s_slice = self._moment_slice(d, si, f, a, length)
                 d_slice.copy_(q)
                 if s_slice is not None:
                     s_slice.copy_(qs)
-        for name, (d, si) in zip(_MOMENTS, new):
-            state[name] = d
-            if si is not None:
-                state[name + "_scale_inv"] = si
+        return new
+
+    @classmethod
+    def _as_moment(cls, p: torch.Tensor, fmt: MomentFormat, data: torch.Tensor, scale_inv: Optional[torch.Tensor]
+                   ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """A whole tensor's update output kept as its new moment (no copy) where it has the stored layout
+        (`_new_moment`'s), else copied into one that has."""
+        n_blocks, _ = block_layout(p.numel(), fmt.block_size)
+        numel = storage_numel(p.numel(), fmt) if fmt.is_fp8 else p.numel()
+        if (data.numel() == numel and data.dtype == fmt.torch_dtype and data.is_contiguous()
+                and (scale_inv is None) == (not fmt.is_fp8)
+                and (scale_inv is None or (scale_inv.numel() == n_blocks and scale_inv.dtype == torch.float32))):
+            shaped = data.view(-1) if fmt.is_fp8 else data.view(p.shape)
+            return shaped, None if scale_inv is None else scale_inv.reshape(n_blocks)
+        want, want_scale = cls._new_moment(p, fmt, zero=False)
+        want.view(-1).copy_(data.reshape(-1))
+        if want_scale is not None:
+            want_scale.copy_(scale_inv.reshape(-1))
+        return want, want_scale
 
     @staticmethod
     def _moment_slice(data: torch.Tensor, scale_inv: Optional[torch.Tensor], fmt: MomentFormat, start: int,

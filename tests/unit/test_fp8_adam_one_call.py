@@ -92,3 +92,31 @@ def test_the_warm_up_compiles_each_path_the_parameters_take(monkeypatch):
         model(torch.randn(4, 16)).square().mean().backward()
         opt.step()
     assert int(counters["frames"]["total"]) == frames
+
+
+@pytest.mark.parametrize("m_dtype,v_dtype", [("e4m3", "e5m2"), ("fp32", "e5m2"), ("e4m3", "bf16"), ("bf16", "e4m3")])
+def test_one_call_keeps_its_outputs_as_the_new_moments(monkeypatch, m_dtype, v_dtype):
+    """The one call's outputs become the moments themselves (no copy into fresh tensors), in the layout the passes
+    by chunks store (`_new_moment`'s shape, dtype and scale shape), with the same bits."""
+    results = {}
+    for one_call in (False, True):
+        torch.manual_seed(0)
+        w = nn.Parameter(torch.randn(24, 40))
+        opt = Fp8AdamW([w], lr=1e-2, m_dtype=m_dtype, v_dtype=v_dtype, compile=False)
+        monkeypatch.setattr(opt, "one_call", lambda numel, device, fmts, flag=one_call: flag)
+        outputs = []
+        call_tensor = opt._call_tensor
+        monkeypatch.setattr(opt, "_call_tensor", lambda *args: outputs.append(call_tensor(*args)) or outputs[-1])
+        for step in range(2):
+            w.grad = torch.randn(24, 40, generator=torch.Generator().manual_seed(step))
+            opt.step()
+        state = opt.state[w]
+        results[one_call] = {k: state[k] for k in _KEYS if k in state}
+        if one_call:
+            stored = [t for t in outputs[-1][0::2]]
+            assert [state["exp_avg"].data_ptr(), state["exp_avg_sq"].data_ptr()] == [t.data_ptr() for t in stored]
+    assert results[True].keys() == results[False].keys()
+    for key, chunked in results[False].items():
+        kept = results[True][key]
+        assert (kept.shape, kept.dtype, kept.is_contiguous()) == (chunked.shape, chunked.dtype, True), key
+        assert torch.equal(_bits(kept), _bits(chunked)), key
