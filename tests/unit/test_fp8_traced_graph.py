@@ -236,3 +236,28 @@ def test_emulated_block_backward_takes_the_forward_fp8_values():
                     and n.meta["val"].dtype == torch.bfloat16 and n.args and isinstance(n.args[0], torch.fx.Node)
                     and n.args[0].target is torch.ops.aten.copysign.Tensor)
     assert [s for s in values if s[0] == 32] == BLOCK_ACTIVATIONS, values
+
+
+@pytest.mark.parametrize("save_casts", [True, False])
+def test_emulated_block_saves_the_gemm_epilogue_output_not_the_raw_gemm_output(save_casts):
+    """SwiGLU's backward reads fc1's output: the forward saves it as its epilogue made it (the BF16 GEMM's output
+    divided by both scales, megatron/fp8/partition.py), not the raw GEMM output, from which backward would recompute
+    the division. The control, compiled without the partition pass, saves a raw GEMM output."""
+    from megatron.fp8 import cpu_gemm
+    from megatron.model.compile import compile_block
+
+    torch.manual_seed(0)
+    with cpu_gemm.use_mode("bf16"):
+        block = fp8_llama_block(Fp8Recipe())
+        if save_casts:
+            compile_block(block)
+        else:
+            register_fp8_weight_refresh(block)
+            block.compile(dynamic=False)
+        forward = _block_step_graphs(block)[-2]
+    saved = [n for n in [n for n in forward.nodes if n.op == "output"][0].args[0] if isinstance(n, torch.fx.Node)]
+    raw = [n for n in saved if n.target is torch.ops.aten.mm.default]
+    if save_casts:
+        assert not raw, raw
+    else:
+        assert raw
