@@ -1,9 +1,11 @@
-"""Fp8AdamW's stochastic-rounding noise (`counter_uniform`): 32-bit integer arithmetic only, the published hash bit
-for bit, uniform, and unbiased rounding with it.
+"""Fp8AdamW's stochastic-rounding noise (`counter_uniform`): exact integer arithmetic, the published hash bit for bit,
+uniform, and unbiased rounding with it.
 
-Gaudi's bridge computes int64 tensors in int32 unless PT_ENABLE_INT64_SUPPORT=1, so the noise is computed in int32
-tensors whose every value stays in [0, 2**31). The first test records every op under a dispatch mode and recomputes
-each one in int64 to show that no value left that range; the Gaudi itself is only in tests/unit/test_gaudi.py.
+Gaudi's bridge computes int64 tensors in int32 unless PT_ENABLE_INT64_SUPPORT=1, so there the noise is computed in
+int32 tensors whose every value stays in [0, 2**31) (the halves path, which these tests force on the CPU as Gaudi
+takes it). The first test records every op under a dispatch mode and recomputes each one in int64 to show that no
+value left that range; the Gaudi itself is only in tests/unit/test_gaudi.py. The CPU and CUDA compute the same hash in
+int64, where no value reaches 2**63; both paths give the same bits.
 Statistical bounds are set far in the tail (probability ~1e-9 for uniform random values), so they do not depend on
 the machine: the noise is a function of integers, the same bits on every CPU.
 """
@@ -16,6 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron.fp8.quantize import stochastic_round
+from megatron.optimizer import fp8_state_quant
 from megatron.optimizer.fp8_adam import Fp8AdamW
 from megatron.optimizer.fp8_state_quant import counter_uniform, moment_format, u32_halves
 
@@ -26,13 +29,15 @@ TAIL = 1e-9  # the probability a bound below leaves to uniform random values
 
 class _IntegerAudit(TorchDispatchMode):
     """Records the dtype of every tensor an op takes or makes; for each op that makes an int32 tensor, recomputes it
-    with its int32 inputs widened to int64 and records whether the results differ (an overflow) and the range."""
+    with its int32 inputs widened to int64 and records whether the results differ (an overflow) and the range; the
+    least int64 value made."""
 
     def __init__(self) -> None:
         super().__init__()
         self.dtypes: set[torch.dtype] = set()
         self.overflows: list[str] = []
         self.low, self.high = 0, 0
+        self.low64 = 0  # the least int64 value made
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -47,6 +52,8 @@ class _IntegerAudit(TorchDispatchMode):
                 if not torch.equal(wide.long(), t.long()):
                     self.overflows.append(str(func))
                 self.low, self.high = min(self.low, int(t.min())), max(self.high, int(t.max()))
+            elif isinstance(t, torch.Tensor) and t.dtype == torch.int64 and t.numel():
+                self.low64 = min(self.low64, int(t.min()))
         return out
 
 
@@ -67,7 +74,13 @@ def _noise(numel: int, start: int, key: int) -> torch.Tensor:
     return counter_uniform(numel, u32_halves(start, CPU), u32_halves(key, CPU), CPU)
 
 
-def test_noise_is_computed_in_int32_without_overflow() -> None:
+@pytest.fixture
+def halves(monkeypatch):
+    """The noise computed as on Gaudi: no device takes the int64 path."""
+    monkeypatch.setattr(fp8_state_quant, "_INT64_DEVICES", frozenset())
+
+
+def test_noise_is_computed_in_int32_without_overflow(halves) -> None:
     audit = _IntegerAudit()
     with audit:
         u = _noise(1 << 16, 2**32 - 1000, 0xFFFFFFFF)  # the counter wraps; every bit of the key set
@@ -78,7 +91,7 @@ def test_noise_is_computed_in_int32_without_overflow() -> None:
 
 
 @pytest.mark.parametrize("block_size", [0, 128])
-def test_an_eager_fp8adamw_step_makes_no_int64_tensor(block_size: int) -> None:
+def test_an_eager_fp8adamw_step_makes_no_int64_tensor(block_size: int, halves) -> None:
     """The whole update, not only the noise: nothing Gaudi would silently compute in int32."""
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.randn(64, 300))
@@ -93,10 +106,33 @@ def test_an_eager_fp8adamw_step_makes_no_int64_tensor(block_size: int) -> None:
 
 @pytest.mark.parametrize("start,key", [(0, 0), (123456789, 4000000000), (2**32 - 300, 0xFFFFFFFF),
                                        (65535, 65536), (2**31 - 100, 2**31)])
-def test_noise_equals_the_hash_in_python_integers(start: int, key: int) -> None:
-    """Bit for bit, including a counter that wraps past 2**32 and keys with the top bit set."""
+@pytest.mark.parametrize("int64", [True, False])
+def test_noise_equals_the_hash_in_python_integers(start: int, key: int, int64: bool, monkeypatch) -> None:
+    """Bit for bit on both paths, including a counter that wraps past 2**32 and keys with the top bit set."""
+    if not int64:
+        monkeypatch.setattr(fp8_state_quant, "_INT64_DEVICES", frozenset())
     got = _noise(600, start, key).tolist()
     assert got == [_lowbias32(start + i, key) for i in range(600)]
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_int64_path_gives_the_halves_bits_and_never_wraps(compiled: bool, monkeypatch) -> None:
+    """The CPU's int64 hash equals the halves' (Gaudi's) on 2**18 counters from starts that wrap past 2**32 and keys
+    with every bit set, eagerly and compiled; every int64 value it makes is non-negative (a product at or past 2**63
+    would wrap negative)."""
+    draw = torch.compile(counter_uniform, dynamic=False) if compiled else counter_uniform
+    cases = [(0, 0), (2**32 - 1000, 0xFFFFFFFF), (123456789, 0x80000001)]
+    with_int64 = [draw(1 << 18, u32_halves(a, CPU), u32_halves(k, CPU), CPU) for a, k in cases]
+    monkeypatch.setattr(fp8_state_quant, "_INT64_DEVICES", frozenset())
+    torch._dynamo.reset()
+    in_halves = [draw(1 << 18, u32_halves(a, CPU), u32_halves(k, CPU), CPU) for a, k in cases]
+    for a, b in zip(with_int64, in_halves):
+        assert torch.equal(a, b)
+    monkeypatch.setattr(fp8_state_quant, "_INT64_DEVICES", frozenset({"cpu"}))
+    audit = _IntegerAudit()
+    with audit:
+        _noise(1 << 16, 2**32 - 1000, 0xFFFFFFFF)
+    assert torch.int64 in audit.dtypes and audit.low64 >= 0
 
 
 def test_noise_is_uniform_on_0_1() -> None:
