@@ -56,7 +56,7 @@ the fc2 input is then already normalised with no extra op.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -175,6 +175,28 @@ def channel_split_scales(maxima: torch.Tensor, split: ChannelSplit = ChannelSpli
     return exp2_int(-shift), exp2_int(shift), ldexp_fp32(top, -top_exponent)
 
 
+def _channel_scales(h2d: torch.Tensor, split: ChannelSplit) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`channel_split_scales(channel_maxima(h2d), split)` without a tensor-parallel group (h2d: [tokens, F]): the
+    graph `warm_up_channel_scales` compiles."""
+    return channel_split_scales(channel_maxima(h2d), split)
+
+
+# (device type, dtype) -> `_channel_scales` compiled for every shape at start-up (`warm_up_channel_scales`).
+_START_UP_GRAPHS: dict[tuple[str, torch.dtype], Callable[..., Any]] = {}
+
+
+def warm_up_channel_scales(device: torch.device, dtype: torch.dtype, split: ChannelSplit = ChannelSplit()) -> None:
+    """Compile the channel form's maxima and scales for every shape of `dtype` activations on `device`, for blocks
+    that run eagerly: one compiled pass instead of about 40 eager ops on [F]-sized vectors and an eager column
+    reduction (a [2048, 352] bf16 h: 550 us eager, 66 us compiled, the same bits; AMD EPYC, torch 2.13.0+cpu,
+    2026-12-07). Only without tensor parallelism (the split's scalars are max-reduced over the TP group)."""
+    from megatron.fp8 import fused
+
+    graph = fused.CompiledOrEager(_channel_scales, "Smooth-SwiGLU's channel scales", dynamic=True)
+    fused.call_as_compiled(graph, torch.zeros(16, 32, dtype=dtype, device=device), split)
+    _START_UP_GRAPHS[(device.type, dtype)] = lambda h2d, chosen: fused.call_as_compiled(graph, h2d, chosen)
+
+
 def _fc2_channel_scaled(linear_fc2: nn.Linear, h_scaled: torch.Tensor, inverse: torch.Tensor,
                         input_amax: torch.Tensor, tp_group: Any = None) -> torch.Tensor:
     """fc2 with its weight columns multiplied by `inverse` (folded before any weight quantization)."""
@@ -212,13 +234,23 @@ class SmoothSwiGLU(nn.Module):
         if self.granularity is SmoothSwiGLUGranularity.CHANNEL:
             h = swiglu_product(fc1_out)
             # One reduction (the channel maxima) gives the scales and the exact amax of h * scale.
-            scale, inverse, input_amax = channel_split_scales(channel_maxima(h), self.split, self.tp_group)
+            scale, inverse, input_amax = self._channel_scales(h)
             return _fc2_channel_scaled(linear_fc2, h * scale.to(h.dtype), inverse, input_amax, self.tp_group)
         gate, up = fc1_out.chunk(2, dim=-1)
         scale, inverse = pow2_scales(token_maxima(up, self.tp_group))
         h = F.silu(gate) * (up * scale.to(up.dtype))
         y = linear_fc2(h)
         return y * inverse.to(y.dtype)
+
+    def _channel_scales(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The channel form's (scale, inverse, input amax) of h: the start-up's graph where one was made for an eager
+        block without tensor parallelism, else the functions themselves (traced into a compiled block as they are)."""
+        graph = None
+        if self.tp_group is None and h.numel() > 0 and not torch.compiler.is_compiling():
+            graph = _START_UP_GRAPHS.get((h.device.type, h.dtype))
+        if graph is not None:
+            return graph(h.reshape(-1, h.shape[-1]), self.split)
+        return channel_split_scales(channel_maxima(h), self.split, self.tp_group)
 
     def extra_repr(self) -> str:
         split = ""

@@ -111,6 +111,15 @@ def log_cpu_fp8_gemms(config: MegatronConfig, device: torch.device) -> None:
         _compile_fp8_value_conversions(device, cpu_gemm.values_dtype(), config)
 
 
+def _eager_channel_scales(config: MegatronConfig, blocks_compiled: bool) -> bool:
+    """Whether Smooth-SwiGLU's channel form runs in eager blocks without tensor parallelism: the start-up then
+    compiles its maxima and scales (`smooth_swiglu.warm_up_channel_scales`)."""
+    from megatron.config import SmoothSwiGLUGranularity
+
+    return (config.model.smooth_swiglu is SmoothSwiGLUGranularity.CHANNEL and not blocks_compiled
+            and config.parallel.tensor_model_parallel_size == 1)
+
+
 def _compile_fp8_value_conversions(device: torch.device, values_dtype: torch.dtype, config: MegatronConfig) -> None:
     """The emulated GEMMs convert FP8 operands to their values in compiled code (eager CPU conversions are scalar).
     BF16 GEMMs (the mode of CPUs with AMX): one graph for every shape, compiled here, before the first iteration,
@@ -124,9 +133,10 @@ def _compile_fp8_value_conversions(device: torch.device, values_dtype: torch.dty
         from megatron.model.compile import plan_torch_compile
 
         began = time.perf_counter()
-        eager_layers = not plan_torch_compile(config, device.type).fp8_quantization  # else fused.py's own graphs
+        plan = plan_torch_compile(config, device.type)
+        eager_layers = not plan.fp8_quantization  # else fused.py's own graphs
         fused.warm_up_upcasts(device, values_dtype, eager_layers)
-        also = ""
+        also = []
         if eager_layers and config.logging.log_fp8_stats:
             from megatron.fp8 import stats
             from megatron.fp8.formats import format_spec
@@ -134,9 +144,14 @@ def _compile_fp8_value_conversions(device: torch.device, values_dtype: torch.dty
 
             input_spec, weight_spec, grad_spec = (format_spec(d) for d in role_dtypes(config.fp8))
             stats.warm_up_eager_counts(device, values_dtype, {input_spec, grad_spec}, {weight_spec})
-            also = " (and the eager FP8 layers' statistics)"
+            also.append("the eager FP8 layers' statistics")
+        if _eager_channel_scales(config, plan.blocks):
+            from megatron.model.smooth_swiglu import warm_up_channel_scales
+
+            warm_up_channel_scales(device, torch.bfloat16 if config.training.bf16 else torch.float32)
+            also.append("Smooth-SwiGLU's channel scales")
         logger.info("> torch.compile: the FP8 value conversions of the emulated GEMMs%s compiled in %.1f s, before the "
-                    "first iteration", also, time.perf_counter() - began)
+                    "first iteration", f" (and {' and '.join(also)})" if also else "", time.perf_counter() - began)
     else:
         logger.info("> torch.compile: the FP8 value conversions of the emulated GEMMs compile on first use, one graph "
                     "per operand shape (in the first iterations)")
