@@ -21,6 +21,22 @@ if _ROOT not in sys.path:
 
 
 @pytest.fixture(autouse=True)
+def _seeded_generators():
+    """Every test starts from the same state of torch's, Python's and numpy's global generators: a test that draws
+    unseeded data gets the same data whichever tests ran before it in its worker (pytest-xdist spreads them
+    differently from run to run)."""
+    import random
+
+    import numpy as np
+    import torch
+
+    torch.manual_seed(0)
+    random.seed(0)
+    np.random.seed(0)
+    yield
+
+
+@pytest.fixture(autouse=True)
 def _single_process_env(monkeypatch):
     """Tests run as one process unless they spawn workers themselves."""
     for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
