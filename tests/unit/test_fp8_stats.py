@@ -1,6 +1,7 @@
 """FP8 statistics: off by default, clipped / flushed fractions, inf/NaN counts, reset, worst layer."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from megatron.fp8 import Fp8Recipe, collect_fp8_stats, convert_to_fp8, enable_fp8_stats, fp8_optimizer_step, \
@@ -92,3 +93,21 @@ def test_the_compiled_statistics_pass_counts_what_the_eager_one_counts() -> None
         assert torch.equal(eager.amax.nan_to_num(), fused.amax.nan_to_num()) and torch.equal(eager.scale, fused.scale)
         assert eager.counts[1, 0] >= 3 and eager.counts[1, 1] >= 1 and eager.counts[1, 2] == 1  # clipped, flushed, NaN
     assert _FUSED_COUNTS.compiled is not None and not _FUSED_COUNTS.failed  # compiled, no fallback to eager
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_nonfinite_counts_are_isnan_and_isinf_eagerly_and_compiled(dtype) -> None:
+    """`count_nonfinite` tests NaN as x != x and inf as |x| == inf (comparisons inductor vectorizes): the counts of
+    torch.isnan and torch.isinf, with +-inf, NaN, the format's largest finite values, zeros and subnormals."""
+    from megatron.fp8.quantize import count_nonfinite
+
+    info = torch.finfo(dtype)
+    x = torch.randn(37, 41).to(dtype)
+    specials = [float("nan"), float("inf"), -float("inf"), info.max, -info.max, 0.0, -0.0, info.tiny / 4]
+    x.view(-1)[:len(specials) * 3:3] = torch.tensor(specials).to(dtype)
+    assert (int(torch.isnan(x).sum()), int(torch.isinf(x).sum())) == (1, 2)
+    compiled = torch.compile(count_nonfinite, dynamic=True, fullgraph=True)
+    for t in (x, x[:5, :7], x[3:, 2:]):  # shapes through one dynamic graph
+        want = (int(torch.isnan(t).sum()), int(torch.isinf(t).sum()))
+        assert tuple(int(c) for c in count_nonfinite(t)) == want
+        assert tuple(int(c) for c in compiled(t)) == want
