@@ -84,39 +84,44 @@ def main(argv: list[str] | None = None) -> dict:
         "--torch-compile", args.torch_compile, "--device", device.type,
         "--micro-batch-size", str(args.micro_batch_size),
         "--global-batch-size", str(args.micro_batch_size * args.micro_batches)]
-    logging.getLogger("megatron").setLevel(logging.ERROR)
-    variants = [Variant(name, base + flags, args.log_interval) for name, flags in VARIANTS.items()]
-    m = variants[0].trainer.config.model
-    gen = torch.Generator().manual_seed(0)
-    rows = [torch.randint(0, 4096, (args.micro_batch_size, m.seq_length + 1), generator=gen)
-            for _ in range(args.micro_batches)]
-    warmup = args.log_interval if args.warmup is None else args.warmup
-    for v in variants:
-        for _ in range(warmup):
-            v.step(rows, device)
-        v.times.clear()
-    for _ in range(args.iters):
+    quiet = logging.getLogger("megatron")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # the trainers' build logs; restored at the end (tests call main in-process)
+    try:
+        variants = [Variant(name, base + flags, args.log_interval) for name, flags in VARIANTS.items()]
+        m = variants[0].trainer.config.model
+        gen = torch.Generator().manual_seed(0)
+        rows = [torch.randint(0, 4096, (args.micro_batch_size, m.seq_length + 1), generator=gen)
+                for _ in range(args.micro_batches)]
+        warmup = args.log_interval if args.warmup is None else args.warmup
         for v in variants:
-            v.step(rows, device)
-    plain, healed, logged, both = (statistics.fmean(v.times) for v in variants)
-    controller = variants[1].trainer.fp8.controller
-    result = {"torch": torch.__version__, "device": str(device), "threads": torch.get_num_threads(),
-              "torch_compile": args.torch_compile,
-              "log_interval": args.log_interval, "iters": args.iters,
-              "mean_step_s": {v.name: statistics.fmean(v.times) for v in variants},
-              "overhead": healed / plain - 1, "overhead_over_log_fp8_stats": both / logged - 1,
-              "controller_actions": controller.actions}
-    print(f"torch {torch.__version__} device={device} threads={torch.get_num_threads()} "
-          f"--torch-compile {args.torch_compile}, log interval {args.log_interval}, "
-          f"{args.iters} timed iterations per variant (alternating)")
-    for v in variants:
-        print(f"{v.name:<24} mean iteration {statistics.fmean(v.times) * 1e3:9.1f} ms")
-    print(f"overhead of --fp8-autoheal: {result['overhead'] * 100:+.2f}% of the iteration "
-          f"({controller.actions} action(s) taken); over a run with --log-fp8-stats already on: "
-          f"{result['overhead_over_log_fp8_stats'] * 100:+.2f}%")
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
-    return result
+            for _ in range(warmup):
+                v.step(rows, device)
+            v.times.clear()
+        for _ in range(args.iters):
+            for v in variants:
+                v.step(rows, device)
+        plain, healed, logged, both = (statistics.fmean(v.times) for v in variants)
+        controller = variants[1].trainer.fp8.controller
+        result = {"torch": torch.__version__, "device": str(device), "threads": torch.get_num_threads(),
+                  "torch_compile": args.torch_compile,
+                  "log_interval": args.log_interval, "iters": args.iters,
+                  "mean_step_s": {v.name: statistics.fmean(v.times) for v in variants},
+                  "overhead": healed / plain - 1, "overhead_over_log_fp8_stats": both / logged - 1,
+                  "controller_actions": controller.actions}
+        print(f"torch {torch.__version__} device={device} threads={torch.get_num_threads()} "
+              f"--torch-compile {args.torch_compile}, log interval {args.log_interval}, "
+              f"{args.iters} timed iterations per variant (alternating)")
+        for v in variants:
+            print(f"{v.name:<24} mean iteration {statistics.fmean(v.times) * 1e3:9.1f} ms")
+        print(f"overhead of --fp8-autoheal: {result['overhead'] * 100:+.2f}% of the iteration "
+              f"({controller.actions} action(s) taken); over a run with --log-fp8-stats already on: "
+              f"{result['overhead_over_log_fp8_stats'] * 100:+.2f}%")
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1))
+        return result
+    finally:
+        quiet.setLevel(level)
 
 
 if __name__ == "__main__":
