@@ -55,15 +55,23 @@ def _is_zero(zero_source: torch.Tensor, byte_zero: bool) -> torch.Tensor:
     return (zero_source & 0x7F) == 0 if byte_zero else zero_source.float() == 0
 
 
+# Below this many elements a quantization's counts are summed in int32 (exact there), at and above it in int64.
+_INT32_COUNTS_BELOW = 2**31
+
+
 def _per_tensor_counts(t: torch.Tensor, zero_source: torch.Tensor, scale: torch.Tensor, limit: float,
                        byte_zero: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """([clipped, flushed, nan, inf] as int64, amax) of one quantization with one scale: one traceable function, run
+    """(the row `_COUNTS` adds for one quantization with one scale, as int64; amax): one traceable function, run
     eagerly or compiled into one pass over t (`_FUSED_COUNTS`). Integer counts and a max: the same results either
-    way."""
-    clipped = ((t.float() * scale).abs() > limit).sum()
-    flushed = ((t != 0) & _is_zero(zero_source, byte_zero)).sum()
-    counts = torch.stack([clipped, flushed, *count_nonfinite(t)]).to(torch.int64)
-    return counts, amax_of(t)
+    way. The counts are summed in int32 below 2**31 elements (exact; vector adds of half the width of int64's)."""
+    acc = torch.int32 if t.numel() < _INT32_COUNTS_BELOW else torch.int64
+    clipped = ((t.float() * scale).abs() > limit).sum(dtype=acc)
+    flushed = ((t != 0) & _is_zero(zero_source, byte_zero)).sum(dtype=acc)
+    nan, inf = count_nonfinite(t, acc)
+    counts = torch.stack([clipped, flushed, nan, inf]).to(torch.int64)
+    numel = torch.full((), t.numel(), dtype=torch.int64, device=t.device)
+    extra = torch.stack([numel, (clipped > 0).to(torch.int64), torch.ones_like(numel)])  # one tensor, no blocks
+    return torch.cat([counts, extra]), amax_of(t)
 
 
 # Compiled on first use with dynamic shapes (one kernel for every tensor of a model); eager after a failure.
@@ -123,10 +131,8 @@ class Fp8Stats:
             if t.numel() == 0:
                 return
             zero_source, byte_zero = _zero_source(q)
-            four, amax = _counts(t, zero_source, scale.float(), limit, byte_zero, fused)
-            extra = torch.stack([torch.full((), t.numel(), dtype=torch.int64, device=t.device),
-                                 (four[0] > 0).to(torch.int64), torch.ones((), dtype=torch.int64, device=t.device)])
-            self.counts[role] += torch.cat([four, extra])
+            counts, amax = _counts(t, zero_source, scale.float(), limit, byte_zero, fused)
+            self.counts[role] += counts
             self.amax[role] = torch.maximum(self.amax[role], amax)
             self.scale[role] = scale.float()
             return

@@ -111,3 +111,33 @@ def test_nonfinite_counts_are_isnan_and_isinf_eagerly_and_compiled(dtype) -> Non
         want = (int(torch.isnan(t).sum()), int(torch.isinf(t).sum()))
         assert tuple(int(c) for c in count_nonfinite(t)) == want
         assert tuple(int(c) for c in compiled(t)) == want
+
+
+@pytest.mark.parametrize("int32_below", [2**31, 0])
+def test_one_quantizations_row_is_its_counts_numel_and_one(monkeypatch, int32_below) -> None:
+    """The statistics pass returns the whole row one quantization adds ([clipped, flushed, nan, inf, numel, clipped
+    tensors, quantizations]); its counts summed in int32 below `_INT32_COUNTS_BELOW` elements, in int64 above (here
+    forced for every size): the same row either way, eagerly and compiled."""
+    from megatron.fp8 import stats as stats_module
+    from megatron.fp8.formats import format_spec
+    from megatron.fp8.quantize import quantize
+
+    monkeypatch.setattr(stats_module, "_INT32_COUNTS_BELOW", int32_below)
+    spec = format_spec("e4m3")
+    g = torch.Generator().manual_seed(5)
+    t = (torch.randn(40, 24, generator=g) * 3).to(torch.bfloat16)
+    t[0, :6] = torch.tensor([1e5, -1e5, 1e-9, float("inf"), -float("inf"), float("nan")]).to(torch.bfloat16)
+    scale = torch.tensor(spec.max / 20.0)
+    q = quantize(t.float().nan_to_num(posinf=0.0, neginf=0.0), scale, spec)
+    zero_source, byte_zero = stats_module._zero_source(q)
+    y = t.float() * scale
+    clipped = int((y.abs() > stats_module.clip_threshold(spec)).sum())
+    flushed = int(((t != 0) & (q.view(torch.uint8) & 0x7F == 0)).sum())
+    want = [clipped, flushed, 1, 2, t.numel(), 1, 1]
+    assert clipped >= 2 and flushed >= 1
+    eager = stats_module._per_tensor_counts(t, zero_source, scale, stats_module.clip_threshold(spec), byte_zero)
+    torch._dynamo.reset()
+    compiled = torch.compile(stats_module._per_tensor_counts, dynamic=True, fullgraph=True)(
+        t, zero_source, scale, stats_module.clip_threshold(spec), byte_zero)
+    for counts, _ in (eager, compiled):
+        assert counts.dtype == torch.int64 and counts.tolist() == want
