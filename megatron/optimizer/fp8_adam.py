@@ -388,7 +388,7 @@ class Fp8AdamW(torch.optim.Optimizer):
             new = [self._as_moment(p, f, q, qs) for f, q, qs in zip(fmts, out[0::2], out[1::2])]
         else:
             new = self._chunked_moments(p, flat_p, flat_g, old, scalars, fixed, per_tensor, amaxes, starts,
-                                        noise_key)
+                                        noise_key, chunk)
         for name, (d, si) in zip(_MOMENTS, new):
             state[name] = d
             if si is not None:
@@ -404,10 +404,12 @@ class Fp8AdamW(torch.optim.Optimizer):
 
     def _chunked_moments(self, p: torch.Tensor, flat_p: torch.Tensor, flat_g: torch.Tensor, old: List, scalars: List,
                          fixed: Tuple, per_tensor: bool, amaxes: List, starts: List,
-                         noise_key: Optional[torch.Tensor]) -> List[Tuple[torch.Tensor, Optional[torch.Tensor]]]:
-        """Pass 2 of `_step_stored` by chunks: the new moments, each chunk's quantized values written in place."""
-        fmts, n = fixed[3:5], p.numel()
-        chunk = _chunk_elements(p.device, self.block_size)
+                         noise_key: Optional[torch.Tensor], chunk: int
+                         ) -> List[Tuple[torch.Tensor, Optional[torch.Tensor]]]:
+        """Pass 2 of `_step_stored` by chunks of `chunk` elements: the new moments, each chunk's quantized values
+        written in place. `fixed` is `_step_stored`'s (beta1, beta2, eps, m format, v format, stochastic)."""
+        n, (_, _, _, m_fmt, v_fmt, _) = p.numel(), fixed
+        fmts = (m_fmt, v_fmt)
         new = [self._new_moment(p, f, zero=False) for f in fmts]  # every element is written
         for a in range(0, n, chunk):
             length = min(chunk, n - a)

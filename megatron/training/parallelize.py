@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from megatron.accelerator import Accelerator
-from megatron.config import MegatronConfig
+from megatron.config import MegatronConfig, SmoothSwiGLUGranularity
 from megatron.hpu_kernels import apply_habana_kernels
 from megatron.model.build import build_model
 from megatron.model.compile import apply_torch_compile
@@ -114,8 +114,6 @@ def log_cpu_fp8_gemms(config: MegatronConfig, device: torch.device) -> None:
 def _eager_channel_scales(config: MegatronConfig, blocks_compiled: bool) -> bool:
     """Whether Smooth-SwiGLU's channel form runs in eager blocks without tensor parallelism: the start-up then
     compiles its maxima and scales (`smooth_swiglu.warm_up_channel_scales`)."""
-    from megatron.config import SmoothSwiGLUGranularity
-
     return (config.model.smooth_swiglu is SmoothSwiGLUGranularity.CHANNEL and not blocks_compiled
             and config.parallel.tensor_model_parallel_size == 1)
 
