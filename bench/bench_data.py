@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
 
 from megatron.config import DataConfig  # noqa: E402
+from bench.common import wall_times  # noqa: E402
 from megatron.data.blended_dataset import build_blending_indices  # noqa: E402
 from megatron.data.gpt_dataset import build_gpt_indices, build_sample_index  # noqa: E402
 from megatron.data.index_cache import array_digest  # noqa: E402
@@ -37,12 +38,7 @@ from prepare_demo_data import TOKENIZER_TYPE, prepare  # noqa: E402
 
 def best_time(fn, repeats: int) -> float:
     """Best of `repeats` wall times: the least disturbed by other load on the machine."""
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+    return min(wall_times(fn, repeats))
 
 
 def bench_preprocess(demo_dir: str, workers: int, repeats: int) -> None:

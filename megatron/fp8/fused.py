@@ -11,9 +11,10 @@ The eager functions in `quantize.py` stay the reference and the fallback. Whethe
 here is the layer's choice (`Fp8LayerState.fused_quantization`, set for a whole model by `set_fused_quantization`
 from `--torch-compile`, see megatron/model/compile.py). One thing is per process: the graphs for every shape that
 `warm_up_upcasts` compiles at start-up in the CPU bf16 GEMM mode, which the GEMMs' conversions and the eager layer's
-casts (`known_values`) and epilogue then take. The wrappers call the eager reference for inputs the compiled path does
-not take (empty tensors) and, with one warning, forever after a compilation failure. Results are bitwise those of the
-eager path (the same fp32 operations, see tests/unit/test_fp8_fused.py and test_cpu_fp8_eager_values.py).
+casts (`known_values`) and epilogue then take, called directly where this torch can (direct.py). The wrappers call
+the eager reference for inputs the compiled path does not take (empty tensors) and, with one warning, forever after a
+compilation failure. Results are bitwise those of the eager path (the same fp32 operations, see
+tests/unit/test_fp8_fused.py and test_cpu_fp8_eager_values.py).
 
 Recompilation: every function is compiled with `dynamic=False` (a linear's shapes do not change between
 steps) and takes step-dependent values (scales, validity flags) as 0-d tensors, never as Python numbers;
@@ -29,6 +30,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from megatron.fp8 import direct
 from megatron.fp8.grid import fp8_grid, has_grid
 from megatron.fp8.quantize import column_scaled, compute_scale
 
@@ -131,7 +133,8 @@ def _cast(y: torch.Tensor, dtype: torch.dtype, values_dtype: torch.dtype | None,
     inductor's conversion to E5M2 and back is slow); Q itself is written only where a caller keeps it (`keep_q`
     False: None in its place, for a caller that needs the values only). Not in Triton's code: it may contract a
     multiply and a subtraction into one fused multiply-add, which the rounding cannot take."""
-    if values_dtype is not None and torch.compiler.is_compiling() and has_grid(dtype) and y.device.type == "cpu":
+    in_graph = torch.compiler.is_compiling() or direct.tracing()
+    if values_dtype is not None and in_graph and has_grid(dtype) and y.device.type == "cpu":
         return (y.to(dtype) if keep_q else None), fp8_grid(y, dtype).to(values_dtype)
     q = y.to(dtype)
     if values_dtype is None:
@@ -187,6 +190,7 @@ _upcast_c = _fused(_upcast)
 _upcast_any_shape = _fused(_upcast, dynamic=True)
 _known_values_any_shape = _fused(_known_values, dynamic=True)
 _known_values_amax_any_shape = _fused(_known_values_amax, dynamic=True)
+_DIRECT = direct.DirectGraphs()  # the start-up's graphs called without torch.compile's per-call work (direct.py)
 _warmed_up: set[torch.dtype] = set()  # the dtypes `warm_up_upcasts` compiled the dynamic graphs for
 _eager_ready: set[torch.dtype] = set()  # ... and the eager layers' casts and epilogue (`eager_layers`) for
 # The input dtype of the activations and gradients `known_values` takes: the dynamic graphs are made for it.
@@ -257,11 +261,22 @@ def call_as_compiled(graph: CompiledOrEager, *args: Any) -> Any:
     these and would compile the graph again, inside an iteration, for a call made otherwise."""
     if torch.compiler.is_compiling():  # traced into an enclosing graph (a compiled block): inlined as it is
         return graph(*args)
+    if not graph.failed:  # (`uncompiled`: fake tensors, which no compiled code takes)
+        result = _DIRECT.call(graph.fn, args)
+        if result is not None:
+            return result
     args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
     if torch.is_grad_enabled() or torch.is_autocast_enabled("cpu"):
         with torch.no_grad(), torch.autocast("cpu", enabled=False):
             return graph(*args)
     return graph(*args)
+
+
+def start_up_graph(graph: CompiledOrEager, *args: Any) -> None:
+    """Make `graph` for calls like `graph(*args)` of every size: a direct graph (direct.py) where this torch has them,
+    else torch.compile's, compiled by this call."""
+    if not _DIRECT.build(graph.fn, *args):
+        call_as_compiled(graph, *args)
 
 
 def upcasts_ready(q: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -305,16 +320,16 @@ def warm_up_upcasts(device: torch.device, dtype: torch.dtype, eager_layers: bool
     scale = torch.ones((), device=device)
     for fp8, fp8_max in ((torch.float8_e4m3fn, 448.0), (torch.float8_e5m2, 57344.0)):
         q = torch.zeros(16, 32, device=device).to(fp8)
-        call_as_compiled(_upcast_any_shape, q, dtype)  # called as the functions below call them
-        call_as_compiled(_upcast_any_shape, q.t(), dtype)
+        start_up_graph(_upcast_any_shape, q, dtype)  # called as the functions below call them
+        start_up_graph(_upcast_any_shape, q.t(), dtype)
         if eager_layers and device.type == "cpu":
             activations = torch.zeros(16, 32, dtype=_ACTIVATION_DTYPE, device=device)
-            call_as_compiled(_known_values_any_shape, activations, scale, fp8_max, fp8, dtype)
-            call_as_compiled(_known_values_amax_any_shape, activations, scale, fp8_max, fp8, dtype)
+            start_up_graph(_known_values_any_shape, activations, scale, fp8_max, fp8, dtype)
+            start_up_graph(_known_values_amax_any_shape, activations, scale, fp8_max, fp8, dtype)
     if eager_layers and device.type == "cpu":  # two scale tensors: one passed twice would make a graph for that only
         for out_dtype in (dtype, torch.float32) if dtype != torch.float32 else (dtype,):
             out = torch.zeros(16, 32, dtype=dtype, device=device)
-            call_as_compiled(_scale_output_any_shape, out, scale, scale.clone(), out_dtype)
+            start_up_graph(_scale_output_any_shape, out, scale, scale.clone(), out_dtype)
         _eager_ready.add(dtype)
     _warmed_up.add(dtype)
     return time.perf_counter() - began

@@ -193,7 +193,7 @@ def warm_up_channel_scales(device: torch.device, dtype: torch.dtype, split: Chan
     from megatron.fp8 import fused
 
     graph = fused.CompiledOrEager(_channel_scales, "Smooth-SwiGLU's channel scales", dynamic=True)
-    fused.call_as_compiled(graph, torch.zeros(16, 32, dtype=dtype, device=device), split)
+    fused.start_up_graph(graph, torch.zeros(16, 32, dtype=dtype, device=device), split)
     _START_UP_GRAPHS[(device.type, dtype)] = lambda h2d, chosen: fused.call_as_compiled(graph, h2d, chosen)
 
 
