@@ -145,7 +145,13 @@ class DirectGraphs:
         if found is None:
             return None
         graph, single = found
-        out = graph(*(a.detach() for a in args[:len(key[2])]))
+        try:
+            out = graph(*(a.detach() for a in args[:len(key[2])]))
+        except Exception as exc:  # noqa: BLE001 - it wrote nothing the caller sees; torch.compile's path computes it
+            del self._graphs[key]
+            logger.warning("direct call of %s failed (%s: %s); it runs through torch.compile from now on",
+                           fn.__name__, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+            return None
         if isinstance(out, torch.Tensor):
             return out
         return out[0] if single else tuple(out)

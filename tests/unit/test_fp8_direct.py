@@ -131,3 +131,19 @@ def test_the_environment_variable_turns_the_direct_calls_off_and_refuses_other_v
     assert direct.requested({direct.ENV_VAR: " On "}) and direct.requested({})
     with pytest.raises(direct.DirectCallsConfigError, match="MEGATRON_FP8_DIRECT_CALLS='fast' is not one of on, off"):
         direct.requested({direct.ENV_VAR: "fast"})
+
+
+def test_a_direct_graph_that_fails_when_called_is_dropped_with_a_warning(caplog):
+    """A direct call that raises (nothing the caller sees was written) warns once and leaves every later call of
+    that kind to torch.compile's path."""
+    graphs = direct.DirectGraphs()
+    q = (torch.randn(6, 4) * 3).to(E4M3)
+    if not graphs.build(fused._upcast, q, BF16):
+        pytest.skip("no direct graphs in this torch")
+    key = next(iter(graphs._graphs))
+    graphs._graphs[key] = (lambda *tensors: (_ for _ in ()).throw(RuntimeError("bad stride")), True)
+    with caplog.at_level(logging.WARNING, logger="megatron"):
+        assert graphs.call(fused._upcast, (q, BF16)) is None
+        assert graphs.call(fused._upcast, (q, BF16)) is None
+    assert caplog.text.count("direct call of _upcast failed (RuntimeError: bad stride)") == 1
+    assert fused._upcast not in graphs
