@@ -149,12 +149,15 @@ def _quantize_tensor(x: torch.Tensor, previous: torch.Tensor, valid: torch.Tenso
     `known_valid` (delayed scaling whose history is known to hold a scale: `valid` is True) the cast takes the
     history's scale and does not wait for x's amax, which then only feeds the history: one pass over x can
     produce both."""
-    amax = x.abs().amax().float()
     if delayed and known_valid:
+        # The cast before the amax: inductor's CPU scheduler fuses a reduction into the loop of a pointwise kernel over
+        # the same elements that comes before it, not into one after it (there the amax was a pass of its own).
         scale = previous.float()
-    else:
-        current = compute_scale(amax, fp8_max, margin, pow2, previous=previous)
-        scale = torch.where(valid, previous.float(), current) if delayed else current
+        q, values = _cast(torch.clamp(x.float() * scale, -fp8_max, fp8_max), dtype, values_dtype, keep_q)
+        return q, values, scale, x.abs().amax().float()
+    amax = x.abs().amax().float()
+    current = compute_scale(amax, fp8_max, margin, pow2, previous=previous)
+    scale = torch.where(valid, previous.float(), current) if delayed else current
     q, values = _cast(torch.clamp(x.float() * scale, -fp8_max, fp8_max), dtype, values_dtype, keep_q)
     return q, values, scale, amax
 

@@ -148,6 +148,32 @@ def test_delayed_casts_do_not_wait_for_their_amax_once_the_history_is_valid(hist
     assert [x_casts[0][1], dy_casts[0][1]] == [not history_valid] * 2
 
 
+def _full_amaxes(graph: torch.fx.Graph, shape: tuple[int, int]) -> list[torch.fx.Node]:
+    """The reductions of `graph` over a whole tensor of `shape` to one value (the amax of a cast)."""
+    return [n for n in graph.nodes if n.target in REDUCTIONS and n.meta["val"].dim() == 0
+            and tuple(n.all_input_nodes[0].meta["val"].shape) == shape]
+
+
+@pytest.mark.parametrize("history_valid", [True, False])
+def test_delayed_casts_come_before_their_amax_once_the_history_is_valid(history_valid):
+    """Inductor's CPU scheduler fuses a reduction into the loop of a pointwise kernel over the same elements that comes
+    before it in the graph, not into one after it: once the cast does not wait for the amax, the cast comes first and
+    one loop reads the tensor for both. The control (first step): the cast waits for its amax."""
+    def fill_history(layer: torch.nn.Module, x: torch.Tensor) -> None:
+        layer(x).square().sum().backward()
+        fp8_optimizer_step(layer)
+
+    torch.manual_seed(0)
+    layer = Fp8Linear(K, N, bias=False, recipe=Fp8Recipe(backend="scaled_mm"))
+    graphs = _compiled_graphs(layer, True, fill_history if history_valid else None)
+    for shape in ((T, K), (T, N)):  # x in the forward, dy in the backward
+        [(graph, cast)] = [(g, c) for g in graphs for c, _ in _fp8_casts(g, shape)]
+        order = {node: i for i, node in enumerate(graph.nodes)}
+        amaxes = _full_amaxes(graph, shape)
+        assert len(amaxes) == 1, (shape, amaxes)
+        assert (order[amaxes[0]] > order[cast]) == history_valid, (shape, graph)
+
+
 def test_scale_validity_is_read_once_per_step_until_valid_and_again_after_a_load():
     """What the traced casts rely on: `Fp8LayerState.known_valid` is True only where the buffer is. It is read at
     most once per scaling update while a role is not valid, and forgotten when a checkpoint's FP8 state is loaded
