@@ -149,16 +149,18 @@ def _quantize_tensor(x: torch.Tensor, previous: torch.Tensor, valid: torch.Tenso
     `known_valid` (delayed scaling whose history is known to hold a scale: `valid` is True) the cast takes the
     history's scale and does not wait for x's amax, which then only feeds the history: one pass over x can
     produce both."""
-    if delayed and known_valid:
-        # The cast before the amax: inductor's CPU scheduler fuses a reduction into the loop of a pointwise kernel over
-        # the same elements that comes before it, not into one after it (there the amax was a pass of its own).
+    scale_known = delayed and known_valid
+    amax = None if scale_known else x.abs().amax().float()
+    if scale_known:
         scale = previous.float()
-        q, values = _cast(torch.clamp(x.float() * scale, -fp8_max, fp8_max), dtype, values_dtype, keep_q)
-        return q, values, scale, x.abs().amax().float()
-    amax = x.abs().amax().float()
-    current = compute_scale(amax, fp8_max, margin, pow2, previous=previous)
-    scale = torch.where(valid, previous.float(), current) if delayed else current
+    else:
+        current = compute_scale(amax, fp8_max, margin, pow2, previous=previous)
+        scale = torch.where(valid, previous.float(), current) if delayed else current
     q, values = _cast(torch.clamp(x.float() * scale, -fp8_max, fp8_max), dtype, values_dtype, keep_q)
+    if amax is None:
+        # After the cast: inductor's CPU scheduler fuses a reduction into the loop of a pointwise kernel over the same
+        # elements that comes before it, not into one after it (there the amax was a pass of its own).
+        amax = x.abs().amax().float()
     return q, values, scale, amax
 
 
