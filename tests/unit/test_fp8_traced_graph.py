@@ -130,6 +130,12 @@ def _fp8_casts(graph: torch.fx.Graph, shape: tuple[int, int]) -> list[tuple[torc
     return casts
 
 
+def _full_amaxes(graph: torch.fx.Graph, shape: tuple[int, int]) -> list[torch.fx.Node]:
+    """The reductions of `graph` over a whole tensor of `shape` to one value (the amax of a cast)."""
+    return [n for n in graph.nodes if n.target in REDUCTIONS and n.meta["val"].dim() == 0
+            and tuple(n.all_input_nodes[0].meta["val"].shape) == shape]
+
+
 @pytest.mark.parametrize("history_valid", [True, False])
 def test_delayed_casts_do_not_wait_for_their_amax_once_the_history_is_valid(history_valid):
     def fill_history(layer: torch.nn.Module, x: torch.Tensor) -> None:  # one eager training step
@@ -146,28 +152,11 @@ def test_delayed_casts_do_not_wait_for_their_amax_once_the_history_is_valid(hist
     assert len(x_casts) == 1 and len(dy_casts) == 1, (x_casts, dy_casts)
     # Valid: neither cast has an amax among its ancestors. The control (first step, no scale yet): both wait.
     assert [x_casts[0][1], dy_casts[0][1]] == [not history_valid] * 2
-
-
-def _full_amaxes(graph: torch.fx.Graph, shape: tuple[int, int]) -> list[torch.fx.Node]:
-    """The reductions of `graph` over a whole tensor of `shape` to one value (the amax of a cast)."""
-    return [n for n in graph.nodes if n.target in REDUCTIONS and n.meta["val"].dim() == 0
-            and tuple(n.all_input_nodes[0].meta["val"].shape) == shape]
-
-
-@pytest.mark.parametrize("history_valid", [True, False])
-def test_delayed_casts_come_before_their_amax_once_the_history_is_valid(history_valid):
-    """Inductor's CPU scheduler fuses a reduction into the loop of a pointwise kernel over the same elements that comes
-    before it in the graph, not into one after it: once the cast does not wait for the amax, the cast comes first and
-    one loop reads the tensor for both. The control (first step): the cast waits for its amax."""
-    def fill_history(layer: torch.nn.Module, x: torch.Tensor) -> None:
-        layer(x).square().sum().backward()
-        fp8_optimizer_step(layer)
-
-    torch.manual_seed(0)
-    layer = Fp8Linear(K, N, bias=False, recipe=Fp8Recipe(backend="scaled_mm"))
-    graphs = _compiled_graphs(layer, True, fill_history if history_valid else None)
-    for shape in ((T, K), (T, N)):  # x in the forward, dy in the backward
-        [(graph, cast)] = [(g, c) for g in graphs for c, _ in _fp8_casts(g, shape)]
+    # Valid: each cast comes before its amax in the graph, because inductor's CPU scheduler fuses a reduction into the
+    # loop of a pointwise kernel over the same elements that comes before it, not after it: one loop reads the tensor
+    # for both. The control: the amax comes first, the cast waits for it.
+    for shape, [(cast, _)] in (((T, K), x_casts), ((T, N), dy_casts)):
+        [graph] = [g for g in graphs if cast in g.nodes]
         order = {node: i for i, node in enumerate(graph.nodes)}
         amaxes = _full_amaxes(graph, shape)
         assert len(amaxes) == 1, (shape, amaxes)
