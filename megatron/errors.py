@@ -19,7 +19,7 @@ import sys
 from types import TracebackType
 from typing import Any, Callable, Optional
 
-from megatron import heartbeat
+from megatron import heartbeat, sigterm
 
 USER_ERROR_EXIT_CODE = 2
 USER_ERRORS = (ValueError, OSError)
@@ -83,6 +83,7 @@ def report_peer_failure(exc: BaseException) -> int:
     tell), what the backend said; exit code 4."""
     first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
     call = failed_call(exc.__traceback__)
+    sigterm.claim()  # a SIGTERM's line came first: it ends the process in a moment
     # The launcher may stop this rank (torchrun sends SIGTERM once it sees a worker fail, and SIGKILL 30 s later):
     # the heartbeats need a moment to tell, after which the process ends anyway.
     try:

@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from megatron import comm, heartbeat
+from megatron import comm, heartbeat, sigterm
 from megatron.accelerator import Accelerator
 from megatron.config import ParallelConfig
 
@@ -124,6 +124,8 @@ def initialize_parallel_state(cfg: ParallelConfig, accelerator: Accelerator) -> 
                                   host_group, timeout)
     # a collective that fails names the ranks whose heartbeat stopped (megatron/heartbeat.py)
     heartbeat.start(rank, world, f"megatron_attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', 'none')}")
+    if world > 1:  # a launcher's SIGTERM: one line naming those ranks too (megatron/sigterm.py)
+        sigterm.install()
     return state
 
 
