@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import unittest.mock
 
 import torch
 import torch._dynamo
@@ -120,9 +121,18 @@ def assert_traced_equals_eager(recipe: Fp8Recipe, column: bool, bf16: bool, step
             assert torch.equal(g, w), f"{name} differs"
 
 
+class _Recorded(Exception):
+    """Raised by the recording pass: inductor stops before lowering the graph it recorded."""
+
+
 def post_grad_graphs(run) -> list[torch.fx.Graph]:
-    """The post-grad graphs inductor generates kernels from (forward, then backward) for whatever `run()`
-    compiles; the compile caches are off, so every graph is really built."""
+    """The post-grad graphs inductor would generate kernels from (forward, then backward) for whatever `run()`
+    compiles with inductor, read without generating any: each graph is recorded by inductor's post-grad custom
+    pass, which then stops that compilation, and the compiled function returns uninitialised tensors of its
+    outputs' shapes (as megatron/perf/extract.py does). So `run()` must not depend on the values it computes.
+    Lowering, fusion and C++ compilation take most of a compilation; the compile caches are off, so every graph
+    is really built."""
+    import torch._inductor.compile_fx as compile_fx_module
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
     graphs: list[torch.fx.Graph] = []
@@ -130,12 +140,38 @@ def post_grad_graphs(run) -> list[torch.fx.Graph]:
     class Record(CustomGraphPass):
         def __call__(self, graph: torch.fx.Graph) -> None:
             graphs.append(graph)
+            raise _Recorded()
 
         def uuid(self) -> None:
             return None
 
+    def inner(gm: torch.fx.GraphModule, example_inputs, **kwargs):
+        outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        metas = [o.meta.get("val") if isinstance(o, torch.fx.Node) else o for o in outputs]
+        try:
+            compile_fx_module.compile_fx_inner(gm, example_inputs, **kwargs)
+        except Exception as exc:  # inductor wraps what the pass raises
+            if not isinstance(getattr(exc, "inner_exception", exc), _Recorded):
+                raise
+        else:
+            raise AssertionError("inductor compiled a graph without running its post-grad passes")
+
+        def uninitialised(args: list) -> list:
+            args.clear()
+            return [torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device=m.device)
+                    if isinstance(m, torch.Tensor) else m for m in metas]
+
+        uninitialised._boxed_call = True  # type: ignore[attr-defined]
+        return uninitialised
+
+    compile_fx = compile_fx_module.compile_fx
+
+    def recording_compile_fx(model, example_inputs, inner_compile=None, **kwargs):
+        return compile_fx(model, example_inputs, inner_compile=inner, **kwargs)
+
     torch._dynamo.reset()
-    with inductor_config.patch(post_grad_custom_post_pass=Record(), force_disable_caches=True):
+    with inductor_config.patch(post_grad_custom_post_pass=Record(), force_disable_caches=True), \
+            unittest.mock.patch.object(compile_fx_module, "compile_fx", recording_compile_fx):
         run()
     return graphs
 
