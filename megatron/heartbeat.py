@@ -25,6 +25,7 @@ INTERVAL = 0.5  # seconds between beats
 STALE = 2.0  # seconds a counter must stand still to name its rank (4 beats missed)
 _PREFIX = "megatron_heartbeat"
 _LEFT = ("reporting", "finished")  # the values of a rank that stopped beating on purpose: not a suspect
+ALL_ALIVE = "every other rank is still alive (each heartbeat moved)"  # how `suspects` begins when none is silent
 
 
 class _Beat:
@@ -112,6 +113,6 @@ def suspects(stale: float = STALE) -> Optional[str]:
                 "(rank 0's, unless torchrun hosts it) may be the one that failed")
     silent = sorted(r for r in second if second[r] not in _LEFT and (second[r] is None or second[r] == first[r]))
     if not silent:
-        return "every other rank is still alive (each heartbeat moved): look for the rank whose log ends first"
+        return f"{ALL_ALIVE}: look for the rank whose log ends first"
     names = ", ".join(map(str, silent[:16])) + (f" and {len(silent) - 16} more" if len(silent) > 16 else "")
     return f"rank{'s' if len(silent) > 1 else ''} {names} stopped answering (no heartbeat for {stale:g} s)"

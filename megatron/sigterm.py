@@ -88,6 +88,8 @@ def _leave() -> None:
         return
     _sigterm_reporting.set()
     suspects = heartbeat.suspects()
+    if suspects is not None and suspects.startswith(heartbeat.ALL_ALIVE):  # every rank got it (or left on purpose)
+        suspects = f"{heartbeat.ALL_ALIVE}: the signal came from outside the job (a time limit, scancel, kill)"
     rank = os.environ.get("RANK")
     prefix = f"[rank {rank}] " if rank is not None else ""
     print(f"{prefix}error: stopped by SIGTERM (torchrun and the DeepSpeed launcher send it to every worker once one "

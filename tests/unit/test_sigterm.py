@@ -37,12 +37,16 @@ client.get("never")  # blocked in C++ for up to 60 s
 """
 
 
-@pytest.fixture
-def store():
+def _store(rank1: str) -> dist.TCPStore:
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                            timeout=datetime.timedelta(seconds=10))
-    server.set("attempt/megatron_heartbeat/1", "7")  # rank 1: one beat, then silence
+    server.set("attempt/megatron_heartbeat/1", rank1)
     return server
+
+
+@pytest.fixture
+def store():
+    return _store("7")  # rank 1: one beat, then silence
 
 
 def _child(store, mode: str) -> subprocess.Popen:
@@ -81,3 +85,14 @@ def test_a_handler_put_in_place_keeps_the_signal_until_ours_is_back(store):
 def test_a_handler_already_set_is_left_alone(monkeypatch):
     monkeypatch.setattr(signal, "getsignal", lambda signum: print)  # someone else's handler
     assert not sigterm.install() and not sigterm.installed()
+
+
+def test_a_sigterm_that_every_rank_got_says_it_came_from_outside_the_job():
+    """scancel or a time limit: rank 1 got it too and is reporting it, so no rank is named."""
+    store = _store("reporting")  # held: the child talks to it until it exits
+    proc = _child(store, "blocked")
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert ("stopped by SIGTERM" in err and "every other rank is still alive (each heartbeat moved): the signal came "
+            "from outside the job") in err, err
