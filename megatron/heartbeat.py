@@ -4,8 +4,9 @@ Each rank of a multi-process run starts a daemon thread that counts up a key of 
 (`<prefix>/megatron_heartbeat/<rank>`) every `INTERVAL` seconds, on a store connection of its own. A rank that died
 or was stopped (SIGKILL, SIGSTOP, a frozen node, a dead process) stops counting; a live rank counts on, whatever its
 main thread is waiting for (a rank stuck in Python is `--exit-on-stall-seconds`' business). When a collective fails,
-`suspects()` reads every counter twice, `STALE` seconds apart, and names the ranks whose counter did not move. No
-clocks are compared, so nodes need not agree on the time.
+`suspects()` reads every counter twice, `STALE` seconds apart, and names the ranks whose counter did not move, and
+those whose run ended with an error of their own (`stop(exit_code)`: a user error, a diverged run). No clocks are
+compared, so nodes need not agree on the time.
 
 The store is the one the ranks met through: torchrun's agent store (it outlives the workers), or the TCPStore the
 launcher's MASTER_ADDR:MASTER_PORT names, which rank 0 hosts: when rank 0's process is gone, so is that store, and
@@ -25,6 +26,7 @@ INTERVAL = 0.5  # seconds between beats
 STALE = 2.0  # seconds a counter must stand still to name its rank (4 beats missed)
 _PREFIX = "megatron_heartbeat"
 _LEFT = ("reporting", "finished")  # the values of a rank that stopped beating on purpose: not a suspect
+_EXITED = "exited "  # + the exit code: a rank whose run ended with an error of its own (it is named as such)
 ALL_ALIVE = "every other rank is still alive (each heartbeat moved)"  # how `suspects` begins when none is silent
 
 
@@ -75,12 +77,12 @@ def _leave(beat: _Beat, why: str) -> None:
         pass
 
 
-def stop() -> None:
-    """Stop this rank's heartbeat at the end of its run (marked finished: a later failure elsewhere does not name
-    it)."""
+def stop(exit_code: int = 0) -> None:
+    """Stop this rank's heartbeat at the end of its run: marked finished (a later failure elsewhere does not name
+    it), or, for a non-zero `exit_code` (a user error, a diverged run), with that code, which the others name."""
     global _current
     if _current is not None:
-        _leave(_current, "finished")
+        _leave(_current, "finished" if exit_code == 0 else f"{_EXITED}{exit_code}")
         _current = None
 
 
@@ -111,8 +113,14 @@ def suspects(stale: float = STALE) -> Optional[str]:
     except Exception as exc:
         return (f"the heartbeats could not be read from the store ({exc.__class__.__name__}): the process hosting it "
                 "(rank 0's, unless torchrun hosts it) may be the one that failed")
-    silent = sorted(r for r in second if second[r] not in _LEFT and (second[r] is None or second[r] == first[r]))
-    if not silent:
-        return f"{ALL_ALIVE}: look for the rank whose log ends first"
-    names = ", ".join(map(str, silent[:16])) + (f" and {len(silent) - 16} more" if len(silent) > 16 else "")
-    return f"rank{'s' if len(silent) > 1 else ''} {names} stopped answering (no heartbeat for {stale:g} s)"
+    exited = sorted(r for r in second if (second[r] or "").startswith(_EXITED))
+    silent = sorted(r for r in second if r not in exited and second[r] not in _LEFT
+                    and (second[r] is None or second[r] == first[r]))
+    phrases = [f"rank{'s' if len(silent) > 1 else ''} {_names(silent)} stopped answering (no heartbeat for "
+               f"{stale:g} s)"] if silent else []
+    phrases += [f"rank {r} exited with code {second[r][len(_EXITED):]}" for r in exited[:16]]
+    return " and ".join(phrases) if phrases else f"{ALL_ALIVE}: look for the rank whose log ends first"
+
+
+def _names(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks[:16])) + (f" and {len(ranks) - 16} more" if len(ranks) > 16 else "")

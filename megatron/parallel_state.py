@@ -81,7 +81,7 @@ def finish_distributed_run(exit_code: int) -> None:
     import logging as _logging
     import sys
 
-    heartbeat.stop()  # marked finished: a failure elsewhere from here on does not name this rank
+    heartbeat.stop(exit_code)  # finished (a failure elsewhere from here on does not name it), or its exit code
     if dist.is_initialized():
         try:
             if exit_code == 0:

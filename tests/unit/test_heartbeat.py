@@ -46,3 +46,24 @@ def test_no_store_or_one_rank_means_no_heartbeat_and_no_suspect(monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "1")
     assert not heartbeat.start(0, 1, "attempt")
+
+
+def test_a_rank_that_ended_with_an_error_is_named_with_its_exit_code(store_env):
+    """A rank whose run ended with an error of its own (a user error: exit 2) stopped beating on purpose: not
+    "stopped answering", but named with its code, beside a rank that did stop answering."""
+    assert heartbeat.start(0, 5, "attempt")
+    failed, dead, alive, finished = (_peer(store_env, r, "attempt") for r in (1, 2, 3, 4))
+    dead.stop.set()
+    heartbeat._leave(failed, "exited 2")  # as heartbeat.stop(2) leaves it
+    heartbeat._leave(finished, "finished")
+    assert heartbeat.suspects(stale=1.0) == ("rank 2 stopped answering (no heartbeat for 1 s) and rank 1 exited with "
+                                             "code 2")
+    alive.stop.set()
+
+
+def test_stop_with_an_exit_code_leaves_it_for_the_others(store_env):
+    assert heartbeat.start(3, 5, "attempt")
+    reader = _peer(store_env, 0, "attempt")
+    heartbeat.stop(3)
+    reader.stop.set()
+    assert reader.store.get("3") == b"exited 3"
