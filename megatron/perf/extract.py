@@ -215,11 +215,40 @@ def _kernels(nodes: list[Any], where: str) -> list[Kernel]:
     return out
 
 
+def compile_until(stop: type, gm: torch.fx.GraphModule, example_inputs: Any, **kwargs: Any) -> bool:
+    """`compile_fx_inner(gm, ...)` that a custom pass of inductor ends by raising `stop`; whether it did (inductor
+    wraps what the pass raises; anything else propagates)."""
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    try:
+        compile_fx_inner(gm, example_inputs, **kwargs)
+    except Exception as exc:
+        if not isinstance(getattr(exc, "inner_exception", exc), stop):
+            raise
+        return True
+    return False
+
+
+def uninitialised_outputs(gm: torch.fx.GraphModule) -> Callable:
+    """The compiled function of a compilation stopped early: uninitialised tensors of `gm`'s outputs' shapes, no
+    computation (a boxed call, as inductor's)."""
+    outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    metas = [getattr(o, "meta", {}).get("val") if isinstance(o, torch.fx.Node) else o for o in outputs]
+
+    def run(args: list) -> list:
+        args.clear()
+        return [torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device=m.device)
+                if isinstance(m, torch.Tensor) else m for m in metas]
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run
+
+
 def _capturing_backend(graphs: list[tuple[str, list[Kernel]]]) -> Callable:
     """A torch.compile backend: inductor up to its scheduler (kernels appended to `graphs`), then outputs of the
     right shapes and no computation."""
     import torch._inductor.config as inductor_config
-    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+    from torch._inductor.compile_fx import compile_fx
 
     from megatron.model.compile import block_inductor_options
 
@@ -231,21 +260,8 @@ def _capturing_backend(graphs: list[tuple[str, list[Kernel]]]) -> Callable:
             raise _Captured()
 
         with inductor_config.patch(_post_fusion_custom_pass=read):
-            try:
-                compile_fx_inner(gm, example_inputs, **kwargs)
-            except Exception as exc:  # inductor wraps what the pass raises
-                if not isinstance(getattr(exc, "inner_exception", exc), _Captured):
-                    raise
-        outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
-        metas = [getattr(o, "meta", {}).get("val") if isinstance(o, torch.fx.Node) else o for o in outputs]
-
-        def run(args: list) -> list:
-            args.clear()
-            return [torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device=m.device)
-                    if isinstance(m, torch.Tensor) else m for m in metas]
-
-        run._boxed_call = True  # type: ignore[attr-defined]
-        return run
+            compile_until(_Captured, gm, example_inputs, **kwargs)
+        return uninitialised_outputs(gm)
 
     def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Callable:
         return compile_fx(gm, example_inputs, inner_compile=inner,

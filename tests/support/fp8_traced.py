@@ -129,11 +129,13 @@ def post_grad_graphs(run) -> list[torch.fx.Graph]:
     """The post-grad graphs inductor would generate kernels from (forward, then backward) for whatever `run()`
     compiles with inductor, read without generating any: each graph is recorded by inductor's post-grad custom
     pass, which then stops that compilation, and the compiled function returns uninitialised tensors of its
-    outputs' shapes (as megatron/perf/extract.py does). So `run()` must not depend on the values it computes.
+    outputs' shapes (megatron/perf/extract.py's helpers). So `run()` must not depend on the values it computes.
     Lowering, fusion and C++ compilation take most of a compilation; the compile caches are off, so every graph
     is really built."""
     import torch._inductor.compile_fx as compile_fx_module
     from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    from megatron.perf.extract import compile_until, uninitialised_outputs
 
     graphs: list[torch.fx.Graph] = []
 
@@ -146,23 +148,9 @@ def post_grad_graphs(run) -> list[torch.fx.Graph]:
             return None
 
     def inner(gm: torch.fx.GraphModule, example_inputs, **kwargs):
-        outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
-        metas = [o.meta.get("val") if isinstance(o, torch.fx.Node) else o for o in outputs]
-        try:
-            compile_fx_module.compile_fx_inner(gm, example_inputs, **kwargs)
-        except Exception as exc:  # inductor wraps what the pass raises
-            if not isinstance(getattr(exc, "inner_exception", exc), _Recorded):
-                raise
-        else:
+        if not compile_until(_Recorded, gm, example_inputs, **kwargs):
             raise AssertionError("inductor compiled a graph without running its post-grad passes")
-
-        def uninitialised(args: list) -> list:
-            args.clear()
-            return [torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device=m.device)
-                    if isinstance(m, torch.Tensor) else m for m in metas]
-
-        uninitialised._boxed_call = True  # type: ignore[attr-defined]
-        return uninitialised
+        return uninitialised_outputs(gm)
 
     compile_fx = compile_fx_module.compile_fx
 
