@@ -27,7 +27,6 @@ STALE = 2.0  # seconds a counter must stand still to name its rank (4 beats miss
 _PREFIX = "megatron_heartbeat"
 _LEFT = ("reporting", "finished")  # the values of a rank that stopped beating on purpose: not a suspect
 _EXITED = "exited "  # + the exit code: a rank whose run ended with an error of its own (it is named as such)
-ALL_ALIVE = "every other rank is still alive (each heartbeat moved)"  # how `suspects` begins when none is silent
 
 
 class _Beat:
@@ -95,10 +94,11 @@ def _counters(beat: _Beat) -> dict[int, Optional[str]]:
     return out
 
 
-def suspects(stale: float = STALE) -> Optional[str]:
+def suspects(stale: float = STALE, none_silent: str = "look for the rank whose log ends first") -> Optional[str]:
     """After a failed collective: which other ranks stopped beating, as a phrase for the error line ("rank 3 stopped
-    answering (no heartbeat for 2.5 s)"), or what could not be told. None when this rank has no heartbeat. Waits
-    `stale` seconds; stops this rank's heartbeat (the rank is leaving)."""
+    answering (no heartbeat for 2.5 s)"), or what could not be told; `none_silent` is the advice when every other
+    rank is alive. None when this rank has no heartbeat. Waits `stale` seconds; stops this rank's heartbeat (the
+    rank is leaving)."""
     global _current
     beat = _current
     if beat is None:
@@ -119,7 +119,9 @@ def suspects(stale: float = STALE) -> Optional[str]:
     phrases = [f"rank{'s' if len(silent) > 1 else ''} {_names(silent)} stopped answering (no heartbeat for "
                f"{stale:g} s)"] if silent else []
     phrases += [f"rank {r} exited with code {second[r][len(_EXITED):]}" for r in exited[:16]]
-    return " and ".join(phrases) if phrases else f"{ALL_ALIVE}: look for the rank whose log ends first"
+    if not phrases:
+        return f"every other rank is still alive (each heartbeat moved): {none_silent}"
+    return " and ".join(phrases)
 
 
 def _names(ranks: list[int]) -> str:

@@ -28,10 +28,9 @@ import threading
 
 from megatron import heartbeat
 
-# Taken by whichever reports this rank's end first: the SIGTERM thread or a failed collective's report.
+# Taken by whichever reports this rank's end first: the SIGTERM thread (which then sets the event) or a failed
+# collective's report.
 _leaving = threading.Lock()
-
-
 _sigterm_reporting = threading.Event()
 
 
@@ -87,9 +86,8 @@ def _leave() -> None:
     if not _leaving.acquire(blocking=False):
         return
     _sigterm_reporting.set()
-    suspects = heartbeat.suspects()
-    if suspects is not None and suspects.startswith(heartbeat.ALL_ALIVE):  # every rank got it (or left on purpose)
-        suspects = f"{heartbeat.ALL_ALIVE}: the signal came from outside the job (a time limit, scancel, kill)"
+    # no rank silent or failed: every rank got the signal
+    suspects = heartbeat.suspects(none_silent="the signal came from outside the job (a time limit, scancel, kill)")
     rank = os.environ.get("RANK")
     prefix = f"[rank {rank}] " if rank is not None else ""
     print(f"{prefix}error: stopped by SIGTERM (torchrun and the DeepSpeed launcher send it to every worker once one "
