@@ -3,8 +3,8 @@ direct.py), measured alternately in one process, per shape.
 
     python bench/bench_direct_calls.py [--threads 2] [--rounds 8]
 
-Prints, for the cast of an activation to its FP8 values with its amax (`fused.known_values_and_amax`) and for a
-GEMM's epilogue (`fused.scale_output`), the median microseconds per call both ways and their ratio. Both ways run
+Prints, for the cast of an activation to its FP8 values with its amax (`fused.known_values_and_amax`), the median
+microseconds per call both ways and their ratio. Both ways run
 the same inductor kernels (the results are checked bitwise equal first), so the difference is the per-call work.
 """
 from __future__ import annotations
@@ -62,8 +62,7 @@ def main() -> None:
     for shape in SHAPES:
         x = torch.randn(*shape).to(torch.bfloat16)
         calls = {"cast + amax (E4M3)": _ways(fused._known_values_amax_any_shape,
-                                             (x, scale, 448.0, torch.float8_e4m3fn, torch.bfloat16)),
-                 "epilogue (bf16 out)": _ways(fused._scale_output_any_shape, (x, scale, scale.clone(), torch.bfloat16))}
+                                             (x, scale, 448.0, torch.float8_e4m3fn, torch.bfloat16))}
         for name, ways in calls.items():
             runs = {way: [] for way in ways}
             for _ in range(args.rounds):

@@ -1,19 +1,23 @@
 """How the emulated FP8 backend multiplies on CPU: FP32 GEMMs that round once, or BF16 GEMMs where they are faster.
 
 The emulated GEMMs take FP8 values, which BF16 holds exactly; products of two BF16 values are exact in FP32, and a
-CPU BF16 GEMM (oneDNN) accumulates them in FP32, as the tensor cores do, but rounds its output to BF16 before the
-dequantization factors 1 / (s_a s_b) are applied, where the hardware rounds once after them. Two modes:
+CPU BF16 GEMM (oneDNN) accumulates them in FP32, as the tensor cores do. torch has no CPU BF16 GEMM with an FP32
+output, but `addmm`'s `alpha` multiplies the FP32 accumulator before the output is rounded to BF16: with
+alpha = 1 / (s_a s_b) that is the hardware's single rounding (`scaled_bf16_gemm`). alpha is a Python number, so the
+scales are read; a layer traced into a compiled graph cannot, and its BF16 GEMM's output is rounded to BF16 before
+the scales are divided out. Two modes:
 
-- `exact`: every GEMM gives the hardware's single rounding. FP32 GEMMs, whose output is scaled and rounded once;
-  a BF16 GEMM only where it gives the same number: a BF16 output with power-of-two scales (dividing by a power of
-  two is exact), on a CPU with fast BF16 GEMMs (`megatron.cpu_bf16`).
+- `exact`: every GEMM gives the hardware's single rounding, bitwise the same eager and traced. FP32 GEMMs, whose
+  output is scaled and rounded once; a BF16 GEMM only where it gives the same number: a BF16 output with
+  power-of-two scales (dividing by a power of two is exact), on a CPU with fast BF16 GEMMs (`megatron.cpu_bf16`).
 - `bf16`: in `--bf16` runs every FP8 GEMM is a BF16 GEMM, and the FP8 values are kept in BF16 (half the bytes of
-  FP32). Forward and dgrad (BF16 outputs) are the single rounding with power-of-two scales
-  (`--fp8-power-of-two-scales`); with other scales the output is rounded to BF16, divided by the scales and
+  FP32). Forward and dgrad (BF16 outputs) are the single rounding eagerly, and traced with power-of-two scales
+  (`--fp8-power-of-two-scales`); traced with other scales the output is rounded to BF16, divided by the scales and
   rounded again, and about a quarter of the outputs land one BF16 unit in the last place away from the single
-  rounding (tests/unit/test_cpu_fp8_gemm.py bounds it). Wgrad's FP32 output keeps 8 significant bits instead of 24:
-  the accumulator rounded to BF16, then divided by the scales in FP32, which is the precision of the BF16 run's own
-  wgrad (autocast's BF16 GEMM returns BF16 too). Runs without `--bf16` keep FP32 GEMMs.
+  rounding (tests/unit/test_cpu_fp8_gemm.py bounds both). Wgrad's FP32 output keeps 8 significant bits instead of
+  24 (eagerly the scaled accumulator rounded to BF16; traced the accumulator rounded to BF16, then divided by the
+  scales in FP32), which is the precision of the BF16 run's own wgrad (autocast's BF16 GEMM returns BF16 too). Runs
+  without `--bf16` keep FP32 GEMMs.
 
 `auto` (the default) is `bf16` on CPUs with AMX-BF16 and on AMD CPUs with AVX512-BF16 (the `amx_bf16` CPU flag, or
 `avx512_bf16` with vendor AuthenticAMD; oneDNN not capped below them by `ONEDNN_MAX_CPU_ISA`): a BF16 GEMM runs there
@@ -27,6 +31,8 @@ module constant, which compiled graphs read without a graph break. `describe()` 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import math
 import os
 from typing import Iterator
 
@@ -111,6 +117,31 @@ def bf16_gemm(a: torch.Tensor, out_dtype: torch.dtype, run_dtype: torch.dtype | 
     return out_dtype == torch.bfloat16 and pow2 and not (a.device.type == "cpu" and emulates_bf16_gemms())
 
 
+def _fp32(x: float) -> float:
+    """`x` rounded to the nearest FP32 number (inf beyond its range, NaN kept)."""
+    return ctypes.c_float(x).value
+
+
+def dequantization_factor(a_scale: torch.Tensor, b_scale: torch.Tensor) -> float:
+    """1 / (s_a s_b) in FP32 arithmetic, as a Python number: the product of two FP32 numbers is exact in a double and
+    so is its rounding to FP32; the double's reciprocal rounded to FP32 is the FP32 reciprocal (53 >= 2 * 24 + 2
+    bits: the double rounding is innocuous). A NaN scale (the non-finite guard) gives NaN, a zero product inf."""
+    product = _fp32(a_scale.item() * b_scale.item())
+    return _fp32(1.0 / product) if product != 0.0 else math.inf
+
+
+def scaled_bf16_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
+                     out_dtype: torch.dtype) -> torch.Tensor:
+    """`a @ b^T` of two BF16 operands holding FP8 values, the GEMM's FP32 accumulator multiplied by 1 / (s_a s_b)
+    inside the GEMM (addmm's `alpha`, applied before the output is rounded) and rounded once to BF16: the tensor
+    cores' single rounding at any scales, with no pass over the output of its own. An FP32 `out_dtype` (wgrad)
+    takes that BF16 result to FP32. CPU tensors outside compiled code only: the scales are read as numbers."""
+    m, n = a.shape[0], b.shape[0]
+    zero = torch.zeros((), dtype=torch.bfloat16).expand(m, n)  # not read: beta = 0
+    out = torch.addmm(zero, a, b.t(), beta=0, alpha=dequantization_factor(a_scale, b_scale))
+    return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
+
+
 def values_dtype() -> torch.dtype:
     """The dtype the emulated backend keeps FP8 values in for its GEMMs (both hold every FP8 value exactly)."""
     return torch.bfloat16 if mode() == "bf16" else torch.float32
@@ -123,7 +154,7 @@ def describe() -> str:
     why = f"{ENV_VAR}={forced}" if forced and forced.lower() != "auto" else (
         "this CPU has fast BF16 GEMMs" if chosen == "bf16" else fast_bf16_gemm_reason())
     if chosen == "bf16":
-        return (f"FP8 GEMMs (emulated on CPU): BF16 GEMMs in --bf16 runs ({why}; outputs rounded to BF16 before the "
-                f"scales are divided out, docs/performance.md; {ENV_VAR}=exact rounds once)")
+        return (f"FP8 GEMMs (emulated on CPU): BF16 GEMMs in --bf16 runs ({why}; compiled blocks round their outputs "
+                f"to BF16 before the scales are divided out, docs/performance.md; {ENV_VAR}=exact rounds once there)")
     return (f"FP8 GEMMs (emulated on CPU): FP32 GEMMs rounded once ({why}; {ENV_VAR}=bf16 runs BF16 GEMMs, "
             "docs/performance.md)")

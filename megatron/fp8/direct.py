@@ -2,7 +2,7 @@
 
 A torch.compile'd function runs dynamo's frame evaluation and guards and AOTAutograd's runtime wrappers on every
 call. For the activations of a small model that costs more than the kernel (docs/performance.md), and the eager FP8
-layer makes five such calls per linear and micro-batch (two casts, three GEMM epilogues). Here a function is traced
+layer makes two such calls per linear and micro-batch (the casts of x and dy). Here a function is traced
 once with symbolic sizes (`make_fx`) and compiled by inductor (`torch._inductor.standalone_compile`, torch 2.8 and
 later): the same compiler, decompositions and C++ as torch.compile (results bitwise the same), called directly.
 

@@ -197,7 +197,7 @@ _known_values_any_shape = _fused(_known_values, dynamic=True)
 _known_values_amax_any_shape = _fused(_known_values_amax, dynamic=True)
 _DIRECT = direct.DirectGraphs()  # the start-up's graphs called without torch.compile's per-call work (direct.py)
 _warmed_up: set[torch.dtype] = set()  # the dtypes `warm_up_upcasts` compiled the dynamic graphs for
-_eager_ready: set[torch.dtype] = set()  # ... and the eager layers' casts and epilogue (`eager_layers`) for
+_eager_ready: set[torch.dtype] = set()  # ... and the eager layers' casts (`eager_layers`) for
 # The input dtype of the activations and gradients `known_values` takes: the dynamic graphs are made for it.
 _ACTIVATION_DTYPE = torch.bfloat16
 
@@ -316,9 +316,8 @@ def known_values_and_amax(x: torch.Tensor, scale: torch.Tensor, fp8_max: float, 
 def warm_up_upcasts(device: torch.device, dtype: torch.dtype, eager_layers: bool = True) -> float:
     """Compile `upcast` to `dtype` for every shape now, as the emulated GEMMs call it: both FP8 formats, contiguous
     operands and transposed ones (a weight's W^T), and on CPU, for `eager_layers` (FP8 layers without fused
-    quantization), `known_values` (their casts of activations and gradients) and the epilogue of a GEMM with a
-    `dtype` output (`scale_output`) into `dtype` and fp32; these functions use the graphs from now on. The seconds it
-    took."""
+    quantization), `known_values` (their casts of activations and gradients; their BF16 GEMMs apply the scales
+    themselves, `cpu_gemm.scaled_bf16_gemm`); these functions use the graphs from now on. The seconds it took."""
     import time
 
     began = time.perf_counter()
@@ -331,10 +330,7 @@ def warm_up_upcasts(device: torch.device, dtype: torch.dtype, eager_layers: bool
             activations = torch.zeros(16, 32, dtype=_ACTIVATION_DTYPE, device=device)
             start_up_graph(_known_values_any_shape, activations, scale, fp8_max, fp8, dtype)
             start_up_graph(_known_values_amax_any_shape, activations, scale, fp8_max, fp8, dtype)
-    if eager_layers and device.type == "cpu":  # two scale tensors: one passed twice would make a graph for that only
-        for out_dtype in (dtype, torch.float32) if dtype != torch.float32 else (dtype,):
-            out = torch.zeros(16, 32, dtype=dtype, device=device)
-            start_up_graph(_scale_output_any_shape, out, scale, scale.clone(), out_dtype)
+    if eager_layers and device.type == "cpu":
         _eager_ready.add(dtype)
     _warmed_up.add(dtype)
     return time.perf_counter() - began
@@ -372,8 +368,6 @@ def _scale_output(out: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tenso
 
 
 _scale_output_c = _fused(_scale_output)
-# The eager layer's epilogue of a BF16 GEMM (cpu_gemm's bf16 mode), for every shape: made by `warm_up_upcasts`.
-_scale_output_any_shape = _fused(_scale_output, dynamic=True)
 
 
 def scale_output(out: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor, dtype: torch.dtype,
@@ -382,12 +376,10 @@ def scale_output(out: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor
     pass) divided by both quantization scales, then rounded once to `dtype`. Eager (`compiled=False`, the
     reference), this is two passes over the output and the division was measured at ~20 ns per element on the
     2-core Xeon (the largest single cost of the emulated FP8 step, docs/performance.md); compiled, one vectorized
-    pass with the same division. The eager layer's BF16 GEMM outputs take that pass too once `warm_up_upcasts` has
-    made its graph for every shape."""
+    pass with the same division. (The eager layer's BF16 GEMMs on CPU apply the scales themselves:
+    `cpu_gemm.scaled_bf16_gemm`.)"""
     if out.numel() == 0:
         return _scale_output(out, a_scale, b_scale, dtype)
     if compiled:
         return _scale_output_c(out, a_scale, b_scale, dtype)
-    if out.dtype in _eager_ready and out.device.type == "cpu":  # a BF16 GEMM's output: the start-up's graph
-        return call_as_compiled(_scale_output_any_shape, out, a_scale, b_scale, dtype)
     return _scale_output(out, a_scale, b_scale, dtype)

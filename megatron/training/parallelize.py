@@ -121,7 +121,7 @@ def _eager_channel_scales(config: MegatronConfig, blocks_compiled: bool) -> bool
 def _compile_fp8_value_conversions(device: torch.device, values_dtype: torch.dtype, config: MegatronConfig) -> None:
     """The emulated GEMMs convert FP8 operands to their values in compiled code (eager CPU conversions are scalar).
     BF16 GEMMs (the mode of CPUs with AMX): one graph for every shape, compiled here, before the first iteration,
-    with, where the FP8 layers run eagerly (no fused quantization in the --torch-compile plan), their casts, epilogue
+    with, where the FP8 layers run eagerly (no fused quantization in the --torch-compile plan), their casts
     and (under --log-fp8-stats) statistics (megatron/fp8/fused.py).
     FP32 GEMMs: one graph per operand shape, compiled where a shape is first used (a few per model, in the first
     iterations; compiling for every shape costs more than they take where each process trains only a few steps)."""

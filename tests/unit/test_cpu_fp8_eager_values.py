@@ -127,7 +127,7 @@ def test_outside_the_bf16_mode_or_before_the_warm_up_the_layer_casts_to_fp8(monk
 def test_the_eager_layer_compiles_nothing_after_the_start_up(monkeypatch):
     """Called as a training step calls them (autocast on, autograd recording, an input that is a view of a 3-D
     activation, the scales rows of the layer's buffers, FP8 statistics on), the start-up's graphs serve every call: no
-    compilation inside an iteration, also not for the GEMMs' epilogue, whose two scales are distinct tensors."""
+    compilation inside an iteration (the BF16 GEMMs apply their scales themselves: no epilogue graph)."""
     from torch._dynamo.utils import counters
 
     _ready(monkeypatch, set())
@@ -150,7 +150,7 @@ def test_the_eager_layer_compiles_nothing_after_the_start_up(monkeypatch):
 
 @pytest.mark.parametrize("compile_mode", ["off", "on"])
 def test_the_start_up_compiles_the_eager_layers_graphs_where_they_run_eagerly(caplog, monkeypatch, compile_mode):
-    """The FP8 layers run eagerly (`--torch-compile off`): the start-up also makes their casts, epilogue and, with
+    """The FP8 layers run eagerly (`--torch-compile off`): the start-up also makes their casts and, with
     FP8 statistics, statistics pass. Compiled (`on`: fused quantization), it makes the GEMMs' conversions only."""
     import logging
     import re

@@ -1,5 +1,5 @@
 """The emulated FP8 GEMMs' two CPU modes (megatron/fp8/cpu_gemm.py): `exact` rounds once, `bf16` runs BF16 GEMMs
-in --bf16 runs and rounds their output to BF16 before the scales are divided out.
+in --bf16 runs, which apply the scales to their FP32 accumulator eagerly and to their BF16 output where traced.
 
 The operands are FP8 values that are small integers times a power of two, and K is small, so every partial sum is
 exact in FP32 whatever the summation order: the accumulator is the same number in a BF16 and an FP32 GEMM on any
@@ -50,12 +50,37 @@ def test_bf16_mode_with_power_of_two_scales_is_the_single_rounding():
     assert torch.equal(_gemm("bf16", a, b, 4.0, 8.0, BF16, BF16, True), want)
 
 
-def test_bf16_mode_with_other_scales_rounds_twice_within_one_unit():
-    """bf16(bf16(acc) / (s_a s_b)): what the mode says it computes; at most one BF16 unit in the last place from the
-    single rounding, and not always equal to it (these operands hit cases where the two differ)."""
+def _factor(s_a: float, s_b: float) -> torch.Tensor:
+    """1 / (s_a s_b) in FP32 arithmetic."""
+    return torch.tensor(1.0) / (torch.tensor(s_a) * torch.tensor(s_b))
+
+
+def _traced(mode: str, *args) -> torch.Tensor:
+    """`_gemm` as the layer traced into a compiled block runs it (dynamo's trace, run without inductor)."""
+    return torch.compile(lambda: _gemm(mode, *args), backend="eager", fullgraph=True)()
+
+
+@pytest.mark.isa_sensitive  # where addmm applies alpha depends on the kernel the ISA picks
+def test_bf16_mode_applies_other_scales_inside_the_gemm_and_rounds_once():
+    """Eager: the BF16 GEMM's FP32 accumulator times 1 / (s_a s_b) in FP32, rounded once to BF16 (addmm's alpha);
+    within one BF16 unit in the last place of the single rounding of the exact result, and not the two roundings of
+    a BF16 output divided afterwards (these operands hit cases where those differ)."""
     a, b = _operands(64, 32, 64)
     acc = _acc(a, b)
     got = _gemm("bf16", a, b, 3.0, 5.0, BF16, BF16, False)
+    assert torch.equal(got, (acc.float() * _factor(3.0, 5.0)).to(BF16))
+    single = (acc / 15.0).to(BF16)
+    ulp = torch.finfo(BF16).eps * single.double().abs().clamp_min(torch.finfo(BF16).tiny)
+    assert ((got.double() - single.double()).abs() <= ulp).all()
+    assert not torch.equal(got, (acc.to(BF16).double() / 15.0).to(BF16))
+
+
+def test_bf16_mode_traced_rounds_twice_within_one_unit():
+    """Traced into a compiled graph (the scales cannot be read as numbers there): bf16(bf16(acc) / (s_a s_b)), at
+    most one BF16 unit in the last place from the single rounding, and not always equal to it."""
+    a, b = _operands(64, 32, 64)
+    acc = _acc(a, b)
+    got = _traced("bf16", a, b, 3.0, 5.0, BF16, BF16, False)
     assert torch.equal(got, (acc.to(BF16).double() / 15.0).to(BF16))
     single = (acc / 15.0).to(BF16)
     ulp = torch.finfo(BF16).eps * single.double().abs().clamp_min(torch.finfo(BF16).tiny)
@@ -63,13 +88,37 @@ def test_bf16_mode_with_other_scales_rounds_twice_within_one_unit():
     assert not torch.equal(got, single)
 
 
-def test_bf16_mode_rounds_wgrads_accumulator_to_bf16():
-    """Wgrad (FP32 output) in a --bf16 run: the accumulator rounded to BF16, then divided in FP32."""
+@pytest.mark.isa_sensitive
+def test_bf16_mode_rounds_wgrads_result_to_bf16():
+    """Wgrad (FP32 output) in a --bf16 run keeps 8 significant bits: eager, the scaled accumulator rounded once to
+    BF16; traced, the accumulator rounded to BF16, then divided in FP32."""
     a, b = _operands()
     acc = _acc(a, b)
     got = _gemm("bf16", a, b, 3.0, 5.0, torch.float32, BF16, False)
-    assert torch.equal(got, acc.to(BF16).float() / (torch.tensor(3.0) * torch.tensor(5.0)))
+    assert got.dtype == torch.float32
+    assert torch.equal(got, (acc.float() * _factor(3.0, 5.0)).to(BF16).float())
     assert not torch.equal(got, acc.float() / 15.0)  # the accumulator needs more than 8 significant bits here
+    traced = _traced("bf16", a, b, 3.0, 5.0, torch.float32, BF16, False)
+    assert torch.equal(traced, acc.to(BF16).float() / (torch.tensor(3.0) * torch.tensor(5.0)))
+
+
+@pytest.mark.parametrize("s_a", [float("nan"), float("inf")])
+def test_bf16_mode_with_a_non_finite_scale_gives_non_finite_outputs(s_a):
+    """The layer's non-finite guard makes a scale NaN; a NaN factor makes every output NaN. An infinite scale
+    (a product beyond FP32) is a factor of zero, as the division gives."""
+    a, b = _operands()
+    for out_dtype in (BF16, torch.float32):
+        got = _gemm("bf16", a, b, s_a, 5.0, out_dtype, BF16, False)
+        if s_a != s_a:
+            assert got.isnan().all()
+        else:
+            assert torch.equal(got, torch.zeros_like(got))
+
+
+def test_dequantization_factor_is_fp32_arithmetic():
+    for s_a, s_b in ((3.0, 5.0), (448.0 / 7.3, 57344.0 / 0.011), (2.0 ** 60, 2.0 ** 70), (1e-30, 1e-20)):
+        want = _factor(s_a, s_b).item()
+        assert cpu_gemm.dequantization_factor(torch.tensor(s_a), torch.tensor(s_b)) == want
 
 
 def test_runs_without_bf16_keep_fp32_gemms_in_bf16_mode():
