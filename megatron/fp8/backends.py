@@ -76,10 +76,9 @@ class EmulatedBackend:
         # rounding per accumulation step as on the tensor cores) and the result is rounded once at the end.
         # CPUs without a fast BF16 GEMM (megatron.cpu_bf16) take the fp32 GEMM always: the same single rounding.
         # On CPUs with AMX-BF16 (or AMD's AVX512-BF16) the BF16 GEMM is the fast one, and runs every GEMM of a
-        # --bf16 run: eagerly with the scales applied to its accumulator (one rounding), traced with its output
-        # rounded before the scales are divided out. megatron/fp8/cpu_gemm.py says what differs.
+        # --bf16 run, with the scales applied to its accumulator (one rounding): megatron/fp8/cpu_gemm.py.
         if cpu_gemm.bf16_gemm(a, out_dtype, run_dtype, pow2_scales):
-            if a.device.type == "cpu" and not torch.compiler.is_compiling():  # the scales applied inside the GEMM
+            if a.device.type == "cpu":  # the scales applied to the accumulator inside the GEMM
                 return cpu_gemm.scaled_bf16_gemm(fused.as_bf16(a), fused.as_bf16(b), a_scale, b_scale, out_dtype)
             out = fused.as_bf16(a) @ fused.as_bf16(b).t()  # bf16: the epilogue takes it to fp32 in its pass
         else:

@@ -3,21 +3,17 @@
 The emulated GEMMs take FP8 values, which BF16 holds exactly; products of two BF16 values are exact in FP32, and a
 CPU BF16 GEMM (oneDNN) accumulates them in FP32, as the tensor cores do. torch has no CPU BF16 GEMM with an FP32
 output, but `addmm`'s `alpha` multiplies the FP32 accumulator before the output is rounded to BF16: with
-alpha = 1 / (s_a s_b) that is the hardware's single rounding (`scaled_bf16_gemm`). alpha is a Python number, so the
-scales are read; a layer traced into a compiled graph cannot, and its BF16 GEMM's output is rounded to BF16 before
-the scales are divided out. Two modes:
+alpha = 1 / (s_a s_b) that is the hardware's single rounding (`scaled_bf16_gemm`; alpha is a Python number, so the
+scales are read, and a compiled graph calls it as the op `megatron::scaled_bf16_gemm`). Two modes:
 
 - `exact`: every GEMM gives the hardware's single rounding, bitwise the same eager and traced. FP32 GEMMs, whose
   output is scaled and rounded once; a BF16 GEMM only where it gives the same number: a BF16 output with
   power-of-two scales (dividing by a power of two is exact), on a CPU with fast BF16 GEMMs (`megatron.cpu_bf16`).
 - `bf16`: in `--bf16` runs every FP8 GEMM is a BF16 GEMM, and the FP8 values are kept in BF16 (half the bytes of
-  FP32). Forward and dgrad (BF16 outputs) are the single rounding eagerly, and traced with power-of-two scales
-  (`--fp8-power-of-two-scales`); traced with other scales the output is rounded to BF16, divided by the scales and
-  rounded again, and about a quarter of the outputs land one BF16 unit in the last place away from the single
-  rounding (tests/unit/test_cpu_fp8_gemm.py bounds both). Wgrad's FP32 output keeps 8 significant bits instead of
-  24 (eagerly the scaled accumulator rounded to BF16; traced the accumulator rounded to BF16, then divided by the
-  scales in FP32), which is the precision of the BF16 run's own wgrad (autocast's BF16 GEMM returns BF16 too). Runs
-  without `--bf16` keep FP32 GEMMs.
+  FP32). Forward and dgrad (BF16 outputs) are the single rounding at any scales, eager and compiled alike; what
+  differs from `exact` is the summation order of the BF16 kernel. Wgrad's FP32 output keeps 8 significant bits
+  instead of 24 (the scaled accumulator rounded to BF16), which is the precision of the BF16 run's own wgrad
+  (autocast's BF16 GEMM returns BF16 too). Runs without `--bf16` keep FP32 GEMMs.
 
 `auto` (the default) is `bf16` on CPUs with AMX-BF16 and on AMD CPUs with AVX512-BF16 (the `amx_bf16` CPU flag, or
 `avx512_bf16` with vendor AuthenticAMD; oneDNN not capped below them by `ONEDNN_MAX_CPU_ISA`): a BF16 GEMM runs there
@@ -130,15 +126,38 @@ def dequantization_factor(a_scale: torch.Tensor, b_scale: torch.Tensor) -> float
     return _fp32(1.0 / product) if product != 0.0 else math.inf
 
 
+_ZERO = torch.zeros((), dtype=torch.bfloat16)  # addmm's `self`, broadcast and not read (beta = 0)
+
+
+def _scaled_bf16_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor) -> torch.Tensor:
+    return torch.addmm(_ZERO, a, b.t(), beta=0, alpha=dequantization_factor(a_scale, b_scale))
+
+
+def _scaled_bf16_gemm_shape(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor
+                            ) -> torch.Tensor:
+    return a.new_empty((a.shape[0], b.shape[0]))
+
+
+# The op compiled graphs call (a CPU kernel and a shape function). Registered through `torch.library.Library`, not
+# `torch.library.custom_op`, whose Python wrapping cost ~15 us more per call (~20 us for a small BF16 GEMM itself).
+_LIBRARY = torch.library.Library("megatron", "FRAGMENT")
+_LIBRARY.define("scaled_bf16_gemm(Tensor a, Tensor b, Tensor a_scale, Tensor b_scale) -> Tensor")
+_LIBRARY.impl("scaled_bf16_gemm", _scaled_bf16_gemm, "CPU")
+torch.library.register_fake("megatron::scaled_bf16_gemm", _scaled_bf16_gemm_shape, lib=_LIBRARY)
+
+
 def scaled_bf16_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
                      out_dtype: torch.dtype) -> torch.Tensor:
-    """`a @ b^T` of two BF16 operands holding FP8 values, the GEMM's FP32 accumulator multiplied by 1 / (s_a s_b)
-    inside the GEMM (addmm's `alpha`, applied before the output is rounded) and rounded once to BF16: the tensor
-    cores' single rounding at any scales, with no pass over the output of its own. An FP32 `out_dtype` (wgrad)
-    takes that BF16 result to FP32. CPU tensors outside compiled code only: the scales are read as numbers."""
-    m, n = a.shape[0], b.shape[0]
-    zero = torch.zeros((), dtype=torch.bfloat16).expand(m, n)  # not read: beta = 0
-    out = torch.addmm(zero, a, b.t(), beta=0, alpha=dequantization_factor(a_scale, b_scale))
+    """`a @ b^T` of two BF16 CPU operands holding FP8 values, the GEMM's FP32 accumulator multiplied by
+    1 / (s_a s_b) inside the GEMM (addmm's `alpha`, applied before the output is rounded) and rounded once to BF16:
+    the tensor cores' single rounding at any scales, with no pass over the output of its own. An FP32 `out_dtype`
+    (wgrad) takes that BF16 result to FP32 (traced, in the kernel that reads it). The scales are read as numbers:
+    traced into a compiled graph, the call is the custom op `megatron::scaled_bf16_gemm`, which the graph calls as
+    it calls a GEMM (the same bits as eager)."""
+    if torch.compiler.is_compiling():
+        out = torch.ops.megatron.scaled_bf16_gemm.default(a, b, a_scale, b_scale)
+    else:
+        out = _scaled_bf16_gemm(a, b, a_scale, b_scale)
     return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
 
 
@@ -154,7 +173,7 @@ def describe() -> str:
     why = f"{ENV_VAR}={forced}" if forced and forced.lower() != "auto" else (
         "this CPU has fast BF16 GEMMs" if chosen == "bf16" else fast_bf16_gemm_reason())
     if chosen == "bf16":
-        return (f"FP8 GEMMs (emulated on CPU): BF16 GEMMs in --bf16 runs ({why}; compiled blocks round their outputs "
-                f"to BF16 before the scales are divided out, docs/performance.md; {ENV_VAR}=exact rounds once there)")
+        return (f"FP8 GEMMs (emulated on CPU): BF16 GEMMs in --bf16 runs ({why}; their weight gradients keep 8 "
+                f"significant bits, docs/performance.md; {ENV_VAR}=exact runs FP32 GEMMs)")
     return (f"FP8 GEMMs (emulated on CPU): FP32 GEMMs rounded once ({why}; {ENV_VAR}=bf16 runs BF16 GEMMs, "
             "docs/performance.md)")

@@ -19,11 +19,8 @@ backward (on the demo model's step, the largest of the FP8 step's kernels). Ther
 forward's values instead (the same numbers: grid.py's rounding is bitwise the cast) and marks them `MUST_SAVE`:
 no recomputation and no upcast pass, for 2 bytes per element (bf16 values; fp32 in the `exact` mode) instead of 1.
 
-The emulated GEMM's epilogue (fused.py `_scale_output`: the GEMM's output divided by both scales, rounded to the
-output dtype) is marked `MUST_SAVE` too. Where backward needs a linear's output (SwiGLU's backward reads fc1's),
-the partitioner otherwise saved the GEMM's raw output, of the same size, and recomputed the division from it in
-backward, inside the SwiGLU backward's loop. Saved, backward reads the output as the forward rounded it (the same
-bits); an output backward does not read is not saved either way.
+(The BF16 GEMMs of the `bf16` mode apply the scales inside the GEMM, `cpu_gemm.scaled_bf16_gemm`: a linear's output
+that backward reads, as SwiGLU's backward reads fc1's, is saved as the GEMM wrote it, with no epilogue to recompute.)
 """
 from __future__ import annotations
 
@@ -86,19 +83,6 @@ def _reuse_forward_values(cast: torch.fx.Node) -> None:
         cast.graph.erase_node(cast)
 
 
-def _gemm_epilogue_output(node: torch.fx.Node) -> bool:
-    """Whether `node` is an emulated FP8 GEMM's epilogue output (`fused._scale_output`): the GEMM's output taken to
-    fp32, divided by the scales, rounded to the output dtype."""
-    if node.op != "call_function" or node.target is not torch.ops.prims.convert_element_type.default:
-        return False
-    div = node.args[0]
-    if not (isinstance(div, torch.fx.Node) and div.target is torch.ops.aten.div.Tensor):
-        return False
-    up = div.args[0]
-    return (isinstance(up, torch.fx.Node) and _convert_to(up, torch.float32) and isinstance(up.args[0], torch.fx.Node)
-            and up.args[0].target is torch.ops.aten.mm.default)
-
-
 class SaveFp8Casts(CustomGraphPass):
     """Joint-graph pass: the forward's FP8 casts are saved for backward, not recomputed (module docstring)."""
 
@@ -108,8 +92,6 @@ class SaveFp8Casts(CustomGraphPass):
             if node not in backward and is_fp8_cast(node) and "recompute" not in node.meta:
                 node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
                 _reuse_forward_values(node)
-            elif node not in backward and _gemm_epilogue_output(node) and "recompute" not in node.meta:
-                node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
 
     def uuid(self) -> str:  # part of inductor's cache key
-        return "megatron-fp8-save-casts-3"
+        return "megatron-fp8-save-casts-4"

@@ -247,32 +247,30 @@ def test_emulated_block_backward_takes_the_forward_fp8_values():
     assert not [n for n in backward.nodes if is_fp8_cast(n) and n.args[1] is torch.float8_e4m3fn]
     assert not from_fp8, from_fp8
     saved = [n for n in forward.nodes if n.op == "output"][0].args[0]
-    values = sorted(tuple(n.meta["val"].shape) for n in saved if isinstance(n, torch.fx.Node)
+    # wgrad's GEMM takes the values transposed: the forward saves that view of them
+    untransposed = [n.args[0] if n.target is torch.ops.aten.permute.default else n for n in saved
+                    if isinstance(n, torch.fx.Node)]
+    values = sorted(tuple(n.meta["val"].shape) for n in untransposed if isinstance(n, torch.fx.Node)
                     and n.meta["val"].dtype == torch.bfloat16 and n.args and isinstance(n.args[0], torch.fx.Node)
                     and n.args[0].target is torch.ops.aten.copysign.Tensor)
     assert [s for s in values if s[0] == 32] == BLOCK_ACTIVATIONS, values
 
 
-@pytest.mark.parametrize("save_casts", [True, False])
-def test_emulated_block_saves_the_gemm_epilogue_output_not_the_raw_gemm_output(save_casts):
-    """SwiGLU's backward reads fc1's output: the forward saves it as its epilogue made it (the BF16 GEMM's output
-    divided by both scales, megatron/fp8/partition.py), not the raw GEMM output, from which backward would recompute
-    the division. The control, compiled without the partition pass, saves a raw GEMM output."""
+def test_emulated_block_saves_fc1s_output_as_its_bf16_gemm_wrote_it():
+    """In the `bf16` mode every FP8 GEMM of the block is the custom op that applies the scales inside the GEMM
+    (megatron/fp8/cpu_gemm.py): no plain GEMM in the forward, and SwiGLU's backward reads fc1's output as the op wrote
+    it (saved, of fc1's output shape)."""
     from megatron.fp8 import cpu_gemm
     from megatron.model.compile import compile_block
 
     torch.manual_seed(0)
     with cpu_gemm.use_mode("bf16"):
         block = fp8_llama_block(Fp8Recipe())
-        if save_casts:
-            compile_block(block)
-        else:
-            register_fp8_weight_refresh(block)
-            block.compile(dynamic=False)
+        compile_block(block)
         forward = _block_step_graphs(block)[-2]
+    gemm = torch.ops.megatron.scaled_bf16_gemm.default
+    assert not [n for n in forward.nodes if n.target is torch.ops.aten.mm.default]
+    assert len([n for n in forward.nodes if n.target is gemm]) == 4  # qkv, proj, fc1, fc2
     saved = [n for n in [n for n in forward.nodes if n.op == "output"][0].args[0] if isinstance(n, torch.fx.Node)]
-    raw = [n for n in saved if n.target is torch.ops.aten.mm.default]
-    if save_casts:
-        assert not raw, raw
-    else:
-        assert raw
+    fc1 = block.mlp.linear_fc1
+    assert (32, fc1.out_features) in [tuple(n.meta["val"].shape) for n in saved if n.target is gemm]
