@@ -259,14 +259,16 @@ def register_fp8_weight_refresh(block: nn.Module) -> None:
     block.register_forward_pre_hook(refresh_fp8_weights)
 
 
-def warm_up(model: nn.Module, run_micro_batch) -> float:
+def warm_up(model: nn.Module, run_micro_batch, evaluate_micro_batch=None) -> float:
     """Seconds spent in `run_micro_batch()` (a forward + backward that triggers compilation), leaving the model as
     it was: RNG streams forked, buffers (FP8 amaxes, scales) restored, FP8 statistics dropped, FP8 weight caches
     dropped, gradients cleared. It runs with FP8 statistics off (most iterations' step), and again with them on
     where the run records them (its first and logging iterations). Under delayed scaling each of those runs twice:
     the first step's graphs wait for each tensor's amax (the history holds no scale yet), every later step's take
     the history's scale (`Fp8LayerState.known_valid`), a variant of its own that would otherwise compile inside
-    the second iteration."""
+    the second iteration. `evaluate_micro_batch` (a forward), where the run evaluates: run in eval mode without
+    gradients after them, as an evaluation after training steps runs it (`_warm_up_evaluation`), whose graphs would
+    otherwise compile inside the first evaluation."""
     model.train()  # the mode training runs in (dynamo guards on it)
     from megatron.fp8 import Fp8Linear, Fp8Scaling
 
@@ -292,6 +294,8 @@ def warm_up(model: nn.Module, run_micro_batch) -> float:
                     m.fp8.forget_weights()
                 if delayed:
                     run_micro_batch()
+            if evaluate_micro_batch is not None:
+                _warm_up_evaluation(model, fp8_layers, stats, delayed, evaluate_micro_batch)
         return time.perf_counter() - start
     finally:  # also after a failed compilation: the eager parts may have run
         with torch.no_grad():
@@ -307,6 +311,24 @@ def warm_up(model: nn.Module, run_micro_batch) -> float:
             m.fp8.forget_scale_validity()
         for p in model.parameters():
             p.grad = None
+
+
+def _warm_up_evaluation(model: nn.Module, fp8_layers: dict, stats: dict, delayed: list,
+                        evaluate_micro_batch) -> None:
+    """The evaluation's forward (no gradients, eval mode) with FP8 statistics off, and on where the run records
+    them, the FP8 layers as after a training step (delayed scaling's history holds a scale)."""
+    for with_stats in [False] + ([True] if any(stats.values()) else []):
+        for name, m in fp8_layers.items():
+            m.fp8.configure(stats_enabled=with_stats and stats[name])
+            m.fp8.forget_weights()
+        for m in delayed:
+            m.fp8.learn_scale_validity([True] * len(m.fp8.known_valid))
+        model.eval()
+        try:
+            with torch.no_grad():
+                evaluate_micro_batch()
+        finally:
+            model.train()
 
 
 def apply_torch_compile(config: Any, model: nn.Module, device: torch.device) -> CompilePlan:
@@ -334,20 +356,10 @@ def apply_torch_compile(config: Any, model: nn.Module, device: torch.device) -> 
         logger.info("> torch.compile: %s compiled in the first iteration (no warm-up with %s; the startup is "
                     "inside that iteration's time)", what, reason.split(" (")[0])
         return plan
-    from megatron.data.provider import make_batch
-
-    t = config.training
-    text = torch.zeros(t.micro_batch_size, config.model.seq_length + 1, dtype=torch.long)
-    batch = make_batch(text, None, config.data).to(device)
-
-    def run() -> None:
-        with bf16_autocast(device.type, t.bf16):
-            per_token = model(batch.tokens, batch.position_ids, batch.attention_mask, labels=batch.labels)
-        (per_token * batch.loss_mask).sum().backward()
-
+    run, evaluation = _synthetic_steps(config, model, device)
     graphs_before = BLOCK_BACKEND.graphs
     try:
-        seconds = _warm_up_blocks(model, run, n, fp8_layers)
+        seconds = _warm_up_blocks(model, run, n, fp8_layers, evaluation)
     except Exception as exc:  # noqa: BLE001 - the fused quantization falls back by itself; compiled blocks cannot
         if not n:
             raise
@@ -365,8 +377,43 @@ def apply_torch_compile(config: Any, model: nn.Module, device: torch.device) -> 
         logger.info("> torch.compile: %s warmed up in %.1f s; the FP8 quantization runs eagerly (compiling %s "
                     "failed, see the warning above)", what, seconds, ", ".join(failed))
     else:
-        logger.info("> torch.compile: %s compiled in %.1f s (startup, not counted in tokens/s)", what, seconds)
+        logger.info("> torch.compile: %s compiled in %.1f s%s (startup, not counted in tokens/s)", what, seconds,
+                    " for training and evaluation" if evaluation is not None else "")
     return plan
+
+
+def _synthetic_steps(config: Any, model: nn.Module, device: torch.device) -> tuple[Any, Any]:
+    """(a training micro-batch's forward and backward, an evaluation micro-batch's forward or None where the run
+    does not evaluate) on one synthetic micro-batch of the training shape, called as the training loop and
+    `MicroBatchEngine.evaluate` call the model (`warm_up` sets the modes)."""
+    from megatron.data.provider import make_batch
+
+    t = config.training
+    text = torch.zeros(t.micro_batch_size, config.model.seq_length + 1, dtype=torch.long)
+    batch = make_batch(text, None, config.data).to(device)
+
+    def forward() -> torch.Tensor:
+        with bf16_autocast(device.type, t.bf16):
+            per_token = model(batch.tokens, batch.position_ids, batch.attention_mask, labels=batch.labels)
+        return (per_token * batch.loss_mask).sum()
+
+    def run() -> None:
+        forward().backward()
+
+    return run, (forward if evaluates(config) else None)
+
+
+def evaluates(config: Any) -> bool:
+    """Whether the run computes validation or test losses: `--eval-iters` above 0 and a validation or test split
+    (mock data, `--valid-data-path` / `--test-data-path`, or `--split` weights beyond the training one)."""
+    from megatron.data.gpt_dataset import parse_split_weights
+
+    t, d = config.training, config.data
+    if t.eval_iters <= 0:
+        return False
+    if d.mock_data or d.valid_data_path or d.test_data_path:
+        return True
+    return bool(d.data_path) and sum(parse_split_weights(d.split)[1:]) > 0
 
 
 def _first_line(exc: BaseException) -> str:
@@ -374,11 +421,11 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[0][:300]}" if text else type(exc).__name__
 
 
-def _warm_up_blocks(model: nn.Module, run, blocks: int, fp8_layers: int) -> float:
+def _warm_up_blocks(model: nn.Module, run, blocks: int, fp8_layers: int, evaluation=None) -> float:
     """`warm_up`; if compiling blocks with FP8 layers traced into them fails (a torch whose dynamo cannot trace
     them), once more with those layers as graph breaks (the eager FP8 path inside compiled blocks), warned."""
     try:
-        return warm_up(model, run)
+        return warm_up(model, run, evaluation)
     except Exception as exc:  # noqa: BLE001 - retried below; a second failure propagates
         if not (blocks and fp8_layers):
             raise
@@ -390,4 +437,4 @@ def _warm_up_blocks(model: nn.Module, run, blocks: int, fp8_layers: int) -> floa
                        "layers run as graph breaks inside the compiled blocks", _first_line(exc))
         set_fp8_tracing(model, False)
         torch._dynamo.reset()
-        return warm_up(model, run)
+        return warm_up(model, run, evaluation)

@@ -141,7 +141,7 @@ def _fp8_statistics_on(layer: nn.Module) -> bool:
     whole model at once; False without FP8 layers). A compiled block reads it in its own frame: statistics steps
     run the FP8 layers as graph breaks, and dynamo keeps no guard from a call it could not inline, so without this
     read the graph-broken entry of a statistics step matched every later step too (152 compiled regions per step
-    of the demo model instead of 56; `test_no_training_iteration_compiles_under_delayed_scaling`)."""
+    of the demo model instead of 56; test_torch_compile.py, `test_nothing_compiles_after_the_startup_...`)."""
     for linear in (layer.self_attention.linear_qkv, layer.self_attention.linear_proj, layer.mlp.linear_fc1,
                    layer.mlp.linear_fc2):
         state = getattr(linear, "fp8", None)

@@ -79,7 +79,8 @@ def test_compiled_blocks_under_fsdp2_track_the_eager_run(fp8_runs, tmp_path):
     Within 1e-3 of the eager run's losses (a lost reduce-scatter or a stale weight moves them by far more; the
     compiled block's fused roundings by ~1e-6)."""
     root, straight, _ = fp8_runs
-    log = _train(tmp_path / "compiled", *KEPT_RECOMPUTED, "--torch-compile", "on")
+    # No evaluation: the compared losses are the training ones, and evaluation's no-grad graphs would compile too.
+    log = _train(tmp_path / "compiled", *KEPT_RECOMPUTED, "--torch-compile", "on", eval_iters=0)
     # Two graphs: the first step's and every later one's (delayed scaling's history holds a scale from then on).
     assert re.search(r"torch.compile: 2 transformer blocks \(2 graphs for all\)", log), log[-2000:]
     assert "tracing the FP8 layers into the transformer blocks failed" not in log

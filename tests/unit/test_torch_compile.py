@@ -60,21 +60,24 @@ def test_blocks_share_one_graph_and_none_runs_eagerly(compiled_run) -> None:
     assert compiled_run.graphs == 2, compiled_run.graphs
 
 
-def test_no_training_iteration_compiles_under_delayed_scaling_with_fp8_statistics() -> None:
+def test_nothing_compiles_after_the_startup_under_delayed_scaling_with_fp8_statistics_and_evaluation() -> None:
     """With FP8 statistics (on in the first iteration) the warm-up also runs the statistics variants, and the steps
     after the first take the whole-block graph again (`transformer._fp8_statistics_on`): before, the statistics
-    step's graph-broken entry served them, and they compiled the FP8 layers' frames anew."""
+    step's graph-broken entry served them, and they compiled the FP8 layers' frames anew. A run that evaluates
+    also warms up the evaluation's forward, whose graphs compiled inside the first evaluation before."""
     from megatron.model.compile import BLOCK_BACKEND
 
     before = BLOCK_BACKEND.graphs
     # Micro-batches of 5 sequences, which no other test compiles: the process's dynamo cache holds none of their
-    # graphs.
+    # graphs. Validation after iterations 2 and 3, test after 3.
     run = {**COMPILE_RUN, "train_iters": 3, "lr_warmup_iters": 0, "log_interval": 100, "micro_batch_size": 5,
-           "global_batch_size": 5}
+           "global_batch_size": 5, "eval_iters": 1, "eval_interval": 2}
     with LogLines() as handler:
         pretrain(parse_config(tiny_argv(*FP8, "--fp8-recipe", "delayed", "--torch-compile", "on", "--log-fp8-stats",
                                         **run)))
     [line] = [line for line in handler.lines if "torch.compile:" in line and "transformer blocks" in line]
+    assert line.endswith("for training and evaluation (startup, not counted in tokens/s)"), line
+    assert len([line for line in handler.lines if "validation loss at iteration" in line]) == 2
     warmed = int(re.search(r"\((\d+) graphs? for all\)", line).group(1))
     assert warmed > 2 and BLOCK_BACKEND.graphs - before == warmed, (line, BLOCK_BACKEND.graphs - before)
 
@@ -257,15 +260,15 @@ def test_a_failed_fp8_trace_falls_back_to_graph_breaks(monkeypatch) -> None:
     real_warm_up = compile_mod.warm_up
     calls = []
 
-    def warm_up(model, run):
+    def warm_up(model, run, evaluation=None):
         traced = [m.fp8.trace_in_compiled_graph for m in model.modules() if isinstance(m, Fp8Linear)]
         calls.append(all(traced))
         if all(traced):
             def failing() -> None:  # fails part-way, as a compilation does: the eager parts ran already
                 run()
                 raise RuntimeError("dynamo cannot trace this\nmore")
-            return real_warm_up(model, failing)
-        return real_warm_up(model, run)
+            return real_warm_up(model, failing, evaluation)
+        return real_warm_up(model, run, evaluation)
 
     monkeypatch.setattr(compile_mod, "warm_up", warm_up)
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)  # the blocks' compile itself: not under test
@@ -282,3 +285,22 @@ def test_a_failed_fp8_trace_falls_back_to_graph_breaks(monkeypatch) -> None:
     assert any("compiled in" in line for line in handler.lines)
     for name, b in model.named_buffers():  # the failed attempt's amaxes were rolled back
         assert torch.equal(b, before[name]), name
+
+
+@pytest.mark.parametrize("eval_iters, data, want", [
+    (1, dict(mock_data=True), True),
+    (0, dict(mock_data=True), False),
+    (1, dict(data_path=("corpus",), split="969,30,1"), True),
+    (1, dict(data_path=("corpus",), split="100,0,0"), False),
+    (1, dict(data_path=("corpus",), split="98,0,2"), True),
+    (1, dict(train_data_path=("train",)), False),
+    (1, dict(train_data_path=("train",), valid_data_path=("valid",)), True),
+    (1, dict(train_data_path=("train",), test_data_path=("test",)), True),
+])
+def test_the_warm_up_runs_the_evaluation_where_the_run_evaluates(eval_iters, data, want) -> None:
+    from megatron.model.compile import evaluates
+
+    fields = {**dict(mock_data=False, data_path=(), split="969,30,1", valid_data_path=(), test_data_path=()),
+              **{k: v for k, v in data.items() if k != "train_data_path"}}
+    config = SimpleNamespace(training=SimpleNamespace(eval_iters=eval_iters), data=SimpleNamespace(**fields))
+    assert evaluates(config) is want
