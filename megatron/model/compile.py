@@ -259,7 +259,8 @@ def register_fp8_weight_refresh(block: nn.Module) -> None:
     block.register_forward_pre_hook(refresh_fp8_weights)
 
 
-def warm_up(model: nn.Module, run_micro_batch, evaluate_micro_batch=None) -> float:
+def warm_up(model: nn.Module, run_micro_batch, evaluate_micro_batch=None,
+            evaluation_stats: tuple[bool, ...] = (False,)) -> float:
     """Seconds spent in `run_micro_batch()` (a forward + backward that triggers compilation), leaving the model as
     it was: RNG streams forked, buffers (FP8 amaxes, scales) restored, FP8 statistics dropped, FP8 weight caches
     dropped, gradients cleared. It runs with FP8 statistics off (most iterations' step), and again with them on
@@ -267,8 +268,8 @@ def warm_up(model: nn.Module, run_micro_batch, evaluate_micro_batch=None) -> flo
     the first step's graphs wait for each tensor's amax (the history holds no scale yet), every later step's take
     the history's scale (`Fp8LayerState.known_valid`), a variant of its own that would otherwise compile inside
     the second iteration. `evaluate_micro_batch` (a forward), where the run evaluates: run in eval mode without
-    gradients after them, as an evaluation after training steps runs it (`_warm_up_evaluation`), whose graphs would
-    otherwise compile inside the first evaluation."""
+    gradients after them, as an evaluation after training steps runs it (`_warm_up_evaluation`), once per FP8
+    statistics switch in `evaluation_stats`, whose graphs would otherwise compile inside the first evaluation."""
     model.train()  # the mode training runs in (dynamo guards on it)
     from megatron.fp8 import Fp8Linear, Fp8Scaling
 
@@ -295,7 +296,8 @@ def warm_up(model: nn.Module, run_micro_batch, evaluate_micro_batch=None) -> flo
                 if delayed:
                     run_micro_batch()
             if evaluate_micro_batch is not None:
-                _warm_up_evaluation(model, fp8_layers, stats, delayed, evaluate_micro_batch)
+                for with_stats in evaluation_stats if any(stats.values()) else (False,):
+                    _warm_up_evaluation(model, fp8_layers, stats, delayed, evaluate_micro_batch, with_stats)
         return time.perf_counter() - start
     finally:  # also after a failed compilation: the eager parts may have run
         with torch.no_grad():
@@ -313,22 +315,21 @@ def warm_up(model: nn.Module, run_micro_batch, evaluate_micro_batch=None) -> flo
             p.grad = None
 
 
-def _warm_up_evaluation(model: nn.Module, fp8_layers: dict, stats: dict, delayed: list,
-                        evaluate_micro_batch) -> None:
-    """The evaluation's forward (no gradients, eval mode) with FP8 statistics off, and on where the run records
-    them, the FP8 layers as after a training step (delayed scaling's history holds a scale)."""
-    for with_stats in [False] + ([True] if any(stats.values()) else []):
-        for name, m in fp8_layers.items():
-            m.fp8.configure(stats_enabled=with_stats and stats[name])
-            m.fp8.forget_weights()
-        for m in delayed:
-            m.fp8.learn_scale_validity([True] * len(m.fp8.known_valid))
-        model.eval()
-        try:
-            with torch.no_grad():
-                evaluate_micro_batch()
-        finally:
-            model.train()
+def _warm_up_evaluation(model: nn.Module, fp8_layers: dict, stats: dict, delayed: list, evaluate_micro_batch,
+                        with_stats: bool) -> None:
+    """The evaluation's forward (no gradients, eval mode), the FP8 layers as after a training step (delayed scaling's
+    history holds a scale), their statistics on where `with_stats` and the run records them."""
+    for name, m in fp8_layers.items():
+        m.fp8.configure(stats_enabled=with_stats and stats[name])
+        m.fp8.forget_weights()
+    for m in delayed:
+        m.fp8.learn_scale_validity([True] * len(m.fp8.known_valid))
+    model.eval()
+    try:
+        with torch.no_grad():
+            evaluate_micro_batch()
+    finally:
+        model.train()
 
 
 def apply_torch_compile(config: Any, model: nn.Module, device: torch.device) -> CompilePlan:
@@ -359,7 +360,7 @@ def apply_torch_compile(config: Any, model: nn.Module, device: torch.device) -> 
     run, evaluation = _synthetic_steps(config, model, device)
     graphs_before = BLOCK_BACKEND.graphs
     try:
-        seconds = _warm_up_blocks(model, run, n, fp8_layers, evaluation)
+        seconds = _warm_up_blocks(model, run, n, fp8_layers, evaluation, evaluation_stats_switches(config))
     except Exception as exc:  # noqa: BLE001 - the fused quantization falls back by itself; compiled blocks cannot
         if not n:
             raise
@@ -416,16 +417,27 @@ def evaluates(config: Any) -> bool:
     return bool(d.data_path) and sum(parse_split_weights(d.split)[1:]) > 0
 
 
+def evaluation_stats_switches(config: Any) -> tuple[bool, ...]:
+    """The FP8 statistics switches the run's evaluations find, sorted: an evaluation after iteration i (every
+    `--eval-interval`, and after the last) runs with the switch iteration i left for the next one, on where i + 1
+    logs (`Fp8Hooks.log_values`)."""
+    t, interval = config.training, config.logging.log_interval
+    points = set(range(t.eval_interval, t.train_iters + 1, t.eval_interval)) if t.eval_interval else set()
+    points.add(t.train_iters)
+    return tuple(sorted({(i + 1) % interval == 0 for i in points}))
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text.splitlines()[0][:300]}" if text else type(exc).__name__
 
 
-def _warm_up_blocks(model: nn.Module, run, blocks: int, fp8_layers: int, evaluation=None) -> float:
+def _warm_up_blocks(model: nn.Module, run, blocks: int, fp8_layers: int, evaluation=None,
+                    evaluation_stats: tuple[bool, ...] = (False,)) -> float:
     """`warm_up`; if compiling blocks with FP8 layers traced into them fails (a torch whose dynamo cannot trace
     them), once more with those layers as graph breaks (the eager FP8 path inside compiled blocks), warned."""
     try:
-        return warm_up(model, run, evaluation)
+        return warm_up(model, run, evaluation, evaluation_stats)
     except Exception as exc:  # noqa: BLE001 - retried below; a second failure propagates
         if not (blocks and fp8_layers):
             raise
@@ -437,4 +449,4 @@ def _warm_up_blocks(model: nn.Module, run, blocks: int, fp8_layers: int, evaluat
                        "layers run as graph breaks inside the compiled blocks", _first_line(exc))
         set_fp8_tracing(model, False)
         torch._dynamo.reset()
-        return warm_up(model, run, evaluation)
+        return warm_up(model, run, evaluation, evaluation_stats)

@@ -260,15 +260,15 @@ def test_a_failed_fp8_trace_falls_back_to_graph_breaks(monkeypatch) -> None:
     real_warm_up = compile_mod.warm_up
     calls = []
 
-    def warm_up(model, run, evaluation=None):
+    def warm_up(model, run, evaluation=None, evaluation_stats=(False,)):
         traced = [m.fp8.trace_in_compiled_graph for m in model.modules() if isinstance(m, Fp8Linear)]
         calls.append(all(traced))
         if all(traced):
             def failing() -> None:  # fails part-way, as a compilation does: the eager parts ran already
                 run()
                 raise RuntimeError("dynamo cannot trace this\nmore")
-            return real_warm_up(model, failing, evaluation)
-        return real_warm_up(model, run, evaluation)
+            return real_warm_up(model, failing, evaluation, evaluation_stats)
+        return real_warm_up(model, run, evaluation, evaluation_stats)
 
     monkeypatch.setattr(compile_mod, "warm_up", warm_up)
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)  # the blocks' compile itself: not under test
@@ -304,3 +304,20 @@ def test_the_warm_up_runs_the_evaluation_where_the_run_evaluates(eval_iters, dat
               **{k: v for k, v in data.items() if k != "train_data_path"}}
     config = SimpleNamespace(training=SimpleNamespace(eval_iters=eval_iters), data=SimpleNamespace(**fields))
     assert evaluates(config) is want
+
+
+@pytest.mark.parametrize("iters, eval_interval, log_interval, want", [
+    (3, 2, 100, (False,)),  # after iterations 2 and 3: iterations 3 and 4 do not log
+    (3, 2, 1, (True,)),  # every iteration logs
+    (3, 2, 2, (False, True)),  # after 2 (3 does not log) and after 3 (4 logs)
+    (1000, 100, 10, (False,)),
+    (999, 100, 10, (False, True)),  # the last evaluation, after 999, comes before a logging iteration
+    (10, 0, 5, (False,)),  # no interval: after the last iteration only
+])
+def test_the_evaluation_warm_up_takes_the_fp8_statistics_switch_each_evaluation_finds(iters, eval_interval,
+                                                                                       log_interval, want) -> None:
+    from megatron.model.compile import evaluation_stats_switches
+
+    config = SimpleNamespace(training=SimpleNamespace(train_iters=iters, eval_interval=eval_interval),
+                             logging=SimpleNamespace(log_interval=log_interval))
+    assert evaluation_stats_switches(config) == want
