@@ -360,7 +360,8 @@ def apply_torch_compile(config: Any, model: nn.Module, device: torch.device) -> 
     run, evaluation = _synthetic_steps(config, model, device)
     graphs_before = BLOCK_BACKEND.graphs
     try:
-        seconds = _warm_up_blocks(model, run, n, fp8_layers, evaluation, evaluation_stats_switches(config))
+        switches = evaluation_stats_switches(config) if evaluation is not None else (False,)
+        seconds = _warm_up_blocks(model, run, n, fp8_layers, evaluation, switches)
     except Exception as exc:  # noqa: BLE001 - the fused quantization falls back by itself; compiled blocks cannot
         if not n:
             raise
@@ -422,9 +423,13 @@ def evaluation_stats_switches(config: Any) -> tuple[bool, ...]:
     `--eval-interval`, and after the last) runs with the switch iteration i left for the next one, on where i + 1
     logs (`Fp8Hooks.log_values`)."""
     t, interval = config.training, config.logging.log_interval
-    points = set(range(t.eval_interval, t.train_iters + 1, t.eval_interval)) if t.eval_interval else set()
-    points.add(t.train_iters)
-    return tuple(sorted({(i + 1) % interval == 0 for i in points}))
+    points = range(t.eval_interval, t.train_iters + 1, t.eval_interval) if t.eval_interval else range(0)
+    switches = {(t.train_iters + 1) % interval == 0}
+    for i in points:  # both switches found: the rest cannot add one
+        switches.add((i + 1) % interval == 0)
+        if len(switches) == 2:
+            break
+    return tuple(sorted(switches))
 
 
 def _first_line(exc: BaseException) -> str:
