@@ -140,8 +140,13 @@ def _scaled_bf16_gemm_shape(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Ten
 
 # The op compiled graphs call (a CPU kernel and a shape function). Registered through `torch.library.Library`, not
 # `torch.library.custom_op`, whose Python wrapping cost ~15 us more per call (~20 us for a small BF16 GEMM itself).
+# `flexible_layout`: the op takes its operands with any strides (addmm does), so inductor hands it a transposed view
+# of a buffer it wrote, as eager does. Without it, each operand had to keep its traced strides: backward wrote the
+# cast of dy twice, once for dgrad and once more, transposed in name only, for wgrad (the same bytes).
+# Inductor's cache key does not see an op's definition: a change here changes partition.py's `uuid` too.
 _LIBRARY = torch.library.Library("megatron", "FRAGMENT")
-_LIBRARY.define("scaled_bf16_gemm(Tensor a, Tensor b, Tensor a_scale, Tensor b_scale) -> Tensor")
+_LIBRARY.define("scaled_bf16_gemm(Tensor a, Tensor b, Tensor a_scale, Tensor b_scale) -> Tensor",
+                tags=(torch.Tag.flexible_layout,))
 _LIBRARY.impl("scaled_bf16_gemm", _scaled_bf16_gemm, "CPU")
 torch.library.register_fake("megatron::scaled_bf16_gemm", _scaled_bf16_gemm_shape, lib=_LIBRARY)
 

@@ -94,4 +94,4 @@ class SaveFp8Casts(CustomGraphPass):
                 _reuse_forward_values(node)
 
     def uuid(self) -> str:  # part of inductor's cache key
-        return "megatron-fp8-save-casts-4"
+        return "megatron-fp8-save-casts-5"

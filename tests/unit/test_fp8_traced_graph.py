@@ -274,3 +274,32 @@ def test_emulated_block_saves_fc1s_output_as_its_bf16_gemm_wrote_it():
     saved = [n for n in [n for n in forward.nodes if n.op == "output"][0].args[0] if isinstance(n, torch.fx.Node)]
     fc1 = block.mlp.linear_fc1
     assert (32, fc1.out_features) in [tuple(n.meta["val"].shape) for n in saved if n.target is gemm]
+
+
+def test_emulated_block_backward_writes_each_cast_of_dy_once_for_both_gemms():
+    """In the `bf16` mode each linear's dgrad takes dy's cast values and its wgrad the same values transposed: inductor
+    hands wgrad a view of the buffer dgrad reads (the op accepts any strides), instead of writing the same values a
+    second time. Backward's eight GEMM calls (four linears) read four buffers of dy's values."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    from megatron.fp8 import cpu_gemm
+    from megatron.model.compile import compile_block
+
+    torch.manual_seed(0)
+    with cpu_gemm.use_mode("bf16"):
+        block = fp8_llama_block(Fp8Recipe())
+        compile_block(block)
+        x = torch.randn(2, 16, 64, requires_grad=True)
+
+        def run() -> None:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = block(x, None, None)
+            out.float().sum().backward()
+
+        _, codes = run_and_get_code(run)
+    backward = codes[-1]
+    calls = re.findall(r"scaled_bf16_gemm\.default\((?:reinterpret_tensor\()?(buf\d+)", backward)
+    assert len(calls) == 8, backward
+    assert len(set(calls)) == 4, calls
