@@ -18,6 +18,14 @@ the more accurate of the two.
 
 The choice is made once per process and logged in one line. `MEGATRON_CPU_BF16_GEMM` overrides it:
 `auto` (default: by the CPU), `native` (torch's BF16 kernels) or `fp32` (the emulation, on any CPU).
+
+Attention is decided on its own, on every CPU: torch's BF16 flash attention backward on CPU is several times slower
+than its FP32 one (batch 16, 8 query / 4 key-value heads, sequence 128, head dim 32, 2 cores, torch 2.13, Intel Xeon
+with AMX: forward + backward 31.4 ms in BF16 against 8.0 ms in FP32; 30-42 ms against 7.6-8.1 ms with oneDNN capped
+at AVX512_CORE_BF16, AVX512_CORE or AVX2), while its BF16 forward alone is the faster (1.4 against 2.1 ms). So where
+autograd will differentiate it (grad mode on, an operand requiring grad), `scaled_dot_product_attention` under CPU
+BF16 autocast runs in FP32 on the BF16-rounded q/k/v and rounds its output to BF16 once, as above; evaluation keeps
+torch's BF16 kernel. `MEGATRON_CPU_BF16_ATTENTION`: `auto` (default: FP32 for training), `native` or `fp32`.
 """
 from __future__ import annotations
 
@@ -39,7 +47,10 @@ _AVX512_PREFIXES = ("AVX512", "AVX10")
 _OPS = ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "scaled_dot_product_attention")
 _ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)  # what autocast casts (float64 stays)
 
+ATTENTION_ENV_VAR = "MEGATRON_CPU_BF16_ATTENTION"
+_ATTENTION = "scaled_dot_product_attention"
 _library: torch.library.Library | None = None  # the registration; it stays in force while referenced
+_attention_library: torch.library.Library | None = None  # attention's alone (GEMMs native, attention in FP32)
 _installed: str | None = None  # the mode install() settled, once it ran
 _forced: str | None = None  # use_mode()
 
@@ -126,6 +137,31 @@ def emulates_bf16_gemms() -> bool:
     return (_forced or _MODE) == "fp32"
 
 
+def decide_attention_mode() -> str:
+    """"native" or "fp32" from `MEGATRON_CPU_BF16_ATTENTION` (auto: fp32, the faster for training on every CPU
+    measured, module docstring); raises on a value we do not know."""
+    return env_choice(ATTENTION_ENV_VAR, _CHOICES, CpuBf16ConfigError,
+                      "native (torch's BF16 attention) or fp32 (attention in FP32 on BF16-rounded operands)",
+                      lambda: "fp32")
+
+
+_ATTENTION_MODE = decided_at_import(decide_attention_mode, CpuBf16ConfigError)
+
+
+def cpu_bf16_attention_mode() -> str:
+    """"native" or "fp32": how CPU BF16 autocast attention runs where autograd differentiates it."""
+    return _ATTENTION_MODE if _ATTENTION_MODE is not None else decide_attention_mode()
+
+
+def _emulates_attention(values) -> bool:
+    """Whether this attention call runs in FP32: as the GEMMs where `use_mode` forces them or they are emulated;
+    else by the attention mode, for a call autograd will differentiate."""
+    if _forced is not None or emulates_bf16_gemms():
+        return emulates_bf16_gemms()
+    return (cpu_bf16_attention_mode() == "fp32" and torch.is_grad_enabled()
+            and any(isinstance(v, torch.Tensor) and v.requires_grad for v in values))
+
+
 def _to_bf16(value, emulate: bool):
     """What autocast casts (floating tensors but float64) as BF16; kept in FP32 (BF16-rounded) to emulate."""
     if isinstance(value, torch.Tensor) and value.dtype in _ELIGIBLE:
@@ -142,14 +178,16 @@ def _is_subclass(value) -> bool:
     return isinstance(value, torch.Tensor) and is_traceable_wrapper_subclass(value)
 
 
-def _autocast_kernel(op):
+def _autocast_kernel(op, attention: bool = False):
     keys = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
 
     def kernel(*args, **kwargs):
         # torch's own autocast kernel casts to BF16 and runs the op below autocast; only use_mode() reaches
-        # that branch here (on CPUs with fast BF16 kernels nothing is registered). A tensor subclass (torchao's
-        # Float8TrainingTensor) implements its own GEMM and takes only the BF16 cast, as under torch's kernel.
-        emulate = emulates_bf16_gemms() and not any(_is_subclass(v) for v in (*args, *kwargs.values()))
+        # that branch here for a GEMM (on CPUs with fast BF16 kernels only attention is registered). A tensor
+        # subclass (torchao's Float8TrainingTensor) implements its own GEMM and takes only the BF16 cast.
+        values = (*args, *kwargs.values())
+        emulate = (_emulates_attention(values) if attention else emulates_bf16_gemms()) and \
+            not any(_is_subclass(v) for v in values)
         args = [_to_bf16(a, emulate) for a in args]
         kwargs = {k: _to_bf16(v, emulate) for k, v in kwargs.items()}
         with torch._C._ExcludeDispatchKeyGuard(keys):
@@ -178,15 +216,30 @@ def _register() -> None:
         with warnings.catch_warnings():  # "Overriding a previously registered kernel": that is the point
             warnings.simplefilter("ignore", UserWarning)
             for name in _OPS:
-                lib.impl(name, _autocast_kernel(getattr(torch.ops.aten, name).default), "AutocastCPU")
+                if name == _ATTENTION and _attention_library is not None:  # registered already, the same kernel
+                    continue
+                lib.impl(name, _autocast_kernel(getattr(torch.ops.aten, name).default, name == _ATTENTION),
+                         "AutocastCPU")
         _library = lib
+
+
+def _register_attention() -> None:
+    """Attention's kernel alone (the GEMMs keep torch's autocast kernels)."""
+    global _attention_library
+    if _library is None and _attention_library is None:
+        lib = torch.library.Library("aten", "IMPL")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            lib.impl(_ATTENTION, _autocast_kernel(getattr(torch.ops.aten, _ATTENTION).default, True), "AutocastCPU")
+        _attention_library = lib
 
 
 def check_unused() -> None:
     """For runs without BF16: a set `MEGATRON_CPU_BF16_GEMM` is validated and said to do nothing."""
-    if os.environ.get(ENV_VAR, "").strip():
-        mode = cpu_bf16_gemm_mode()
-        logger.info("CPU BF16: %s=%s has no effect: this run does not use BF16 autocast (no --bf16)", ENV_VAR, mode)
+    for var, decide in ((ENV_VAR, cpu_bf16_gemm_mode), (ATTENTION_ENV_VAR, cpu_bf16_attention_mode)):
+        if os.environ.get(var, "").strip():
+            logger.info("CPU BF16: %s=%s has no effect: this run does not use BF16 autocast (no --bf16)", var,
+                        decide())
 
 
 def install() -> str:
@@ -205,9 +258,15 @@ def install() -> str:
         logger.info("CPU BF16: BF16 autocast GEMMs and attention run in FP32 on BF16-rounded operands, "
                     "rounded to BF16 once (torch's BF16 matmul has no fast kernel on %s; %s=native keeps "
                     "torch's kernels)", slow_bf16_gemm_reason() or f"request ({ENV_VAR}=fp32)", ENV_VAR)
+    elif cpu_bf16_attention_mode() == "fp32":
+        _register_attention()
+        logger.info("CPU BF16: torch's BF16 GEMMs (CPU capability %s; %s=fp32 emulates them in FP32); attention "
+                    "that trains runs in FP32 on BF16-rounded operands (torch's BF16 attention backward is several "
+                    "times slower on CPU; %s=native keeps it)", torch.backends.cpu.get_cpu_capability(), ENV_VAR,
+                    ATTENTION_ENV_VAR)
     else:
-        logger.info("CPU BF16: torch's BF16 kernels (CPU capability %s; %s=fp32 emulates them in FP32)",
-                    torch.backends.cpu.get_cpu_capability(), ENV_VAR)
+        logger.info("CPU BF16: torch's BF16 kernels (CPU capability %s; %s=fp32 emulates them in FP32; %s=native)",
+                    torch.backends.cpu.get_cpu_capability(), ENV_VAR, ATTENTION_ENV_VAR)
     _installed = mode
     return mode
 

@@ -162,3 +162,61 @@ def test_unknown_mode_names_the_variable(monkeypatch):
     monkeypatch.setattr(cpu_bf16, "_MODE", decided)
     with pytest.raises(cpu_bf16.CpuBf16ConfigError, match="MEGATRON_CPU_BF16_GEMM='bf16'.*native.*fp32"):
         cpu_bf16.cpu_bf16_gemm_mode()
+
+
+@pytest.fixture
+def gemms_native(monkeypatch):
+    """BF16 GEMMs as torch runs them (no use_mode), with the attention kernel registered (what `install()` does)."""
+    monkeypatch.setattr(cpu_bf16, "_MODE", "native")
+    monkeypatch.setattr(cpu_bf16, "_forced", None)
+    cpu_bf16._register_attention()
+
+
+def _attention(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+@pytest.mark.parametrize("mode", ["fp32", "native"])
+def test_training_attention_runs_in_fp32_on_rounded_operands_and_evaluation_in_bf16(gemms_native, monkeypatch, mode):
+    """Where autograd differentiates it, CPU BF16 autocast attention is the FP32 kernel on the BF16-rounded q/k/v with
+    its output rounded to BF16 (`MEGATRON_CPU_BF16_ATTENTION` auto/fp32), forward and gradients bit for bit; under
+    no_grad (evaluation) it is torch's BF16 kernel. `native` keeps torch's BF16 kernel for training too."""
+    monkeypatch.setattr(cpu_bf16, "_ATTENTION_MODE", mode)
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(2, 4, 16, 8, generator=g, requires_grad=True)
+    k, v = (torch.randn(2, 2, 16, 8, generator=g, requires_grad=True) for _ in range(2))
+    dy = torch.randn(2, 4, 16, 8, generator=g).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = _attention(q, k, v)
+        with torch.no_grad():
+            evaluated = _attention(q, k, v)
+    out.backward(dy)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    if mode == "fp32":
+        ref = _attention(*(t.bfloat16().float() for t in leaves)).bfloat16()
+    else:
+        ref = _attention(*(t.bfloat16() for t in leaves))
+    ref.backward(dy)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, ref)
+    for mine, theirs in zip((q, k, v), leaves):
+        assert torch.equal(mine.grad, theirs.grad)
+    assert torch.equal(evaluated, _attention(*(t.detach().bfloat16() for t in (q, k, v))))
+    if mode == "fp32":  # the control: the two kernels differ on these inputs
+        assert not torch.equal(out, evaluated)
+
+
+@pytest.mark.parametrize("env, expected", [(None, "fp32"), ("", "fp32"), ("auto", "fp32"), ("native", "native"),
+                                           ("FP32", "fp32")])
+def test_attention_mode_choice(monkeypatch, env, expected):
+    if env is None:
+        monkeypatch.delenv(cpu_bf16.ATTENTION_ENV_VAR, raising=False)
+    else:
+        monkeypatch.setenv(cpu_bf16.ATTENTION_ENV_VAR, env)
+    assert cpu_bf16.decide_attention_mode() == expected
+
+
+def test_unknown_attention_mode_names_the_variable(monkeypatch):
+    monkeypatch.setenv(cpu_bf16.ATTENTION_ENV_VAR, "bf16")
+    monkeypatch.setattr(cpu_bf16, "_ATTENTION_MODE", None)
+    with pytest.raises(cpu_bf16.CpuBf16ConfigError, match="MEGATRON_CPU_BF16_ATTENTION='bf16'.*native.*fp32"):
+        cpu_bf16.cpu_bf16_attention_mode()
