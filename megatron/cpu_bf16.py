@@ -209,6 +209,20 @@ def _keep_precision_casts(on: bool) -> bool:
     return previous
 
 
+def tag_compile_cache() -> str:
+    """Name this process's CPU BF16 modes in torch.compile's cache keys (`torch.compiler.config.cache_key_tag`, after
+    any tag of the user's own, `TORCH_COMPILE_CACHE_KEY_TAG`); the tag. The modes change what AOTAutograd traces from
+    the same dynamo graph (the autocast kernels registered here), which its cache key does not otherwise see: a
+    graph compiled in one mode would be loaded from the on-disk cache in another."""
+    from torch.compiler import config
+
+    tag = f"megatron-cpu-bf16:gemm={_forced or cpu_bf16_gemm_mode()},attention={cpu_bf16_attention_mode()}"
+    if hasattr(config, "cache_key_tag"):
+        own = os.environ.get("TORCH_COMPILE_CACHE_KEY_TAG", "")
+        config.cache_key_tag = f"{own}|{tag}" if own else tag
+    return tag
+
+
 def _register() -> None:
     global _library
     if _library is None:
@@ -252,6 +266,7 @@ def install() -> str:
     if _installed is not None:
         return _installed
     mode = cpu_bf16_gemm_mode()
+    tag_compile_cache()
     if mode == "fp32":
         _register()
         _keep_precision_casts(True)
@@ -281,9 +296,11 @@ def use_mode(mode: str) -> Iterator[None]:
     _register()
     previous, _forced = _forced, mode
     casts = _keep_precision_casts(True) if mode == "fp32" else None
+    tag_compile_cache()
     try:
         yield
     finally:
         _forced = previous
+        tag_compile_cache()
         if casts is not None:
             _keep_precision_casts(casts)

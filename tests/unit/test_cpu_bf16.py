@@ -220,3 +220,24 @@ def test_unknown_attention_mode_names_the_variable(monkeypatch):
     monkeypatch.setattr(cpu_bf16, "_ATTENTION_MODE", None)
     with pytest.raises(cpu_bf16.CpuBf16ConfigError, match="MEGATRON_CPU_BF16_ATTENTION='bf16'.*native.*fp32"):
         cpu_bf16.cpu_bf16_attention_mode()
+
+
+def test_compile_cache_keys_name_the_modes(monkeypatch):
+    """The modes change what a compiled graph computes from the same traced code, so they are part of torch.compile's
+    cache key (after the user's own tag): a graph cached in one mode is not loaded in another."""
+    from torch.compiler import config
+
+    monkeypatch.setattr(config, "cache_key_tag", config.cache_key_tag)
+    monkeypatch.setenv("TORCH_COMPILE_CACHE_KEY_TAG", "mine")
+    monkeypatch.setattr(cpu_bf16, "_MODE", "native")
+    monkeypatch.setattr(cpu_bf16, "_ATTENTION_MODE", "fp32")
+    monkeypatch.setattr(cpu_bf16, "_forced", None)
+    assert cpu_bf16.tag_compile_cache() == "megatron-cpu-bf16:gemm=native,attention=fp32"
+    assert config.cache_key_tag == "mine|megatron-cpu-bf16:gemm=native,attention=fp32"
+    with cpu_bf16.use_mode("fp32"):
+        assert config.cache_key_tag == "mine|megatron-cpu-bf16:gemm=fp32,attention=fp32"
+    assert config.cache_key_tag == "mine|megatron-cpu-bf16:gemm=native,attention=fp32"
+    monkeypatch.setattr(cpu_bf16, "_ATTENTION_MODE", "native")
+    monkeypatch.delenv("TORCH_COMPILE_CACHE_KEY_TAG")
+    cpu_bf16.tag_compile_cache()
+    assert config.cache_key_tag == "megatron-cpu-bf16:gemm=native,attention=native"
