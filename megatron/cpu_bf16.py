@@ -19,13 +19,17 @@ the more accurate of the two.
 The choice is made once per process and logged in one line. `MEGATRON_CPU_BF16_GEMM` overrides it:
 `auto` (default: by the CPU), `native` (torch's BF16 kernels) or `fp32` (the emulation, on any CPU).
 
-Attention is decided on its own, on every CPU: torch's BF16 flash attention backward on CPU is several times slower
-than its FP32 one (batch 16, 8 query / 4 key-value heads, sequence 128, head dim 32, 2 cores, torch 2.13, Intel Xeon
-with AMX: forward + backward 31.4 ms in BF16 against 8.0 ms in FP32; 30-42 ms against 7.6-8.1 ms with oneDNN capped
-at AVX512_CORE_BF16, AVX512_CORE or AVX2), while its BF16 forward alone is the faster (1.4 against 2.1 ms). So where
-autograd will differentiate it (grad mode on, an operand requiring grad), `scaled_dot_product_attention` under CPU
-BF16 autocast runs in FP32 on the BF16-rounded q/k/v and rounds its output to BF16 once, as above; evaluation keeps
-torch's BF16 kernel. `MEGATRON_CPU_BF16_ATTENTION`: `auto` (default: FP32 for training), `native` or `fp32`.
+Attention is decided on its own, on every CPU: torch's BF16 flash attention backward on CPU carries a large cost
+per (batch, head) at short sequences, where its FP32 kernel is several times faster; at long ones the BF16 kernel is
+the faster. `bench/bench_attention.py`, forward + backward through the autocast kernel here, FP32 / BF16 time, 2
+threads, torch 2.13, Intel Xeon with AMX: sequence 128 with head dim 32 / 64 / 128: 0.34-0.38x / 0.65x / 0.88x;
+sequence 256: 0.82x / 1.15x / 1.66x; sequence 64, head dim 64: 0.55x; 384-1024: 1.30-2.17x (head dims 32-128); the
+demo shape (sequence 128, head dim 32) 0.30x with oneDNN capped at AVX512_CORE. The BF16 forward alone is always the
+faster (the demo shape: 1.9 against 5.0 ms). So where autograd will differentiate it (grad mode on, an operand
+requiring grad) and sequence x head dim <= `FP32_ATTENTION_MAX_WORK` (8192), `scaled_dot_product_attention` under CPU
+BF16 autocast runs in FP32 on the BF16-rounded q/k/v and rounds its output to BF16 once, as above; evaluation and
+longer sequences keep torch's BF16 kernel. `MEGATRON_CPU_BF16_ATTENTION`: `auto` (default: that rule), `native`
+(torch's kernel always) or `fp32` (FP32 for every attention that trains).
 """
 from __future__ import annotations
 
@@ -138,28 +142,41 @@ def emulates_bf16_gemms() -> bool:
 
 
 def decide_attention_mode() -> str:
-    """"native" or "fp32" from `MEGATRON_CPU_BF16_ATTENTION` (auto: fp32, the faster for training on every CPU
-    measured, module docstring); raises on a value we do not know."""
+    """"auto", "native" or "fp32" from `MEGATRON_CPU_BF16_ATTENTION` (module docstring); raises on a value we do not
+    know."""
     return env_choice(ATTENTION_ENV_VAR, _CHOICES, CpuBf16ConfigError,
-                      "native (torch's BF16 attention) or fp32 (attention in FP32 on BF16-rounded operands)",
-                      lambda: "fp32")
+                      "native (torch's BF16 attention) or fp32 (attention that trains in FP32 on BF16-rounded "
+                      "operands, at any length)", lambda: "auto")
 
 
 _ATTENTION_MODE = decided_at_import(decide_attention_mode, CpuBf16ConfigError)
 
 
 def cpu_bf16_attention_mode() -> str:
-    """"native" or "fp32": how CPU BF16 autocast attention runs where autograd differentiates it."""
+    """"auto", "native" or "fp32": how CPU BF16 autocast attention runs where autograd differentiates it."""
     return _ATTENTION_MODE if _ATTENTION_MODE is not None else decide_attention_mode()
 
 
-def _emulates_attention(values) -> bool:
+# sequence length x head dim up to which attention that trains runs in FP32 under `auto` (module docstring)
+FP32_ATTENTION_MAX_WORK = 8192
+
+
+def _emulates_attention(args: tuple, kwargs: dict) -> bool:
     """Whether this attention call runs in FP32: as the GEMMs where `use_mode` forces them or they are emulated;
-    else by the attention mode, for a call autograd will differentiate."""
+    else by the attention mode, for a call autograd will differentiate (`auto`: at short sequences only)."""
     if _forced is not None or emulates_bf16_gemms():
         return emulates_bf16_gemms()
-    return (cpu_bf16_attention_mode() == "fp32" and torch.is_grad_enabled()
-            and any(isinstance(v, torch.Tensor) and v.requires_grad for v in values))
+    mode = cpu_bf16_attention_mode()
+    values = (*args, *kwargs.values())
+    if mode == "native" or not torch.is_grad_enabled() or not any(
+            isinstance(v, torch.Tensor) and v.requires_grad for v in values):
+        return False
+    if mode == "fp32":
+        return True
+    q, k = (args[:2] + (kwargs.get("query"), kwargs.get("key")))[:2] if len(args) < 2 else args[:2]
+    if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor):
+        return False
+    return max(q.shape[-2], k.shape[-2]) * q.shape[-1] <= FP32_ATTENTION_MAX_WORK
 
 
 def _to_bf16(value, emulate: bool):
@@ -186,7 +203,7 @@ def _autocast_kernel(op, attention: bool = False):
         # that branch here for a GEMM (on CPUs with fast BF16 kernels only attention is registered). A tensor
         # subclass (torchao's Float8TrainingTensor) implements its own GEMM and takes only the BF16 cast.
         values = (*args, *kwargs.values())
-        emulate = (_emulates_attention(values) if attention else emulates_bf16_gemms()) and \
+        emulate = (_emulates_attention(args, kwargs) if attention else emulates_bf16_gemms()) and \
             not any(_is_subclass(v) for v in values)
         args = [_to_bf16(a, emulate) for a in args]
         kwargs = {k: _to_bf16(v, emulate) for k, v in kwargs.items()}
@@ -273,12 +290,13 @@ def install() -> str:
         logger.info("CPU BF16: BF16 autocast GEMMs and attention run in FP32 on BF16-rounded operands, "
                     "rounded to BF16 once (torch's BF16 matmul has no fast kernel on %s; %s=native keeps "
                     "torch's kernels)", slow_bf16_gemm_reason() or f"request ({ENV_VAR}=fp32)", ENV_VAR)
-    elif cpu_bf16_attention_mode() == "fp32":
+    elif cpu_bf16_attention_mode() != "native":
         _register_attention()
+        which = "all" if cpu_bf16_attention_mode() == "fp32" else \
+            f"up to sequence x head dim {FP32_ATTENTION_MAX_WORK} (where torch's BF16 backward is the slower)"
         logger.info("CPU BF16: torch's BF16 GEMMs (CPU capability %s; %s=fp32 emulates them in FP32); attention "
-                    "that trains runs in FP32 on BF16-rounded operands (torch's BF16 attention backward is several "
-                    "times slower on CPU; %s=native keeps it)", torch.backends.cpu.get_cpu_capability(), ENV_VAR,
-                    ATTENTION_ENV_VAR)
+                    "that trains, %s, in FP32 on BF16-rounded operands (%s=native|fp32 overrides)",
+                    torch.backends.cpu.get_cpu_capability(), ENV_VAR, which, ATTENTION_ENV_VAR)
     else:
         logger.info("CPU BF16: torch's BF16 kernels (CPU capability %s; %s=fp32 emulates them in FP32; %s=native)",
                     torch.backends.cpu.get_cpu_capability(), ENV_VAR, ATTENTION_ENV_VAR)

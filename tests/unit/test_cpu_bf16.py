@@ -176,23 +176,27 @@ def _attention(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
-@pytest.mark.parametrize("mode", ["fp32", "native"])
-def test_training_attention_runs_in_fp32_on_rounded_operands_and_evaluation_in_bf16(gemms_native, monkeypatch, mode):
+@pytest.mark.parametrize("mode, seq, fp32", [("auto", 16, True), ("fp32", 16, True), ("native", 16, False),
+                                             ("auto", 2 * cpu_bf16.FP32_ATTENTION_MAX_WORK // 8, False),
+                                             ("fp32", 2 * cpu_bf16.FP32_ATTENTION_MAX_WORK // 8, True)])
+def test_training_attention_runs_in_fp32_on_rounded_operands_and_evaluation_in_bf16(gemms_native, monkeypatch, mode,
+                                                                                     seq, fp32):
     """Where autograd differentiates it, CPU BF16 autocast attention is the FP32 kernel on the BF16-rounded q/k/v with
-    its output rounded to BF16 (`MEGATRON_CPU_BF16_ATTENTION` auto/fp32), forward and gradients bit for bit; under
-    no_grad (evaluation) it is torch's BF16 kernel. `native` keeps torch's BF16 kernel for training too."""
+    its output rounded to BF16, forward and gradients bit for bit: under `auto` (the default) for sequence x head
+    dim up to FP32_ATTENTION_MAX_WORK, under `fp32` at any length; under no_grad (evaluation) it is torch's BF16
+    kernel. `native` keeps torch's BF16 kernel for training too."""
     monkeypatch.setattr(cpu_bf16, "_ATTENTION_MODE", mode)
     g = torch.Generator().manual_seed(6)
-    q = torch.randn(2, 4, 16, 8, generator=g, requires_grad=True)
-    k, v = (torch.randn(2, 2, 16, 8, generator=g, requires_grad=True) for _ in range(2))
-    dy = torch.randn(2, 4, 16, 8, generator=g).bfloat16()
+    q = torch.randn(1, 2, seq, 8, generator=g, requires_grad=True)
+    k, v = (torch.randn(1, 1, seq, 8, generator=g, requires_grad=True) for _ in range(2))
+    dy = torch.randn(1, 2, seq, 8, generator=g).bfloat16()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = _attention(q, k, v)
         with torch.no_grad():
             evaluated = _attention(q, k, v)
     out.backward(dy)
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    if mode == "fp32":
+    if fp32:
         ref = _attention(*(t.bfloat16().float() for t in leaves)).bfloat16()
     else:
         ref = _attention(*(t.bfloat16() for t in leaves))
@@ -201,11 +205,11 @@ def test_training_attention_runs_in_fp32_on_rounded_operands_and_evaluation_in_b
     for mine, theirs in zip((q, k, v), leaves):
         assert torch.equal(mine.grad, theirs.grad)
     assert torch.equal(evaluated, _attention(*(t.detach().bfloat16() for t in (q, k, v))))
-    if mode == "fp32":  # the control: the two kernels differ on these inputs
+    if fp32:  # the control: the two kernels differ on these inputs
         assert not torch.equal(out, evaluated)
 
 
-@pytest.mark.parametrize("env, expected", [(None, "fp32"), ("", "fp32"), ("auto", "fp32"), ("native", "native"),
+@pytest.mark.parametrize("env, expected", [(None, "auto"), ("", "auto"), ("auto", "auto"), ("native", "native"),
                                            ("FP32", "fp32")])
 def test_attention_mode_choice(monkeypatch, env, expected):
     if env is None:
@@ -230,13 +234,13 @@ def test_compile_cache_keys_name_the_modes(monkeypatch):
     monkeypatch.setattr(config, "cache_key_tag", config.cache_key_tag)
     monkeypatch.setenv("TORCH_COMPILE_CACHE_KEY_TAG", "mine")
     monkeypatch.setattr(cpu_bf16, "_MODE", "native")
-    monkeypatch.setattr(cpu_bf16, "_ATTENTION_MODE", "fp32")
+    monkeypatch.setattr(cpu_bf16, "_ATTENTION_MODE", "auto")
     monkeypatch.setattr(cpu_bf16, "_forced", None)
-    assert cpu_bf16.tag_compile_cache() == "megatron-cpu-bf16:gemm=native,attention=fp32"
-    assert config.cache_key_tag == "mine|megatron-cpu-bf16:gemm=native,attention=fp32"
+    assert cpu_bf16.tag_compile_cache() == "megatron-cpu-bf16:gemm=native,attention=auto"
+    assert config.cache_key_tag == "mine|megatron-cpu-bf16:gemm=native,attention=auto"
     with cpu_bf16.use_mode("fp32"):
-        assert config.cache_key_tag == "mine|megatron-cpu-bf16:gemm=fp32,attention=fp32"
-    assert config.cache_key_tag == "mine|megatron-cpu-bf16:gemm=native,attention=fp32"
+        assert config.cache_key_tag == "mine|megatron-cpu-bf16:gemm=fp32,attention=auto"
+    assert config.cache_key_tag == "mine|megatron-cpu-bf16:gemm=native,attention=auto"
     monkeypatch.setattr(cpu_bf16, "_ATTENTION_MODE", "native")
     monkeypatch.delenv("TORCH_COMPILE_CACHE_KEY_TAG")
     cpu_bf16.tag_compile_cache()
