@@ -231,7 +231,11 @@ def test_compile_cache_keys_name_the_modes(monkeypatch):
     cache key (after the user's own tag): a graph cached in one mode is not loaded in another."""
     from torch.compiler import config
 
-    monkeypatch.setattr(config, "cache_key_tag", config.cache_key_tag)
+    with config.patch(cache_key_tag=config.cache_key_tag):  # restored after (monkeypatch would delete the entry)
+        _check_cache_tags(monkeypatch, config)
+
+
+def _check_cache_tags(monkeypatch, config) -> None:
     monkeypatch.setenv("TORCH_COMPILE_CACHE_KEY_TAG", "mine")
     monkeypatch.setattr(cpu_bf16, "_MODE", "native")
     monkeypatch.setattr(cpu_bf16, "_ATTENTION_MODE", "auto")
