@@ -24,11 +24,13 @@ per (batch, head) at short sequences, where its FP32 kernel is several times fas
 the faster. `bench/bench_attention.py`, forward + backward through the autocast kernel here, FP32 / BF16 time, 2
 threads, torch 2.13, Intel Xeon with AMX: sequence 128 with head dim 32 / 64 / 128: 0.34-0.38x / 0.65x / 0.88x;
 sequence 256: 0.82x / 1.15x / 1.66x; sequence 64, head dim 64: 0.55x; 384-1024: 1.30-2.17x (head dims 32-128); the
-demo shape (sequence 128, head dim 32) 0.30x with oneDNN capped at AVX512_CORE. The BF16 forward alone is always the
-faster (the demo shape: 1.9 against 5.0 ms). So where autograd will differentiate it (grad mode on, an operand
-requiring grad) and sequence x head dim <= `FP32_ATTENTION_MAX_WORK` (8192), `scaled_dot_product_attention` under CPU
-BF16 autocast runs in FP32 on the BF16-rounded q/k/v and rounds its output to BF16 once, as above; evaluation and
-longer sequences keep torch's BF16 kernel. `MEGATRON_CPU_BF16_ATTENTION`: `auto` (default: that rule), `native`
+demo shape (sequence 128, head dim 32) 0.30x with oneDNN capped at AVX512_CORE; capped at AVX512_CORE_BF16 (no AMX)
+0.53-0.95x for sequences 128-512 and head dims 32-128, so the rule below keeps BF16 at a few shapes where FP32 would be
+up to ~5% faster there. The BF16 forward alone is always the faster (the demo shape: 1.9 against 5.0 ms). So where
+autograd will differentiate it (grad mode on, an operand requiring grad) and sequence x head dim <=
+`FP32_ATTENTION_MAX_WORK` (8192), `scaled_dot_product_attention` under CPU BF16 autocast runs in FP32 on the
+BF16-rounded q/k/v and rounds its output to BF16 once, as above; evaluation and longer sequences keep torch's BF16
+kernel. `MEGATRON_CPU_BF16_ATTENTION`: `auto` (default: that rule), `native`
 (torch's kernel always) or `fp32` (FP32 for every attention that trains).
 """
 from __future__ import annotations

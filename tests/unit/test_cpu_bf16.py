@@ -142,7 +142,8 @@ def test_inductor_keeps_the_operand_rounding(emulated):
 
 @pytest.mark.parametrize("env, isa, fast, expected", [
     ("native", None, False, "native"), ("fp32", None, True, "fp32"), ("", None, True, "native"),
-    ("auto", "AVX2", True, "fp32"), ("auto", "AVX2_VNNI", True, "fp32"), ("auto", "AVX10_1_512", True, "native"), ("auto", "avx512_core_bf16", True, "native"), (None, None, False, "fp32"),
+    ("auto", "AVX2", True, "fp32"), ("auto", "AVX2_VNNI", True, "fp32"), ("auto", "AVX10_1_512", True, "native"),
+    ("auto", "avx512_core_bf16", True, "native"), (None, None, False, "fp32"),
 ])
 def test_mode_choice(monkeypatch, env, isa, fast, expected):
     monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: fast)
