@@ -55,8 +55,8 @@ _ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)  # what autocast cast
 
 ATTENTION_ENV_VAR = "MEGATRON_CPU_BF16_ATTENTION"
 _ATTENTION = "scaled_dot_product_attention"
-_library: torch.library.Library | None = None  # the registration; it stays in force while referenced
-_attention_library: torch.library.Library | None = None  # attention's alone (GEMMs native, attention in FP32)
+_library: torch.library.Library | None = None  # the registrations; they stay in force while referenced
+_registered: set[str] = set()  # the ops of `_OPS` registered in it
 _installed: str | None = None  # the mode install() settled, once it ran
 _forced: str | None = None  # use_mode()
 
@@ -175,7 +175,8 @@ def _emulates_attention(args: tuple, kwargs: dict) -> bool:
         return False
     if mode == "fp32":
         return True
-    q, k = (args[:2] + (kwargs.get("query"), kwargs.get("key")))[:2] if len(args) < 2 else args[:2]
+    q = args[0] if args else kwargs.get("query")
+    k = args[1] if len(args) > 1 else kwargs.get("key")
     if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor):
         return False
     return max(q.shape[-2], k.shape[-2]) * q.shape[-1] <= FP32_ATTENTION_MAX_WORK
@@ -242,29 +243,18 @@ def tag_compile_cache() -> str:
     return tag
 
 
-def _register() -> None:
+def _register(names: tuple[str, ...] = _OPS) -> None:
+    """The autocast kernels of `names` (default: every GEMM-like op) in place of torch's, each registered once."""
     global _library
     if _library is None:
-        lib = torch.library.Library("aten", "IMPL")
-        with warnings.catch_warnings():  # "Overriding a previously registered kernel": that is the point
-            warnings.simplefilter("ignore", UserWarning)
-            for name in _OPS:
-                if name == _ATTENTION and _attention_library is not None:  # registered already, the same kernel
-                    continue
-                lib.impl(name, _autocast_kernel(getattr(torch.ops.aten, name).default, name == _ATTENTION),
-                         "AutocastCPU")
-        _library = lib
-
-
-def _register_attention() -> None:
-    """Attention's kernel alone (the GEMMs keep torch's autocast kernels)."""
-    global _attention_library
-    if _library is None and _attention_library is None:
-        lib = torch.library.Library("aten", "IMPL")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            lib.impl(_ATTENTION, _autocast_kernel(getattr(torch.ops.aten, _ATTENTION).default, True), "AutocastCPU")
-        _attention_library = lib
+        _library = torch.library.Library("aten", "IMPL")
+    with warnings.catch_warnings():  # "Overriding a previously registered kernel": that is the point
+        warnings.simplefilter("ignore", UserWarning)
+        for name in names:
+            if name not in _registered:
+                _library.impl(name, _autocast_kernel(getattr(torch.ops.aten, name).default, name == _ATTENTION),
+                              "AutocastCPU")
+                _registered.add(name)
 
 
 def check_unused() -> None:
@@ -293,7 +283,7 @@ def install() -> str:
                     "rounded to BF16 once (torch's BF16 matmul has no fast kernel on %s; %s=native keeps "
                     "torch's kernels)", slow_bf16_gemm_reason() or f"request ({ENV_VAR}=fp32)", ENV_VAR)
     elif cpu_bf16_attention_mode() != "native":
-        _register_attention()
+        _register((_ATTENTION,))  # attention's alone: the GEMMs keep torch's autocast kernels
         which = "all" if cpu_bf16_attention_mode() == "fp32" else \
             f"up to sequence x head dim {FP32_ATTENTION_MAX_WORK} (where torch's BF16 backward is the slower)"
         logger.info("CPU BF16: torch's BF16 GEMMs (CPU capability %s; %s=fp32 emulates them in FP32); attention "

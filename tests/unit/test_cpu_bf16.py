@@ -170,7 +170,7 @@ def gemms_native(monkeypatch):
     """BF16 GEMMs as torch runs them (no use_mode), with the attention kernel registered (what `install()` does)."""
     monkeypatch.setattr(cpu_bf16, "_MODE", "native")
     monkeypatch.setattr(cpu_bf16, "_forced", None)
-    cpu_bf16._register_attention()
+    cpu_bf16._register((cpu_bf16._ATTENTION,))
 
 
 def _attention(q, k, v):
