@@ -142,6 +142,13 @@ def _cast(y: torch.Tensor, dtype: torch.dtype, values_dtype: torch.dtype | None,
     return (q if keep_q else None), _values(q, values_dtype)
 
 
+def _amax(x: torch.Tensor) -> torch.Tensor:
+    """max |x| in fp32, traced (`quantize.amax_of`'s value: |.| and max round nothing). |x| is taken in fp32: of a bf16
+    x, inductor would otherwise round |x| to bf16 and back in every element of the loop (the block's
+    `emulate_precision_casts`), a conversion that changes nothing."""
+    return x.float().abs().amax()
+
+
 def _quantize_tensor(x: torch.Tensor, previous: torch.Tensor, valid: torch.Tensor, delayed: bool, fp8_max: float,
                      margin: int, pow2: bool, dtype: torch.dtype, values_dtype: torch.dtype | None,
                      known_valid: bool = False, keep_q: bool = True):
@@ -150,7 +157,7 @@ def _quantize_tensor(x: torch.Tensor, previous: torch.Tensor, valid: torch.Tenso
     history's scale and does not wait for x's amax, which then only feeds the history: one pass over x can
     produce both."""
     scale_known = delayed and known_valid
-    amax = None if scale_known else x.abs().amax().float()
+    amax = None if scale_known else _amax(x)
     if scale_known:
         scale = previous.float()
     else:
@@ -160,7 +167,7 @@ def _quantize_tensor(x: torch.Tensor, previous: torch.Tensor, valid: torch.Tenso
     if amax is None:
         # After the cast: inductor's CPU scheduler fuses a reduction into the loop of a pointwise kernel over the same
         # elements that comes before it, not into one after it (there the amax was a pass of its own).
-        amax = x.abs().amax().float()
+        amax = _amax(x)
     return q, values, scale, amax
 
 
@@ -184,7 +191,7 @@ def _known_values(x: torch.Tensor, scale: torch.Tensor, fp8_max: float, dtype: t
 def _known_values_amax(x: torch.Tensor, scale: torch.Tensor, fp8_max: float, dtype: torch.dtype,
                        values_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """`_known_values` and the amax of x (`quantize.amax_of`'s), from one read of x."""
-    return _known_values(x, scale, fp8_max, dtype, values_dtype), x.abs().amax().float()
+    return _known_values(x, scale, fp8_max, dtype, values_dtype), _amax(x)
 
 
 _quantize_tensor_c = _fused(_quantize_tensor)

@@ -276,19 +276,32 @@ def test_emulated_block_saves_fc1s_output_as_its_bf16_gemm_wrote_it():
     assert (32, fc1.out_features) in [tuple(n.meta["val"].shape) for n in saved if n.target is gemm]
 
 
-def test_emulated_block_backward_writes_each_cast_of_dy_once_for_both_gemms():
-    """In the `bf16` mode each linear's dgrad takes dy's cast values and its wgrad the same values transposed: inductor
-    hands wgrad a view of the buffer dgrad reads (the op accepts any strides), instead of writing the same values a
-    second time. Backward's eight GEMM calls (four linears) read four buffers of dy's values."""
-    import re
-
+@pytest.fixture(scope="module")
+def emulated_block_compiled():
+    """One compilation of `fp8_llama_block` in the CPU `bf16` mode, forward and backward, with the compile caches
+    off: (the backward's generated code, (amaxes reading a concatenation before, after) per graph the cast-through-cat
+    pass saw, megatron/fp8/cat_casts.py)."""
+    import torch._inductor.config as inductor_config
     from torch._inductor.utils import run_and_get_code
 
     from megatron.fp8 import cpu_gemm
+    from megatron.fp8.cat_casts import CastThroughCat
     from megatron.model.compile import compile_block
+    from tests.unit.test_fp8_cat_casts import amaxes_reading_a_cat
 
+    seen = []
+    original = CastThroughCat.__call__
+
+    def recording(self, graph):
+        before = amaxes_reading_a_cat(graph)
+        original(self, graph)
+        seen.append((before, amaxes_reading_a_cat(graph)))
+
+    torch._dynamo.reset()
     torch.manual_seed(0)
-    with cpu_gemm.use_mode("bf16"):
+    with pytest.MonkeyPatch.context() as patch, cpu_gemm.use_mode("bf16"), \
+            inductor_config.patch(force_disable_caches=True):
+        patch.setattr(CastThroughCat, "__call__", recording)
         block = fp8_llama_block(Fp8Recipe())
         compile_block(block)
         x = torch.randn(2, 16, 64, requires_grad=True)
@@ -299,7 +312,25 @@ def test_emulated_block_backward_writes_each_cast_of_dy_once_for_both_gemms():
             out.float().sum().backward()
 
         _, codes = run_and_get_code(run)
-    backward = codes[-1]
+    return codes[-1], seen
+
+
+def test_emulated_block_backward_writes_each_cast_of_dy_once_for_both_gemms(emulated_block_compiled):
+    """In the `bf16` mode each linear's dgrad takes dy's cast values and its wgrad the same values transposed: inductor
+    hands wgrad a view of the buffer dgrad reads (the op accepts any strides), instead of writing the same values a
+    second time. Backward's eight GEMM calls (four linears) read four buffers of dy's values."""
+    import re
+
+    backward = emulated_block_compiled[0]
     calls = re.findall(r"scaled_bf16_gemm\.default\((?:reinterpret_tensor\()?(buf\d+)", backward)
     assert len(calls) == 8, backward
     assert len(set(calls)) == 4, calls
+
+
+def test_emulated_block_backward_casts_no_concatenation(emulated_block_compiled):
+    """The compiled block's backward, where fc1's and qkv's dy amaxes read a concatenation (SwiGLU's backward, the
+    split after qkv), leaves the cast-through-cat pass with no amax reading one: SwiGLU's backward, dy's cast and its
+    amax are one loop (megatron/fp8/cat_casts.py)."""
+    seen = emulated_block_compiled[1]
+    assert max(before for before, _ in seen) >= 2, seen
+    assert all(after == 0 for _, after in seen), seen
