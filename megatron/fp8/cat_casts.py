@@ -15,7 +15,9 @@ amax are then one loop over dy. The same numbers: each element goes through the 
 does not depend on the order it is taken in (NaN propagates either way).
 
 Taken only where the concatenation's pointwise readers feed a full `amax` (what an FP8 cast computes), every
-other tensor they read is a 0-d one (scales, flags), and no part is empty.
+other tensor they read is a 0-d one (scales, flags), no part is empty and all have the concatenation's dtype; and only
+on CPU, where it was measured (inductor's C++ code). On a GPU the casts write FP8 tensors, which the rewrite would
+concatenate, and it has not run there.
 """
 from __future__ import annotations
 
@@ -128,7 +130,9 @@ def _rewrite(cat: torch.fx.Node) -> bool:
     """The rewrite of one concatenation (module docstring); whether it applied."""
     parts, dim = cat.args[0], cat.args[1] if len(cat.args) > 1 else 0
     dtype = getattr(_val(cat), "dtype", None)
-    if dtype is None or any(_val(p) is None or _val(p).numel() == 0 or _val(p).dtype != dtype for p in parts):
+    if dtype is None or _val(cat).device.type != "cpu":  # (module docstring: inductor's C++ code only)
+        return False
+    if any(_val(p) is None or _val(p).numel() == 0 or _val(p).dtype != dtype for p in parts):
         return False  # (cat promotes mixed dtypes: the readers would see other numbers)
     head, order = _closure(cat)
     exits = _exits(head, order)
@@ -171,4 +175,4 @@ class CastThroughCat(CustomGraphPass):
                 _rewrite(node)
 
     def uuid(self) -> str:  # part of inductor's cache key
-        return "megatron-fp8-cast-through-cat-2"
+        return "megatron-fp8-cast-through-cat-3"

@@ -81,15 +81,24 @@ def test_cast_and_amax_on_the_parts_give_the_same_bits(known_valid, special):
             (want.isnan().all() and got.isnan().all()), (want, got)
 
 
-def test_a_concatenation_read_with_another_tensor_is_left_alone():
-    """A pointwise reader that also reads a full tensor from elsewhere (a residual) keeps the concatenation; the
-    graph is unchanged."""
-    def fn(a, b, r):
-        c = torch.cat([a, b], -1) + r
-        return c.abs().amax(), c * 2
-
-    args = (torch.randn(4, 3), torch.randn(4, 5), torch.randn(4, 8))
+def _unchanged(fn, *args) -> bool:
     gm = _graph(fn, *args)
     before = [n.target for n in gm.graph.nodes]
     CastThroughCat()(gm.graph)
-    assert [n.target for n in gm.graph.nodes] == before
+    return [n.target for n in gm.graph.nodes] == before
+
+
+def test_a_concatenation_read_with_another_tensor_or_off_the_cpu_is_left_alone():
+    """A pointwise reader that also reads a full tensor from elsewhere (a residual) keeps the concatenation; so does
+    a graph on another device than the CPU (here `meta`); a plain cast-and-amax on CPU is the control."""
+    def with_residual(a, b, r):
+        c = torch.cat([a, b], -1) + r
+        return c.abs().amax(), c * 2
+
+    def cast(a, b):
+        c = torch.cat([a, b], -1)
+        return c.abs().amax(), c * 2
+
+    assert _unchanged(with_residual, torch.randn(4, 3), torch.randn(4, 5), torch.randn(4, 8))
+    assert _unchanged(cast, torch.randn(4, 3, device="meta"), torch.randn(4, 5, device="meta"))
+    assert not _unchanged(cast, torch.randn(4, 3), torch.randn(4, 5))
