@@ -1,8 +1,7 @@
 """FP8 casts of a concatenation, made on its parts: one pass over dy where there were three.
 
 The gradient that fc1's FP8 backward casts is a concatenation: SwiGLU's backward writes its gate and up halves
-(the backward of `chunk`), and qkv's is the query, key and value gradients side by side (the backward of the
-split after qkv). Inductor realizes a `cat` as a buffer its parts are written into, and every pointwise op or
+(the backward of `chunk`). Inductor realizes a `cat` as a buffer its parts are written into, and every pointwise op or
 reduction reading it is a loop of its own: in a compiled block's backward, SwiGLU's backward wrote dy, the amax
 read it, the cast read it again and wrote the FP8 values (in the demo model's profile, fc1's dy kernel took
 twice the BF16 step's SwiGLU backward).
@@ -15,9 +14,12 @@ amax are then one loop over dy. The same numbers: each element goes through the 
 does not depend on the order it is taken in (NaN propagates either way).
 
 Taken only where the concatenation's pointwise readers feed a full `amax` (what an FP8 cast computes), every
-other tensor they read is a 0-d one (scales, flags), no part is empty and all have the concatenation's dtype; and only
-on CPU, where it was measured (inductor's C++ code). On a GPU the casts write FP8 tensors, which the rewrite would
-concatenate, and it has not run there.
+other tensor they read is a 0-d one (scales, flags), no part is empty and all have the concatenation's dtype, and
+each part is itself made by a pointwise op, which inductor then computes in the loop of the cast. qkv's dy is left as
+it is: its parts are views of the RoPE backward's results, which, read by the cast and by the amax, inductor wrote
+to FP32 buffers first (its kernel ~1 ms per demo step slower than with the concatenation). Only on CPU, where it was
+measured (inductor's C++ code): on a GPU the casts write FP8 tensors, which the rewrite would concatenate, and it
+has not run there.
 """
 from __future__ import annotations
 
@@ -134,6 +136,8 @@ def _rewrite(cat: torch.fx.Node) -> bool:
         return False
     if any(_val(p) is None or _val(p).numel() == 0 or _val(p).dtype != dtype for p in parts):
         return False  # (cat promotes mixed dtypes: the readers would see other numbers)
+    if not all(_pointwise(p) for p in parts):  # (module docstring: views of a larger computation)
+        return False
     head, order = _closure(cat)
     exits = _exits(head, order)
     if any(source is head for _, source in exits):  # something else reads the concatenation itself: keep it as is
@@ -175,4 +179,4 @@ class CastThroughCat(CustomGraphPass):
                 _rewrite(node)
 
     def uuid(self) -> str:  # part of inductor's cache key
-        return "megatron-fp8-cast-through-cat-3"
+        return "megatron-fp8-cast-through-cat-4"

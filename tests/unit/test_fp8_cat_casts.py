@@ -88,17 +88,23 @@ def _unchanged(fn, *args) -> bool:
     return [n.target for n in gm.graph.nodes] == before
 
 
-def test_a_concatenation_read_with_another_tensor_or_off_the_cpu_is_left_alone():
-    """A pointwise reader that also reads a full tensor from elsewhere (a residual) keeps the concatenation; so does
-    a graph on another device than the CPU (here `meta`); a plain cast-and-amax on CPU is the control."""
+def test_a_concatenation_read_with_another_tensor_of_views_or_off_the_cpu_is_left_alone():
+    """A pointwise reader that also reads a full tensor from elsewhere (a residual) keeps the concatenation; so do
+    parts that no pointwise op makes (views, inputs), and a graph on another device than the CPU (here `meta`); the
+    same cast and amax of pointwise parts on CPU is the control."""
     def with_residual(a, b, r):
-        c = torch.cat([a, b], -1) + r
+        c = torch.cat([a * 2, b * 2], -1) + r
         return c.abs().amax(), c * 2
 
     def cast(a, b):
-        c = torch.cat([a, b], -1)
+        c = torch.cat([a * 2, b * 2], -1)
+        return c.abs().amax(), c * 2
+
+    def cast_of_views(a, b):
+        c = torch.cat([a.t(), b.t()], -1)
         return c.abs().amax(), c * 2
 
     assert _unchanged(with_residual, torch.randn(4, 3), torch.randn(4, 5), torch.randn(4, 8))
+    assert _unchanged(cast_of_views, torch.randn(3, 4), torch.randn(5, 4))
     assert _unchanged(cast, torch.randn(4, 3, device="meta"), torch.randn(4, 5, device="meta"))
     assert not _unchanged(cast, torch.randn(4, 3), torch.randn(4, 5))
