@@ -269,3 +269,19 @@ def test_folded_plain_model_matches_smooth_model():
     # Without scales the export is the identity: smooth weights are plain SwiGLU weights.
     same = fold_smooth_swiglu_scales(smooth.state_dict(), smooth_cfg)
     assert all(torch.equal(same[k], v) for k, v in smooth.state_dict().items())
+
+
+@pytest.mark.parametrize("rows", [64, 24])  # row blocks, and a count that 16 does not divide
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_compiled_channel_maxima_equal_the_eager_ones(rows, dtype):
+    """`channel_maxima` compiled (|h| in fp32, over row blocks first) gives the eager maxima bit for bit, NaN and inf
+    included: |.| and max round nothing."""
+    g = torch.Generator().manual_seed(0)
+    h = (torch.randn(2, rows // 2, 40, generator=g) * 2.0 ** torch.randint(-30, 30, (2, rows // 2, 40), generator=g))
+    h = h.to(dtype)
+    h[0, 1, 3], h[1, 2, 5], h[0, 0, 7] = float("nan"), float("-inf"), -0.0
+    compiled = torch.compile(channel_maxima, dynamic=False, fullgraph=True)(h)
+    eager = channel_maxima(h)
+    assert compiled.dtype == eager.dtype == torch.float32
+    assert torch.equal(compiled.nan_to_num(nan=-1.0), eager.nan_to_num(nan=-1.0))
+    assert compiled[3].isnan() and compiled[5] == float("inf")
