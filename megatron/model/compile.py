@@ -200,8 +200,8 @@ def compile_lm_head(model: nn.Module) -> bool:
 def block_inductor_options() -> dict[str, Any]:
     """Inductor's settings for a transformer block (also the performance model's, megatron/perf/extract.py):
     - backward keeps the FP8 casts of the forward instead of recomputing them (megatron/fp8/partition.py);
-    - the FP8 cast of a concatenation (dy of fc1 and qkv) is made on its parts, in the loop that writes them
-      (megatron/fp8/cat_casts.py);
+    - on CPU, the FP8 cast of a concatenation of pointwise parts (fc1's dy) is made on its parts, in the loop that
+      writes them (megatron/fp8/cat_casts.py);
     - `emulate_precision_casts`: a value the block rounds to BF16 (the RMSNorm output under `--bf16`, the
       input of qkv and fc1) is rounded inside fused kernels too, as eager rounds it, so the FP8 cast that
       follows quantizes the same BF16 value in both (by default inductor elides the round trip and quantizes
