@@ -176,3 +176,24 @@ def onednn_fp8_capped_away() -> bool:
             return "amx_int8" in f.read().split()
     except OSError:
         return False
+
+
+def _reaches_cat(node: torch.fx.Node) -> bool:
+    """Whether `node` reads a concatenation through views and pointwise ops."""
+    seen, stack = set(), [node]
+    while stack:
+        for parent in stack.pop().all_input_nodes:
+            if parent.target is torch.ops.aten.cat.default:
+                return True
+            pointwise = isinstance(parent.target, torch._ops.OpOverload) and torch.Tag.pointwise in parent.target.tags
+            views = parent.target in (torch.ops.aten.view.default, torch.ops.aten.alias.default,
+                                     torch.ops.aten.reshape.default)
+            if parent not in seen and (pointwise or views):
+                seen.add(parent)
+                stack.append(parent)
+    return False
+
+
+def amaxes_reading_a_cat(graph: torch.fx.Graph) -> int:
+    """How many amaxes of `graph` read a concatenation (megatron/fp8/cat_casts.py)."""
+    return len([n for n in graph.nodes if n.target is torch.ops.aten.amax.default and _reaches_cat(n)])

@@ -9,9 +9,10 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from megatron.fp8.cat_casts import CastThroughCat
 from megatron.fp8.fused import _quantize_tensor
+from tests.support.fp8_traced import amaxes_reading_a_cat
 
 E5M2, E5M2_MAX = torch.float8_e5m2, 57344.0
-CAT, AMAX = torch.ops.aten.cat.default, torch.ops.aten.amax.default
+AMAX = torch.ops.aten.amax.default
 
 
 def _swiglu_grad_cast(y, dh, scale, valid, *, known_valid=True):
@@ -29,27 +30,6 @@ def _swiglu_grad_cast(y, dh, scale, valid, *, known_valid=True):
 def _graph(fn, *args):
     """`fn` as inductor's post-grad graphs spell it (decomposed aten ops with fake values)."""
     return make_fx(fn, decomposition_table=select_decomp_table(), tracing_mode="fake")(*args)
-
-
-def _reaches_cat(node: torch.fx.Node) -> bool:
-    """Whether `node` reads a concatenation through views and pointwise ops."""
-    seen, stack = set(), [node]
-    while stack:
-        for parent in stack.pop().all_input_nodes:
-            if parent.target is CAT:
-                return True
-            pointwise = isinstance(parent.target, torch._ops.OpOverload) and torch.Tag.pointwise in parent.target.tags
-            views = parent.target in (torch.ops.aten.view.default, torch.ops.aten.alias.default,
-                                     torch.ops.aten.reshape.default)
-            if parent not in seen and (pointwise or views):
-                seen.add(parent)
-                stack.append(parent)
-    return False
-
-
-def amaxes_reading_a_cat(graph: torch.fx.Graph) -> int:
-    """How many amaxes of `graph` read a concatenation (test_fp8_traced_graph.py counts them in a compiled block)."""
-    return len([n for n in graph.nodes if n.target is AMAX and _reaches_cat(n)])
 
 
 def _inputs(special: bool):

@@ -15,7 +15,7 @@ from megatron.fp8 import Fp8Recipe, fp8_optimizer_step, fp8_state_dict, load_fp8
 from megatron.fp8.linear import Fp8Linear
 from megatron.model.compile import register_fp8_weight_refresh
 from megatron.fp8.partition import is_fp8_cast
-from tests.support.fp8_traced import fp8_llama_block, post_grad_graphs
+from tests.support.fp8_traced import amaxes_reading_a_cat, fp8_llama_block, post_grad_graphs
 
 T, K, N = 48, 32, 16  # multiples of 16: _scaled_mm's operands need no padding
 SCALED_MM = torch.ops.aten._scaled_mm.default
@@ -287,7 +287,6 @@ def emulated_block_compiled():
     from megatron.fp8 import cpu_gemm
     from megatron.fp8.cat_casts import CastThroughCat
     from megatron.model.compile import compile_block
-    from tests.unit.test_fp8_cat_casts import amaxes_reading_a_cat
 
     seen = []
     original = CastThroughCat.__call__
