@@ -58,10 +58,13 @@ def _tracing() -> Iterator[None]:
 
 
 def _layout(t: torch.Tensor) -> str | None:
-    """'scalar', 'rows' (row-major) or 'cols' (column-major: a transposed row-major matrix) for the tensors a graph
-    here takes; None for any other."""
+    """'scalar', 'one' (one element in one dimension), 'flat' (contiguous, one dimension of at least 2), 'rows'
+    (row-major) or 'cols' (column-major: a transposed row-major matrix) for the tensors a graph here takes; None for
+    any other."""
     if t.dim() == 0:
         return "scalar"
+    if t.dim() == 1:
+        return "one" if t.shape[0] == 1 else "flat" if t.shape[0] >= 2 and t.stride() == (1,) else None
     if t.dim() != 2 or t.shape[0] < 2 or t.shape[1] < 2:
         return None
     if t.stride() == (t.shape[1], 1):
@@ -101,13 +104,17 @@ def _bound(fn: Callable[..., Any], consts: tuple) -> Callable[..., Any]:
 
 def _compile(fn: Callable[..., Any], tensors: tuple, consts: tuple) -> Callable[..., Any]:
     from torch._inductor import config as inductor_config
+    from torch.fx.experimental import _config as fx_config
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    with _tracing(), torch.no_grad():
-        graph = make_fx(_bound(fn, consts), tracing_mode="symbolic")(*tensors)
-    # Each loop an OpenMP region whose threads are decided when it runs (fused.CompiledOrEager says why).
-    with inductor_config.patch({"cpp.dynamic_threads": True}):
-        return torch._inductor.standalone_compile(graph, list(tensors), dynamic_shapes="from_graph")
+    # Without duck shaping (tracing and compiling): sizes equal in this call get symbols of their own unless an
+    # operation relates them (a square weight's graph would otherwise take every weight as square).
+    with fx_config.patch(use_duck_shape=False):
+        with _tracing(), torch.no_grad():
+            graph = make_fx(_bound(fn, consts), tracing_mode="symbolic")(*tensors)
+        # Each loop an OpenMP region whose threads are decided when it runs (fused.CompiledOrEager says why).
+        with inductor_config.patch({"cpp.dynamic_threads": True}):
+            return torch._inductor.standalone_compile(graph, list(tensors), dynamic_shapes="from_graph")
 
 
 class DirectGraphs:
@@ -115,6 +122,7 @@ class DirectGraphs:
 
     def __init__(self) -> None:
         self._graphs: dict[tuple, tuple[Callable[..., Any], bool]] = {}
+        self._refused: set[tuple] = set()  # keys `call_or_build` could not compile: not tried again
 
     def build(self, fn: Callable[..., Any], *args: Any) -> bool:
         """Compile `fn` for calls like `fn(*args)` (tensors first, then constants) of every size; whether it did.
@@ -130,7 +138,8 @@ class DirectGraphs:
         tensors = tuple(t.detach() for t in tensors)
         try:
             graph = _compile(fn, tensors, consts)
-            single = isinstance(fn(*tensors, *consts), torch.Tensor)
+            # on copies: `fn` may update an input in place (Fp8AdamW's parameter)
+            single = isinstance(fn(*(t.clone() for t in tensors), *consts), torch.Tensor)
         except Exception as exc:  # noqa: BLE001 - torch.compile's path computes the same
             logger.info("direct call of %s not compiled (%s: %s); it runs through torch.compile", fn.__name__,
                         type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
@@ -149,6 +158,7 @@ class DirectGraphs:
             out = graph(*(a.detach() for a in args[:len(key[2])]))
         except Exception as exc:  # noqa: BLE001 - it wrote nothing the caller sees; torch.compile's path computes it
             del self._graphs[key]
+            self._refused.add(key)
             logger.warning("direct call of %s failed (%s: %s); it runs through torch.compile from now on",
                            fn.__name__, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
             return None
@@ -156,8 +166,20 @@ class DirectGraphs:
             return out
         return out[0] if single else tuple(out)
 
+    def call_or_build(self, fn: Callable[..., Any], args: tuple) -> Any:
+        """`call`, compiling the direct graph for this kind of call first where there is none yet (once: a kind that
+        does not compile is not tried again). For functions whose first calls come in the start-up's warm-up."""
+        key = _key(fn, args)
+        if key is None or key in self._refused:
+            return None
+        if key not in self._graphs and not self.build(fn, *args):
+            self._refused.add(key)
+            return None
+        return self.call(fn, args)
+
     def __contains__(self, fn: Callable[..., Any]) -> bool:
         return any(key[0] is fn for key in self._graphs)
 
     def clear(self) -> None:
         self._graphs.clear()
+        self._refused.clear()

@@ -223,8 +223,15 @@ def quantize_tensor(x: torch.Tensor, previous: torch.Tensor, valid: torch.Tensor
     """
     if x.numel() == 0:
         return _eager_empty(x, previous, valid, delayed, fp8_max, margin, pow2, dtype, values_dtype)
-    return _quantize_tensor_c(x, previous, valid, delayed, fp8_max, margin, pow2, dtype, values_dtype, known_valid,
-                              keep_q or values_dtype is None)
+    args = (x, previous, valid, delayed, fp8_max, margin, pow2, dtype, values_dtype, known_valid,
+            keep_q or values_dtype is None)
+    if not (_quantize_tensor_c.failed or torch.compiler.is_compiling()):
+        # One graph for every shape of a CPU matrix (a weight: the per-step refresh of each FP8 layer), called
+        # without dynamo's guards; the amax is a maximum, so its order changes nothing (bitwise the per-shape graph).
+        result = _DIRECT.call_or_build(_quantize_tensor, args)
+        if result is not None:
+            return result
+    return _quantize_tensor_c(*args)
 
 
 def _eager_empty(x, previous, valid, delayed, fp8_max, margin, pow2, dtype, values_dtype):

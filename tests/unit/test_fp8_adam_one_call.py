@@ -120,3 +120,35 @@ def test_one_call_keeps_its_outputs_as_the_new_moments(monkeypatch, m_dtype, v_d
         kept = results[True][key]
         assert (kept.shape, kept.dtype, kept.is_contiguous()) == (chunked.shape, chunked.dtype, True), key
         assert torch.equal(_bits(kept), _bits(chunked)), key
+
+
+@pytest.mark.isa_sensitive  # two compiled kernels compared bit for bit
+def test_on_cpu_one_call_takes_the_direct_graph_with_torch_compiles_bits():
+    """Compiled, on the CPU, a tensor updated in one call runs a direct graph (megatron/fp8/direct.py), one for
+    every size, built by the warm-up: no dynamo guards or AOTAutograd wrappers per parameter and step. Its bits are
+    those of torch.compile's graph (`direct_calls` False) over three steps, for matrices of several shapes (a
+    square one first), and the steps compile nothing, neither a direct graph nor a dynamo frame."""
+    from torch._dynamo.utils import counters
+
+    shapes = [(40, 40), (64, 48), (7, 9), (33, 2)]
+    runs = []
+    for direct_calls in (True, False):
+        torch.manual_seed(0)
+        params = [nn.Parameter(torch.randn(*s)) for s in shapes]
+        opt = Fp8AdamW(params, lr=1e-2, compile=True)
+        opt.direct_calls = direct_calls
+        if warm_up_fp8_adam(opt) is None:
+            pytest.skip("torch.compile is unavailable here (Fp8AdamW fell back to eager)")
+        built, frames = len(fp8_adam._DIRECT._graphs), int(counters["frames"]["total"])
+        g = torch.Generator().manual_seed(1)
+        bits = []
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g)
+            opt.step()
+            bits += [_bits(p) for p in params] + [_bits(opt.state[p][k]) for p in params for k in _KEYS]
+        assert len(fp8_adam._DIRECT._graphs) == built and int(counters["frames"]["total"]) == frames
+        runs.append(bits)
+    if fp8_adam._tensor_step_direct not in fp8_adam._DIRECT:
+        pytest.skip("this torch has no torch._inductor.standalone_compile: every call takes torch.compile's graph")
+    assert all(torch.equal(a, b) for a, b in zip(*runs))

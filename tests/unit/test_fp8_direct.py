@@ -141,3 +141,52 @@ def test_a_direct_graph_that_fails_when_called_is_dropped_with_a_warning(caplog)
         assert graphs.call(fused._upcast, (q, BF16)) is None
     assert caplog.text.count("direct call of _upcast failed (RuntimeError: bad stride)") == 1
     assert fused._upcast not in graphs
+
+
+def _bytes_equal(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """`_same` (bitwise, NaN as NaN) for FP8 tensors too, compared as their exact FP32 values; None equals None."""
+    if a is None or b is None:
+        return a is None and b is None
+    if a.dtype != b.dtype:
+        return False
+    return _same(a.float(), b.float()) if a.dtype in (E4M3, E5M2) else _same(a, b)
+
+
+@pytest.mark.parametrize("valid", [True, False], ids=["history-scale", "first-step-scale"])
+def test_the_weight_cast_graph_built_on_a_square_matrix_takes_every_shape(warmed, valid):
+    """`fused.quantize_tensor` on a CPU matrix (each FP8 layer's per-step weight cast) takes one direct graph built
+    on its first call. Sizes that are equal in that call keep symbols of their own (no duck shaping), so a graph
+    built on a square weight gives the eager cast's bits for every other shape, and the per-shape graph's."""
+    graphs = direct.DirectGraphs()
+    for shape in [(64, 64), (96, 64), (64, 96), (5, 5), (3, 17)]:
+        w = _activations(shape, E4M3)
+        args = (w, torch.tensor(4.0), torch.tensor(valid), True, 448.0, 0, False, E4M3, BF16, False, True)
+        got = graphs.call_or_build(fused._quantize_tensor, args)
+        assert got is not None, shape
+        for a, b in zip(got, fused._quantize_tensor(*args)):
+            assert _bytes_equal(a, b), shape
+    assert len(graphs._graphs) == 1
+    x = _activations((40, 24), E4M3)
+    got = fused.quantize_tensor(x, torch.tensor(4.0), torch.tensor(valid), True, 448.0, 0, False, E4M3, BF16)
+    want = fused._quantize_tensor_c(x, torch.tensor(4.0), torch.tensor(valid), True, 448.0, 0, False, E4M3, BF16,
+                                    False, True)  # torch.compile's graph for this shape
+    assert all(_bytes_equal(a, b) for a, b in zip(got, want))
+
+
+def test_a_kind_of_call_that_does_not_compile_is_tried_once(monkeypatch):
+    """`call_or_build` compiles a kind of call (function, constants, dtypes, layouts) at its first call; one that
+    fails to compile is not tried again, its calls return None (the caller's torch.compile path)."""
+    tries = []
+
+    def fail(*args):
+        tries.append(args)
+        raise RuntimeError("no lowering for this op")
+
+    monkeypatch.setattr(direct, "_compile", fail)
+    graphs = direct.DirectGraphs()
+    q = torch.zeros(4, 4).to(E4M3)
+    assert graphs.call_or_build(fused._upcast, (q, BF16)) is None
+    assert graphs.call_or_build(fused._upcast, (q, BF16)) is None
+    assert len(tries) == 1
+    assert graphs.call_or_build(fused._upcast, (q[:1], BF16)) is None  # one row: no graph is made for it
+    assert len(tries) == 1
