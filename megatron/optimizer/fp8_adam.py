@@ -49,7 +49,9 @@ Numerics of v (why E5M2, and what happens at the bottom of its range):
 
 Compilation: `compile=True` (the training default, `--no-fp8-optimizer-compile` turns it off) runs the
 per-chunk update through torch.compile: one fused pass per chunk (C++ on CPU, Triton on GPU) instead of
-~20 eager ops. A compile failure falls back to eager with a warning.
+~20 eager ops. A compile failure falls back to eager with a warning. On CPU a tensor updated in one call (per-tensor
+scales, one chunk) runs a direct graph instead (megatron/fp8/direct.py: one graph for every size, no per-call
+guards), built by the start-up's warm-up; `direct_calls = False` keeps torch.compile's.
 
 State dict: plain tensors/ints/floats/strings (FP8 tensors included), loadable with
 `torch.load(weights_only=True)`. Loading converts: a torch.optim.AdamW state (FP32 moments), or one of
@@ -172,8 +174,8 @@ def _tensor_step_direct(param: torch.Tensor, grad: torch.Tensor, m_data: torch.T
 
 
 # One compiled graph of `_tensor_step_direct` for every size of a CPU parameter, called without dynamo's guards and
-# AOTAutograd's per-call work (~80 us per parameter and step on a 2-core Xeon, more than the update of a small
-# tensor). The same kernels as the compiled update's (every reduction in it is a maximum: its order changes nothing).
+# AOTAutograd's per-call work (docs/performance.md, "Direct calls"). The same kernels as the compiled update's (every
+# reduction in it is a maximum: its order changes nothing).
 _DIRECT = DirectGraphs()
 
 
