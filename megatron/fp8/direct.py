@@ -1,4 +1,5 @@
-"""Compiled graphs for every shape, called without torch.compile's per-call machinery: fused.py's start-up graphs.
+"""Compiled graphs for every shape, called without torch.compile's per-call machinery: fused.py's start-up graphs, the
+per-step weight casts and Fp8AdamW's one-call update on CPU.
 
 A torch.compile'd function runs dynamo's frame evaluation and guards and AOTAutograd's runtime wrappers on every
 call. For the activations of a small model that costs more than the kernel (docs/performance.md), and the eager FP8
@@ -6,9 +7,10 @@ layer makes two such calls per linear and micro-batch (the casts of x and dy). H
 once with symbolic sizes (`make_fx`) and compiled by inductor (`torch._inductor.standalone_compile`, torch 2.8 and
 later): the same compiler, decompositions and C++ as torch.compile (results bitwise the same), called directly.
 
-Nothing guards a direct call, so `DirectGraphs.call` checks what dynamo's guards would: CPU tensors first, then the
-Python constants, each tensor's dtype and layout (0-d, or 2-D row- or column-major with both sizes at least 2; the
-symbolic trace assumes sizes other than 0 and 1). It returns None for any other call, which the caller then runs
+Nothing guards a direct call, so `DirectGraphs.call` checks what dynamo's guards would: plain CPU tensors (no
+subclass) first, then the Python constants, each tensor's dtype and layout (0-d; 1-D contiguous, or of one element;
+2-D row- or column-major with both sizes at least 2: the symbolic trace assumes sizes other than 0 and 1 and keeps
+sizes that are equal in the traced call apart). It returns None for any other call, which the caller then runs
 through torch.compile as before. A torch without `standalone_compile`, or a graph it cannot compile, keeps that path;
 `MEGATRON_FP8_DIRECT_CALLS=off` makes every call take it.
 """
@@ -83,12 +85,16 @@ def _split(args: tuple) -> tuple[tuple, tuple] | None:
     return tensors, consts
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def _key(fn: Callable[..., Any], args: tuple) -> tuple | None:
     split = _split(args)
     if split is None:
         return None
     tensors, consts = split
-    if not tensors or any(t.device.type != "cpu" for t in tensors):
+    # Plain CPU tensors (parameters too); a subclass (DTensor, FP8 wrapper tensors) dispatches on its own
+    if not tensors or any(t.device.type != "cpu" or type(t) not in _PLAIN for t in tensors):
         return None
     layouts = tuple(_layout(t) for t in tensors)
     if None in layouts:

@@ -190,3 +190,19 @@ def test_a_kind_of_call_that_does_not_compile_is_tried_once(monkeypatch):
     assert len(tries) == 1
     assert graphs.call_or_build(fused._upcast, (q[:1], BF16)) is None  # one row: no graph is made for it
     assert len(tries) == 1
+
+
+def test_a_tensor_subclass_takes_torch_compiles_path(warmed):
+    """A tensor subclass (DTensor, a wrapper tensor) dispatches on its own: no direct graph takes it; a parameter
+    (detached for the call) does."""
+    x = _activations((16, 32), E4M3)
+
+    class Wrapped(torch.Tensor):
+        pass
+
+    scale = torch.tensor(2.0)
+    assert fused._DIRECT.call(fused._known_values_amax_any_shape.fn, (x.as_subclass(Wrapped), scale, 448.0, E4M3,
+                                                                      BF16)) is None
+    parameter = torch.nn.Parameter(x.clone())
+    assert type(parameter) is torch.nn.Parameter
+    assert fused._DIRECT.call(fused._known_values_amax_any_shape.fn, (parameter, scale, 448.0, E4M3, BF16)) is not None
