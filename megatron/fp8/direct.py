@@ -108,7 +108,8 @@ def _bound(fn: Callable[..., Any], consts: tuple) -> Callable[..., Any]:
     return with_constants
 
 
-def _compile(fn: Callable[..., Any], tensors: tuple, consts: tuple) -> Callable[..., Any]:
+def _compile(fn: Callable[..., Any], tensors: tuple, consts: tuple) -> tuple[Callable[..., Any], bool]:
+    """(the compiled graph, whether `fn` returns one tensor rather than a tuple: read from the trace)."""
     from torch._inductor import config as inductor_config
     from torch.fx.experimental import _config as fx_config
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -118,9 +119,10 @@ def _compile(fn: Callable[..., Any], tensors: tuple, consts: tuple) -> Callable[
     with fx_config.patch(use_duck_shape=False):
         with _tracing(), torch.no_grad():
             graph = make_fx(_bound(fn, consts), tracing_mode="symbolic")(*tensors)
+        single = isinstance(graph.graph.output_node().args[0], torch.fx.Node)
         # Each loop an OpenMP region whose threads are decided when it runs (fused.CompiledOrEager says why).
         with inductor_config.patch({"cpp.dynamic_threads": True}):
-            return torch._inductor.standalone_compile(graph, list(tensors), dynamic_shapes="from_graph")
+            return torch._inductor.standalone_compile(graph, list(tensors), dynamic_shapes="from_graph"), single
 
 
 class DirectGraphs:
@@ -143,9 +145,7 @@ class DirectGraphs:
         tensors, consts = _split(args)
         tensors = tuple(t.detach() for t in tensors)
         try:
-            graph = _compile(fn, tensors, consts)
-            # on copies: `fn` may update an input in place (Fp8AdamW's parameter)
-            single = isinstance(fn(*(t.clone() for t in tensors), *consts), torch.Tensor)
+            graph, single = _compile(fn, tensors, consts)
         except Exception as exc:  # noqa: BLE001 - torch.compile's path computes the same
             logger.info("direct call of %s not compiled (%s: %s); it runs through torch.compile", fn.__name__,
                         type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
